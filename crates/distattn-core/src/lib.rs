@@ -1,0 +1,16 @@
+//! Hardware-free core of distattn.
+//!
+//! Everything here is plain data and pure functions: tensor shapes and storage dtypes
+//! ([`AttnShape`], [`Element`]), attention masks as lists of slices ([`Mask`]) with per-tile
+//! classification ([`TileClass`]), and the typed [`Error`] every crate of the workspace returns.
+//! Backends (CPU, CUDA) and planners build on these types.
+
+pub mod dtype;
+pub mod error;
+pub mod mask;
+pub mod shape;
+
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use mask::{Mask, MaskSlice, MaskSpec, SliceKind, TileClass, TileInfo};
+pub use shape::{AttnOptions, AttnShape};

@@ -1,0 +1,254 @@
+//! Mask tests: every constructor against an independent dense definition, and every query
+//! (area, class, fill, restriction, key tiles) against counting on that dense matrix.
+
+use super::*;
+use proptest::prelude::*;
+
+/// Dense keep-matrix of a mask, from its row intervals (test-only).
+fn dense(m: &Mask) -> Vec<bool> {
+    let mut d = vec![false; m.q_len() * m.k_len()];
+    for i in 0..m.q_len() {
+        for (lo, hi) in m.row_intervals(i) {
+            for j in lo..hi {
+                assert!(!d[i * m.k_len() + j], "pair ({i},{j}) kept twice");
+                d[i * m.k_len() + j] = true;
+            }
+        }
+    }
+    d
+}
+
+fn from_fn(q: usize, k: usize, f: impl Fn(usize, usize) -> bool) -> Vec<bool> {
+    (0..q * k).map(|x| f(x / k, x % k)).collect()
+}
+
+/// Checks area, class, fill and restriction of many rectangles against the dense matrix.
+fn check_queries(m: &Mask, d: &[bool], seed: u64) {
+    let (q, k) = (m.q_len(), m.k_len());
+    let count = |qa: usize, qb: usize, ka: usize, kb: usize| -> u64 {
+        (qa..qb).map(|i| (ka..kb).filter(|&j| d[i * k + j]).count() as u64).sum()
+    };
+    assert_eq!(m.area(), count(0, q, 0, k));
+    let mut s = seed | 1;
+    let mut next = |n: usize| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s % n as u64) as usize
+    };
+    for _ in 0..40 {
+        let (a, b) = (next(q), next(q) + 1);
+        let (qa, qb) = (a.min(b), a.max(b).min(q).max(a.min(b) + 1));
+        let (c, e) = (next(k), next(k) + 1);
+        let (ka, kb) = (c.min(e), c.max(e).min(k).max(c.min(e) + 1));
+        let t = m.tile(qa..qb, ka..kb);
+        let want = count(qa, qb, ka, kb);
+        assert_eq!(t.area, want, "area of {qa}..{qb} x {ka}..{kb}");
+        let cls = if want == 0 {
+            TileClass::Empty
+        } else if want == ((qb - qa) * (kb - ka)) as u64 {
+            TileClass::Full
+        } else {
+            TileClass::Partial
+        };
+        assert_eq!(t.class, cls);
+        let mut buf = vec![true; (qb - qa) * (kb - ka)];
+        m.fill_tile(qa..qb, ka..kb, &mut buf);
+        for i in qa..qb {
+            for j in ka..kb {
+                assert_eq!(buf[(i - qa) * (kb - ka) + j - ka], d[i * k + j], "fill ({i},{j})");
+            }
+        }
+        let r = m.restrict(qa..qb, ka..kb).unwrap();
+        let rd = dense(&r);
+        for i in qa..qb {
+            for j in ka..kb {
+                assert_eq!(rd[(i - qa) * (kb - ka) + j - ka], d[i * k + j], "restrict ({i},{j})");
+            }
+        }
+    }
+    for tile in [1, 7, 16, 64] {
+        let qa = next(q);
+        let qb = (qa + tile).min(q);
+        let tiles = m.key_tiles(qa..qb, tile);
+        let covered: u64 = tiles.iter().map(|(_, t)| t.area).sum();
+        assert_eq!(covered, count(qa, qb, 0, k), "key tiles cover the rows' area");
+        assert!(tiles.iter().all(|(_, t)| t.class != TileClass::Empty));
+    }
+}
+
+fn check(m: &Mask, want: Vec<bool>) {
+    assert_eq!(dense(m), want);
+    check_queries(m, &want, (m.q_len() * 31 + m.k_len()) as u64);
+}
+
+#[test]
+fn full_and_causal() {
+    for (q, k) in [(1, 1), (5, 5), (17, 9), (9, 17), (130, 130)] {
+        check(&Mask::full(q, k).unwrap(), from_fn(q, k, |_, _| true));
+        let off = k as i64 - q as i64;
+        check(&Mask::causal(q, k).unwrap(), from_fn(q, k, |i, j| j as i64 <= i as i64 + off));
+    }
+}
+
+#[test]
+fn sliding_window() {
+    for (q, k, l, r) in [(40, 40, Some(5), Some(0)), (40, 40, Some(3), Some(7)), (20, 33, Some(4), Some(2)), (33, 20, None, Some(1)), (9, 9, Some(100), None)] {
+        let off = k as i64 - q as i64;
+        let want = from_fn(q, k, |i, j| {
+            let p = i as i64 + off;
+            let j = j as i64;
+            l.is_none_or(|l| j >= p - l as i64) && r.is_none_or(|r| j <= p + r as i64)
+        });
+        check(&Mask::sliding_window(q, k, l, r).unwrap(), want);
+    }
+}
+
+#[test]
+fn window_global() {
+    let (n, l, r, g) = (50, 4, 2, 3);
+    let want = from_fn(n, n, |i, j| i < g || j < g || (j + l >= i && j <= i + r));
+    check(&Mask::window_global(n, Some(l), Some(r), g).unwrap(), want);
+}
+
+#[test]
+fn documents_and_prefix() {
+    let lens = [5, 1, 12, 0, 30];
+    let doc = |i: usize| {
+        let mut a = 0;
+        for (d, &l) in lens.iter().enumerate() {
+            if i < a + l {
+                return (d, a);
+            }
+            a += l;
+        }
+        unreachable!()
+    };
+    let n: usize = lens.iter().sum();
+    check(&Mask::documents(&lens, DocKind::Full).unwrap(), from_fn(n, n, |i, j| doc(i).0 == doc(j).0));
+    check(&Mask::documents(&lens, DocKind::Causal).unwrap(), from_fn(n, n, |i, j| doc(i).0 == doc(j).0 && j <= i));
+    let cu = [0, 5, 6, 18, 18, 48];
+    assert_eq!(Mask::from_cu_seqlens(&cu, DocKind::Causal).unwrap(), Mask::documents(&lens, DocKind::Causal).unwrap());
+    check(&Mask::prefix_lm(20, 6).unwrap(), from_fn(20, 20, |i, j| j <= i || (i < 6 && j < 6)));
+    let docs = [(10, 3), (15, 0), (7, 7)];
+    let m = Mask::prefix_lm_documents(&docs).unwrap();
+    let starts = [0, 10, 25];
+    let which = |i: usize| starts.iter().rposition(|&s| s <= i).unwrap();
+    check(&m, from_fn(32, 32, |i, j| {
+        let d = which(i);
+        let p = starts[d] + docs[d].1;
+        which(j) == d && (j <= i || (i < p && j < p))
+    }));
+}
+
+#[test]
+fn shared_question_block_causal_blocks() {
+    let (q, answers) = (6, [4, 9, 3]);
+    let mut starts = vec![q];
+    for a in answers {
+        starts.push(starts.last().unwrap() + a);
+    }
+    let n = *starts.last().unwrap();
+    let answer = |i: usize| starts.windows(2).position(|w| i >= w[0] && i < w[1]);
+    let want = from_fn(n, n, |i, j| match (answer(i), answer(j)) {
+        (None, None) => j <= i,
+        (Some(_), None) => true,
+        (Some(a), Some(b)) => a == b && j <= i,
+        (None, Some(_)) => false,
+    });
+    check(&Mask::shared_question(q, &answers).unwrap(), want);
+    check(&Mask::block_causal(30, 8).unwrap(), from_fn(30, 30, |i, j| j < (i / 8 + 1) * 8));
+    let m = Mask::block_causal_documents(&[10, 13], 4).unwrap();
+    check(&m, from_fn(23, 23, |i, j| {
+        let (a, b) = if i < 10 { (0, 10) } else { (10, 23) };
+        j >= a && j < b && j < a + ((i - a) / 4 + 1) * 4
+    }));
+    let keep = [true, false, true, true, true, false, false, true, true];
+    check(&Mask::block_mask(7, 10, 3, 4, &keep).unwrap(), from_fn(7, 10, |i, j| keep[(i / 3) * 3 + j / 4]));
+}
+
+#[test]
+fn bad_masks_are_errors() {
+    assert!(Mask::from_slices(4, 4, vec![MaskSlice::new(0..5, 0..4, SliceKind::Full)]).is_err());
+    let overlap = vec![MaskSlice::new(0..4, 0..4, SliceKind::Causal), MaskSlice::new(2..3, 1..2, SliceKind::Full)];
+    assert!(matches!(Mask::from_slices(4, 4, overlap), Err(Error::InvalidMask(_))));
+    assert!(Mask::block_mask(4, 4, 2, 2, &[true]).is_err());
+    assert!(Mask::prefix_lm(4, 5).is_err());
+    assert!(Mask::block_causal(4, 0).is_err());
+    assert!(Mask::full(0, 3).is_err());
+    assert!(Mask::causal(4, 4).unwrap().restrict(2..6, 0..4).is_err());
+}
+
+#[test]
+fn specs_parse_build_and_print() {
+    for s in [
+        "full", "causal", "window:8,0", "window:-,3", "window-global:4,4,2", "docs:10,20,34", "docs-causal:64",
+        "prefix:10", "prefix-docs:32/4,32/0", "shared-question:16,24,24", "block-causal:16",
+        "block-causal-docs:8:30,34", "blocks:32,32:1011",
+    ] {
+        let spec: MaskSpec = s.parse().unwrap();
+        assert_eq!(spec.to_string(), s);
+        let m = spec.build(64, 64).unwrap();
+        assert!(m.area() > 0, "{s}");
+    }
+    for s in ["", "causa", "window:1", "window:a,b", "docs", "docs:1,x", "blocks:2:11", "full:3", "blocks:32,32:12"] {
+        assert!(matches!(s.parse::<MaskSpec>(), Err(Error::MaskSpec { .. })), "{s}");
+    }
+    assert!("docs:10,20".parse::<MaskSpec>().unwrap().build(64, 64).is_err());
+    assert!("prefix:3".parse::<MaskSpec>().unwrap().build(8, 9).is_err());
+}
+
+fn arb_slice(q: usize, k: usize) -> impl Strategy<Value = MaskSlice> {
+    (0..q, 0..q, 0..k, 0..k, 0..4u8).prop_map(move |(a, b, c, d, kind)| {
+        let kind = [SliceKind::Full, SliceKind::Causal, SliceKind::InverseCausal, SliceKind::BiCausal][kind as usize];
+        MaskSlice::new(a.min(b)..a.max(b) + 1, c.min(d)..c.max(d) + 1, kind)
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A single slice of any kind: row semantics equal the table in [`SliceKind`], and every
+    /// query agrees with the dense matrix.
+    #[test]
+    fn any_slice(q in 1usize..48, k in 1usize..48, seed in any::<u64>(), pick in any::<prop::sample::Index>()) {
+        let slices: Vec<MaskSlice> = (0..4).map(|x| {
+            let mut s = seed.wrapping_add(x * 0x9e37_79b9);
+            let mut r = |n: usize| { s ^= s << 13; s ^= s >> 7; s ^= s << 17; (s % n as u64) as usize };
+            let (a, b, c, d) = (r(q), r(q), r(k), r(k));
+            MaskSlice::new(a.min(b)..a.max(b) + 1, c.min(d)..c.max(d) + 1, [SliceKind::Full, SliceKind::Causal, SliceKind::InverseCausal, SliceKind::BiCausal][r(4)])
+        }).collect();
+        let s = pick.get(&slices).clone();
+        let (qs, ks) = (s.q.start as i64, s.k.start as i64);
+        let off = s.k.len() as i64 - s.q.len() as i64;
+        let want = from_fn(q, k, |i, j| {
+            if !s.q.contains(&i) || !s.k.contains(&j) { return false; }
+            let (t, u) = (i as i64 - qs, j as i64 - ks);
+            match s.kind {
+                SliceKind::Full => true,
+                SliceKind::Causal => u <= t + off,
+                SliceKind::InverseCausal => u >= t,
+                SliceKind::BiCausal => u >= t && u <= t + off,
+            }
+        });
+        let m = Mask::from_slices(q, k, vec![s]).unwrap();
+        prop_assert_eq!(dense(&m), want.clone());
+        check_queries(&m, &want, seed);
+    }
+
+    /// Row-wise compression reproduces any monotone-ish band exactly.
+    #[test]
+    fn rows_compress_exactly(n in 1usize..80, k in 1usize..80, w in 0usize..20, step in 1usize..4) {
+        let f = |i: usize| ((i / step).min(k), (i / step + w).min(k));
+        let m = Mask::new_unchecked(n, k, slices_from_rows(0..n, f));
+        let want = from_fn(n, k, |i, j| { let (lo, hi) = f(i); j >= lo && j < hi });
+        prop_assert_eq!(dense(&m), want);
+    }
+
+    #[test]
+    fn overlapping_slices_rejected(s in arb_slice(20, 20)) {
+        let dup = vec![s.clone(), s.clone()];
+        let nonempty = (s.q.clone()).any(|i| { let (lo, hi) = s.row(i); lo < hi });
+        prop_assert_eq!(Mask::from_slices(20, 20, dup).is_err(), nonempty);
+    }
+}
