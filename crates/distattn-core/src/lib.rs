@@ -5,12 +5,17 @@
 //! classification ([`TileClass`]), and the typed [`Error`] every crate of the workspace returns.
 //! Backends (CPU, CUDA) and planners build on these types.
 
+pub mod comm;
 pub mod dtype;
 pub mod error;
 pub mod mask;
+pub mod plan;
 pub mod shape;
+pub mod strategy;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use mask::{Mask, MaskSlice, MaskSpec, SliceKind, TileClass, TileInfo};
+pub use plan::{Plan, PlanOptions, PlanSummary, Strategy};
 pub use shape::{AttnOptions, AttnShape};
+pub use comm::Communicator;

@@ -10,9 +10,11 @@
 //! a dense `q_len × k_len` matrix.
 
 mod build;
+mod random;
 mod spec;
 
 pub use build::DocKind;
+pub use random::long_tailed_doc_lens;
 pub use spec::MaskSpec;
 
 use crate::{Error, Result};
@@ -242,6 +244,11 @@ impl Mask {
         let mask = Self::new_unchecked(q_len, k_len, slices);
         mask.check_disjoint()?;
         Ok(mask)
+    }
+
+    /// A mask from slices known to be in bounds and disjoint (re-indexed restrictions).
+    pub(crate) fn from_slices_unchecked(q_len: usize, k_len: usize, slices: Vec<MaskSlice>) -> Result<Mask> {
+        Ok(Self::new_unchecked(q_len, k_len, slices))
     }
 
     /// Builds the index; callers guarantee bounds and disjointness.

@@ -7,6 +7,7 @@
 //! | `window:L,R` | sliding window, `L` keys left and `R` right of the diagonal (`-` = unbounded) |
 //! | `window-global:L,R,G` | sliding window plus `G` global leading tokens |
 //! | `docs:A,B,…` / `docs-causal:A,B,…` | packed documents of lengths A, B, … (full / causal inside) |
+//! | `docs-random:SEED` / `docs-random-causal:SEED` | packed documents with long-tailed lengths drawn deterministically from `SEED` ([`long_tailed_doc_lens`](super::long_tailed_doc_lens)) |
 //! | `prefix:P` | prefix-LM with a bidirectional prefix of `P` tokens |
 //! | `prefix-docs:A/P,B/Q,…` | prefix-LM inside documents (length/prefix) |
 //! | `shared-question:Q,A1,A2,…` | question of `Q` tokens shared by answers A1, A2, … |
@@ -29,6 +30,7 @@ pub enum MaskSpec {
     Window { left: Option<usize>, right: Option<usize> },
     WindowGlobal { left: Option<usize>, right: Option<usize>, global: usize },
     Documents { lens: Vec<usize>, kind: DocKind },
+    RandomDocuments { seed: u64, kind: DocKind },
     Prefix { prefix: usize },
     PrefixDocuments { docs: Vec<(usize, usize)> },
     SharedQuestion { question: usize, answers: Vec<usize> },
@@ -66,6 +68,9 @@ impl MaskSpec {
                 total(lens)?;
                 Mask::documents(lens, *kind)
             }
+            MaskSpec::RandomDocuments { seed, kind } => {
+                Mask::documents(&super::long_tailed_doc_lens(square()?, *seed), *kind)
+            }
             MaskSpec::Prefix { prefix } => Mask::prefix_lm(square()?, *prefix),
             MaskSpec::PrefixDocuments { docs } => {
                 total(&docs.iter().map(|d| d.0).collect::<Vec<_>>())?;
@@ -81,6 +86,17 @@ impl MaskSpec {
                 Mask::block_causal_documents(lens, *block)
             }
             MaskSpec::Blocks { block_q, block_k, keep } => Mask::block_mask(q_len, k_len, *block_q, *block_k, keep),
+        }
+    }
+
+    /// Document lengths of a packed-documents mask over `n` tokens (for document-aware
+    /// layouts), if the mask is one.
+    pub fn doc_lens(&self, n: usize) -> Option<Vec<usize>> {
+        match self {
+            MaskSpec::Documents { lens, .. } | MaskSpec::BlockCausalDocuments { lens, .. } => Some(lens.clone()),
+            MaskSpec::RandomDocuments { seed, .. } => Some(super::long_tailed_doc_lens(n, *seed)),
+            MaskSpec::PrefixDocuments { docs } => Some(docs.iter().map(|d| d.0).collect()),
+            _ => None,
         }
     }
 
@@ -149,6 +165,12 @@ impl FromStr for MaskSpec {
                 let kind = if name == "docs" { DocKind::Full } else { DocKind::Causal };
                 Ok(MaskSpec::Documents { lens: list(spec, args)?, kind })
             }
+            "docs-random" | "docs-random-causal" => {
+                need_args()?;
+                let kind = if name == "docs-random" { DocKind::Full } else { DocKind::Causal };
+                let seed = args.trim().parse().map_err(|_| bad(spec, format!("'{args}' is not a seed (u64)")))?;
+                Ok(MaskSpec::RandomDocuments { seed, kind })
+            }
             "prefix" => {
                 need_args()?;
                 Ok(MaskSpec::Prefix { prefix: num(spec, args)? })
@@ -195,7 +217,8 @@ impl FromStr for MaskSpec {
             }
             _ => Err(bad(
                 spec,
-                "expected one of full, causal, window, window-global, docs, docs-causal, prefix, \
+                "expected one of full, causal, window, window-global, docs, docs-causal, docs-random, \
+                 docs-random-causal, prefix, \
                  prefix-docs, shared-question, block-causal, block-causal-docs, blocks",
             )),
         }
@@ -213,6 +236,8 @@ impl fmt::Display for MaskSpec {
             }
             MaskSpec::Documents { lens, kind: DocKind::Full } => write!(f, "docs:{}", join(lens)),
             MaskSpec::Documents { lens, kind: DocKind::Causal } => write!(f, "docs-causal:{}", join(lens)),
+            MaskSpec::RandomDocuments { seed, kind: DocKind::Full } => write!(f, "docs-random:{seed}"),
+            MaskSpec::RandomDocuments { seed, kind: DocKind::Causal } => write!(f, "docs-random-causal:{seed}"),
             MaskSpec::Prefix { prefix } => write!(f, "prefix:{prefix}"),
             MaskSpec::PrefixDocuments { docs } => {
                 let v: Vec<String> = docs.iter().map(|(l, p)| format!("{l}/{p}")).collect();

@@ -1,0 +1,207 @@
+//! Plan inspection: work, bytes and memory per step and rank, and the totals.
+//!
+//! Work is counted from the mask area as the long-context attention benchmark does: forward
+//! `4 · area · head_dim` FLOPs per head (and batch entry), backward 2.5× that. Load imbalance
+//! is Σ_steps max_rank work / Σ_steps mean_rank work (1.0 = perfect). Bytes are what each rank
+//! sends. Peak memory replays allocations and frees (inputs stay resident; kernel outputs count
+//! while they are merged).
+
+use super::{BufDesc, Op, Pass, Plan, RankProgram};
+use crate::AttnShape;
+use std::fmt;
+
+/// Work and traffic of one rank in one step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StepCost {
+    pub flops: f64,
+    pub bytes_sent: u64,
+    pub blocks: usize,
+}
+
+/// Totals of a plan (the JSON of `distattn plan`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PlanSummary {
+    pub strategy: String,
+    pub pass: Pass,
+    pub world: usize,
+    pub steps: usize,
+    pub layout: String,
+    /// Σ over steps of the slowest rank's work / Σ over steps of the mean rank's work.
+    pub imbalance: f64,
+    /// Total bytes sent by all ranks.
+    pub bytes_moved: u64,
+    /// Total FLOPs over all ranks.
+    pub flops: f64,
+    /// FLOPs of the slowest rank per step, summed (the critical path of compute).
+    pub critical_flops: f64,
+    /// Peak live bytes on each rank.
+    pub peak_bytes_per_rank: Vec<u64>,
+    /// `[step][rank]` work and traffic.
+    pub per_step: Vec<Vec<StepCost>>,
+}
+
+fn flops(op: &Op, prog: &RankProgram, shape: &AttnShape) -> f64 {
+    match op {
+        Op::Fwd { q, area, .. } => {
+            4.0 * *area as f64 * shape.head_dim as f64 * (prog.bufs[*q].heads.len() * shape.batch) as f64
+        }
+        Op::Bwd { q, area, .. } => {
+            2.5 * 4.0 * *area as f64 * shape.head_dim as f64 * (prog.bufs[*q].heads.len() * shape.batch) as f64
+        }
+        _ => 0.0,
+    }
+}
+
+impl Plan {
+    /// Cost of every rank in every step: `[step][rank]`.
+    pub fn step_costs(&self) -> Vec<Vec<StepCost>> {
+        (0..self.steps())
+            .map(|t| {
+                self.ranks
+                    .iter()
+                    .map(|p| {
+                        let mut c = StepCost::default();
+                        for op in &p.steps[t] {
+                            c.flops += flops(op, p, &self.shape);
+                            if let Op::Fwd { .. } | Op::Bwd { .. } = op {
+                                c.blocks += 1;
+                            }
+                            if let Op::Comm { sends, .. } = op {
+                                c.bytes_sent += sends.iter().map(|&(_, b)| p.bufs[b].bytes(&self.shape, self.dtype)).sum::<u64>();
+                            }
+                        }
+                        c
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Peak live bytes of each rank.
+    pub fn peak_bytes(&self) -> Vec<u64> {
+        let size = |d: &BufDesc| d.bytes(&self.shape, self.dtype);
+        self.ranks
+            .iter()
+            .map(|p| {
+                let mut live: u64 = p.inputs.iter().map(|&(_, b)| size(&p.bufs[b])).sum();
+                let mut peak = live;
+                for op in p.steps.iter().flatten() {
+                    match op {
+                        Op::Alloc { buf, .. } => live += size(&p.bufs[*buf]),
+                        Op::Comm { recvs, .. } => live += recvs.iter().map(|&(_, b)| size(&p.bufs[b])).sum::<u64>(),
+                        Op::Free { buf } => live = live.saturating_sub(size(&p.bufs[*buf])),
+                        Op::Fwd { q, .. } => {
+                            // The kernel's partial O and LSE, merged then dropped.
+                            let d = &p.bufs[*q];
+                            let rows = (self.shape.batch * d.tokens.len() * d.heads.len()) as u64;
+                            peak = peak.max(live + rows * (self.shape.head_dim as u64 + 1) * 4);
+                        }
+                        Op::Bwd { q, k, .. } => {
+                            let (dq, dk) = (&p.bufs[*q], &p.bufs[*k]);
+                            let e = dq.elems(&self.shape) + 2 * dk.elems(&self.shape);
+                            peak = peak.max(live + e as u64 * 4);
+                        }
+                        _ => {}
+                    }
+                    peak = peak.max(live);
+                }
+                peak
+            })
+            .collect()
+    }
+
+    /// Totals: imbalance, bytes, FLOPs, peak memory, and the per-step costs.
+    pub fn summary(&self) -> PlanSummary {
+        let per_step = self.step_costs();
+        let p = self.world as f64;
+        let (mut max_sum, mut mean_sum, mut total) = (0.0, 0.0, 0.0);
+        for step in &per_step {
+            let s: f64 = step.iter().map(|c| c.flops).sum();
+            max_sum += step.iter().map(|c| c.flops).fold(0.0, f64::max);
+            mean_sum += s / p;
+            total += s;
+        }
+        PlanSummary {
+            strategy: self.strategy.to_string(),
+            pass: self.pass,
+            world: self.world,
+            steps: self.steps(),
+            layout: format!("{:?}", self.layout.kind).split([' ', '{']).next().unwrap_or("").to_lowercase(),
+            imbalance: if mean_sum > 0.0 { max_sum / mean_sum } else { 1.0 },
+            bytes_moved: per_step.iter().flatten().map(|c| c.bytes_sent).sum(),
+            flops: total,
+            critical_flops: max_sum,
+            peak_bytes_per_rank: self.peak_bytes(),
+            per_step,
+        }
+    }
+}
+
+/// Human units: 1.5 G, 12.0 M.
+pub fn human(x: f64) -> String {
+    let (v, u) = if x >= 1e15 {
+        (x / 1e15, "P")
+    } else if x >= 1e12 {
+        (x / 1e12, "T")
+    } else if x >= 1e9 {
+        (x / 1e9, "G")
+    } else if x >= 1e6 {
+        (x / 1e6, "M")
+    } else if x >= 1e3 {
+        (x / 1e3, "k")
+    } else {
+        (x, "")
+    };
+    format!("{v:.1}{u}")
+}
+
+impl fmt::Display for Plan {
+    /// Per-step table: for each step and rank, FLOPs / bytes sent, then the totals.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.summary();
+        writeln!(
+            f,
+            "plan {} ({:?}{}), P={}, {} steps, layout {}; {} {}",
+            self.strategy,
+            self.pass,
+            if self.pass == Pass::Backward && self.strategy.is_ring() {
+                format!(", {:?}", self.ring_backward)
+            } else {
+                String::new()
+            },
+            self.world,
+            self.steps(),
+            s.layout,
+            self.shape,
+            self.dtype
+        )?;
+        write!(f, "{:<24}", "step")?;
+        for r in 0..self.world {
+            write!(f, " | {:>17}", format!("rank {r} FLOP/B"))?;
+        }
+        writeln!(f, " | {:>8}", "max/mean")?;
+        for (t, step) in s.per_step.iter().enumerate() {
+            let label: String = self.step_labels[t].chars().take(24).collect();
+            write!(f, "{label:<24}")?;
+            for c in step {
+                write!(f, " | {:>8}/{:>8}", human(c.flops), human(c.bytes_sent as f64))?;
+            }
+            let mean = step.iter().map(|c| c.flops).sum::<f64>() / self.world as f64;
+            let max = step.iter().map(|c| c.flops).fold(0.0, f64::max);
+            if mean > 0.0 {
+                writeln!(f, " | {:>8.3}", max / mean)?;
+            } else {
+                writeln!(f, " | {:>8}", "-")?;
+            }
+        }
+        writeln!(
+            f,
+            "imbalance {:.3}, bytes moved {}B, FLOPs {}, critical path {} FLOPs, peak memory per rank {}B",
+            s.imbalance,
+            human(s.bytes_moved as f64),
+            human(s.flops),
+            human(s.critical_flops),
+            human(s.peak_bytes_per_rank.iter().copied().max().unwrap_or(0) as f64)
+        )
+    }
+}

@@ -1,0 +1,139 @@
+//! Plan-level tests: structure, parsing, and the N = 128k, P = 8 cost tables.
+
+use super::*;
+use crate::mask::{long_tailed_doc_lens, DocKind};
+use std::time::Instant;
+
+fn shape_128k() -> AttnShape {
+    AttnShape::new(1, 131072, 131072, 32, 8, 128).unwrap()
+}
+
+fn strategies() -> Vec<Strategy> {
+    let mut v = Strategy::ALL.to_vec();
+    v.push(Strategy::Hybrid { ulysses_degree: 2 });
+    v
+}
+
+/// Builds every strategy forward and both backward variants, returns rows of the table.
+fn table(mask: &Mask, title: &str) -> Vec<(String, PlanSummary)> {
+    let shape = shape_128k();
+    let mut rows = Vec::new();
+    println!("\n{title}: N=131072, P=8, 32 heads / 8 kv heads, d=128, bf16");
+    println!("{:<28} {:>9} {:>12} {:>11} {:>14} {:>9}", "strategy (pass)", "imbalance", "bytes moved", "TFLOP", "peak/rank", "build ms");
+    for s in strategies() {
+        let mut passes = vec![("fwd", PlanOptions::forward())];
+        passes.push(("bwd", PlanOptions::backward(RingBackward::KvCirculate)));
+        if s.is_ring() {
+            passes.push(("bwd-burst", PlanOptions::backward(RingBackward::QCirculate)));
+        }
+        for (name, opts) in passes {
+            let t = Instant::now();
+            let plan = build(s, 8, &shape, mask, DType::BF16, &opts).unwrap();
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            let sum = plan.summary();
+            println!(
+                "{:<28} {:>9.3} {:>10.2}GB {:>11.2} {:>12.2}GB {:>9.1}",
+                format!("{s} ({name})"),
+                sum.imbalance,
+                sum.bytes_moved as f64 / 1e9,
+                sum.flops / 1e12,
+                *sum.peak_bytes_per_rank.iter().max().unwrap() as f64 / 1e9,
+                ms
+            );
+            assert!(ms < 1000.0, "{s} {name}: building took {ms} ms");
+            rows.push((format!("{s} {name}"), sum));
+        }
+    }
+    rows
+}
+
+fn get<'a>(rows: &'a [(String, PlanSummary)], name: &str) -> &'a PlanSummary {
+    &rows.iter().find(|r| r.0 == name).unwrap().1
+}
+
+#[test]
+fn causal_128k_p8_table() {
+    let mask = Mask::causal(131072, 131072).unwrap();
+    let rows = table(&mask, "causal");
+    for pass in ["fwd", "bwd"] {
+        assert!(get(&rows, &format!("balanced {pass}")).imbalance <= 1.05);
+        assert!(get(&rows, &format!("zigzag {pass}")).imbalance <= 1.05);
+        let ring = get(&rows, &format!("ring {pass}")).imbalance;
+        assert!((1.8..2.0).contains(&ring), "ring imbalance {ring}");
+    }
+    // FLOPs are the mask's: forward 4·area·d·heads.
+    let fl = get(&rows, "ring fwd").flops;
+    assert!((fl / (4.0 * mask.area() as f64 * 128.0 * 32.0) - 1.0).abs() < 1e-9);
+    for (_, s) in &rows {
+        assert!((s.flops / if s.pass == Pass::Forward { fl } else { 2.5 * fl } - 1.0).abs() < 1e-9);
+    }
+    // GQA 32/8: circulating Q, dO, LSE, D moves more than K/V and dK/dV.
+    assert!(get(&rows, "ring bwd-burst").bytes_moved > get(&rows, "ring bwd").bytes_moved);
+}
+
+#[test]
+fn documents_128k_p8_table() {
+    let lens = long_tailed_doc_lens(131072, 1);
+    let mask = Mask::documents(&lens, DocKind::Causal).unwrap();
+    println!("{} documents, longest {}", lens.len(), lens.iter().max().unwrap());
+    let rows = table(&mask, "causal documents (docs-random-causal:1)");
+    for pass in ["fwd", "bwd"] {
+        let d = get(&rows, &format!("dispatch {pass}"));
+        assert!(d.imbalance <= 1.10, "dispatch imbalance {}", d.imbalance);
+        for ring in ["ring", "zigzag", "striped", "hybrid", "allgather"] {
+            assert!(d.bytes_moved < get(&rows, &format!("{ring} {pass}")).bytes_moved, "{ring} {pass}");
+        }
+    }
+}
+
+#[test]
+fn strategy_names_round_trip() {
+    for s in strategies() {
+        assert_eq!(s.to_string().parse::<Strategy>().unwrap(), s);
+    }
+    assert_eq!("hybrid:4".parse::<Strategy>().unwrap(), Strategy::Hybrid { ulysses_degree: 4 });
+    assert_eq!("hybrid".parse::<Strategy>().unwrap().with_ulysses_degree(2), Strategy::Hybrid { ulysses_degree: 2 });
+    assert!(matches!("spiral".parse::<Strategy>(), Err(Error::Unsupported { .. })));
+    assert!("ring:2".parse::<Strategy>().is_err());
+}
+
+#[test]
+fn ulysses_needs_divisible_heads() {
+    let shape = AttnShape::new(1, 40, 40, 6, 2, 16).unwrap();
+    let mask = Mask::causal(40, 40).unwrap();
+    let e = build(Strategy::Ulysses, 4, &shape, &mask, DType::F32, &PlanOptions::forward()).unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    assert!(e.to_string().contains("divisible"));
+    let e = build(Strategy::Hybrid { ulysses_degree: 4 }, 8, &shape, &mask, DType::F32, &PlanOptions::forward()).unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }));
+    let e = build(Strategy::Hybrid { ulysses_degree: 3 }, 8, &shape, &mask, DType::F32, &PlanOptions::forward()).unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }));
+}
+
+#[test]
+fn plans_validate_and_render() {
+    let shape = AttnShape::new(1, 53, 53, 4, 2, 16).unwrap();
+    for mask in [Mask::causal(53, 53).unwrap(), Mask::full(53, 53).unwrap(), Mask::prefix_lm(53, 11).unwrap()] {
+        for s in strategies() {
+            for p in [1, 2, 3, 4, 8] {
+                for opts in [PlanOptions::forward(), PlanOptions::backward(RingBackward::KvCirculate), PlanOptions::backward(RingBackward::QCirculate)] {
+                    let plan = match build(s, p, &shape, &mask, DType::BF16, &opts) {
+                        Ok(p) => p,
+                        Err(Error::Unsupported { .. }) => continue,
+                        Err(e) => panic!("{s} P={p}: {e}"),
+                    };
+                    plan.validate().unwrap();
+                    let sum = plan.summary();
+                    let fl = 4.0 * mask.area() as f64 * 16.0 * 4.0 * if opts.pass() == Pass::Backward { 2.5 } else { 1.0 };
+                    assert!((sum.flops / fl - 1.0).abs() < 1e-9, "{s} P={p}: every kept pair exactly once");
+                    let text = plan.to_string();
+                    assert!(text.contains("imbalance"));
+                    let json = serde_json::to_value(&sum).unwrap();
+                    for key in ["imbalance", "bytes_moved", "flops", "peak_bytes_per_rank"] {
+                        assert!(json.get(key).is_some());
+                    }
+                }
+            }
+        }
+    }
+}

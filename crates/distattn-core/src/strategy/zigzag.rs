@@ -1,0 +1,22 @@
+//! Zig-zag ring: the sequence is cut into 2P chunks and rank r holds chunks r and 2P−1−r, so
+//! under a causal mask every rank has the same kept area at every ring step. With
+//! `PlanOptions::documents` the cut is made inside every document (document-aware layout).
+//! Striped ring: token i on rank i mod P; every step is a near-triangular block.
+
+use super::ring;
+use crate::plan::{Builder, Layout};
+use crate::Result;
+
+pub(crate) fn plan(b: &mut Builder) -> Result<()> {
+    let (q, k, p) = (b.shape.q_len, b.shape.k_len, b.world);
+    let layout = match &b.opts.documents {
+        Some(lens) if q == k && lens.iter().sum::<usize>() == q => Layout::doc_zigzag(lens, p),
+        _ => Layout::zigzag(q, k, p),
+    };
+    ring::over_layout(b, layout, "zigzag")
+}
+
+pub(crate) fn plan_striped(b: &mut Builder) -> Result<()> {
+    let layout = Layout::striped(b.shape.q_len, b.shape.k_len, b.world);
+    ring::over_layout(b, layout, "striped")
+}
