@@ -1,0 +1,190 @@
+//! Every strategy × mask × world size × GQA on/off × uneven lengths: distributed forward (O,
+//! LSE) and backward (dQ, dK, dV) equal the single-rank result to f32 rounding; plus failure
+//! handling and merge precision.
+
+use distattn_core::plan::{PlanOptions, RingBackward};
+use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Mask, Strategy};
+use distattn_dist::{distributed_backward, distributed_forward, FailureKind, InjectedFailure, RunOptions};
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use std::time::{Duration, Instant};
+
+fn randv<T: Element>(n: usize, rng: &mut rand::rngs::StdRng) -> Vec<T> {
+    (0..n).map(|_| T::from_f32(rng.random_range(-1.0f32..1.0))).collect()
+}
+
+/// max |a − b| / max(|b|, 1e-3), with ±inf required to match exactly.
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let mut scale = 1e-3f64;
+    let mut err = 0f64;
+    for (&x, &y) in a.iter().zip(b) {
+        if y.is_infinite() || x.is_infinite() {
+            assert_eq!(x, y, "infinite entries differ");
+            continue;
+        }
+        assert!(x.is_finite(), "non-finite result {x}");
+        scale = scale.max(y.abs() as f64);
+        err = err.max((x - y).abs() as f64);
+    }
+    err / scale
+}
+
+fn masks(n: usize) -> Vec<(&'static str, Mask)> {
+    let a = n / 3;
+    let b = n / 5 + 1;
+    vec![
+        ("full", Mask::full(n, n).unwrap()),
+        ("causal", Mask::causal(n, n).unwrap()),
+        ("window", Mask::sliding_window(n, n, Some(7), Some(0)).unwrap()),
+        ("docs", Mask::documents(&[a, b, n - a - b], distattn_core::mask::DocKind::Causal).unwrap()),
+        ("prefix", Mask::prefix_lm(n, n / 4).unwrap()),
+    ]
+}
+
+fn strategies(p: usize) -> Vec<Strategy> {
+    let mut v = vec![
+        Strategy::Ring,
+        Strategy::Zigzag,
+        Strategy::Striped,
+        Strategy::Balanced,
+        Strategy::Ulysses,
+        Strategy::Allgather,
+        Strategy::Dispatch,
+    ];
+    let u = if p % 2 == 0 { 2 } else { p };
+    v.push(Strategy::Hybrid { ulysses_degree: u });
+    v
+}
+
+const TOL: f64 = 1e-5;
+
+#[test]
+fn every_strategy_matches_single_rank() {
+    let t0 = Instant::now();
+    let opts = AttnOptions::default();
+    let mut cases = 0;
+    let d = 16;
+    for (gi, (heads, kv_heads)) in [(24usize, 24usize), (48, 24)].into_iter().enumerate() {
+        for (pi, p) in [1usize, 2, 3, 4, 8].into_iter().enumerate() {
+            // Uneven lengths that change with the case (none divisible by 2P for P > 1).
+            let n = [37, 53, 70, 45, 61][(pi + gi) % 5];
+            let shape = AttnShape::new(1, n, n, heads, kv_heads, d).unwrap();
+            let mut rng = rand::rngs::StdRng::seed_from_u64((n * 131 + p * 7 + heads) as u64);
+            let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
+            let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
+            let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
+            let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
+            for (mname, mask) in masks(n) {
+                let want = distattn_cpu::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+                let delta = distattn_cpu::row_delta(&want.o, &d_o, &shape).unwrap();
+                let want_g = distattn_cpu::backward(&q, &k, &v, &d_o, &want.lse, &delta, &shape, &mask, &opts).unwrap();
+                for s in strategies(p) {
+                    let ctx = format!("{s} P={p} mask={mname} n={n} heads={heads}/{kv_heads}");
+                    let run = RunOptions::default();
+                    let got = distributed_forward(s, p, &q, &k, &v, &shape, &mask, &opts, &run)
+                        .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                    let (eo, el) = (rel_err(&got.o, &want.o), rel_err(&got.lse, &want.lse));
+                    assert!(eo < TOL && el < TOL, "{ctx}: forward error O {eo:.2e} LSE {el:.2e}");
+                    let variants: &[RingBackward] = if s.is_ring() {
+                        &[RingBackward::KvCirculate, RingBackward::QCirculate]
+                    } else {
+                        &[RingBackward::KvCirculate]
+                    };
+                    for &rb in variants {
+                        let run = RunOptions { plan: PlanOptions { ring_backward: rb, ..Default::default() }, ..Default::default() };
+                        let g = distributed_backward(s, p, &q, &k, &v, &want.o, &want.lse, &d_o, &shape, &mask, &opts, &run)
+                            .unwrap_or_else(|e| panic!("{ctx} {rb:?}: {e}"));
+                        let (a, b, c) = (rel_err(&g.dq, &want_g.dq), rel_err(&g.dk, &want_g.dk), rel_err(&g.dv, &want_g.dv));
+                        assert!(a < TOL && b < TOL && c < TOL, "{ctx} {rb:?}: grad errors dQ {a:.2e} dK {b:.2e} dV {c:.2e}");
+                    }
+                    cases += 1;
+                }
+            }
+        }
+    }
+    println!("{cases} cases in {:?}", t0.elapsed());
+}
+
+#[test]
+fn batch_and_cross_lengths() {
+    // batch > 1 and q_len != k_len (bottom-right causal) through the same executor.
+    let opts = AttnOptions::default();
+    let shape = AttnShape::new(2, 29, 41, 8, 4, 16).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
+    let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
+    let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
+    let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
+    for mask in [Mask::causal(29, 41).unwrap(), Mask::full(29, 41).unwrap()] {
+        let want = distattn_cpu::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+        let delta = distattn_cpu::row_delta(&want.o, &d_o, &shape).unwrap();
+        let wg = distattn_cpu::backward(&q, &k, &v, &d_o, &want.lse, &delta, &shape, &mask, &opts).unwrap();
+        for s in [Strategy::Ring, Strategy::Zigzag, Strategy::Balanced, Strategy::Ulysses, Strategy::Allgather, Strategy::Dispatch, Strategy::Hybrid { ulysses_degree: 2 }] {
+            let got = distributed_forward(s, 4, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+            assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
+            let g = distributed_backward(s, 4, &q, &k, &v, &want.o, &want.lse, &d_o, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+            assert!(rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL, "{s}");
+        }
+    }
+}
+
+#[test]
+fn unsupported_cases_are_clear_errors() {
+    let shape = AttnShape::new(1, 40, 40, 6, 2, 16).unwrap();
+    let mask = Mask::causal(40, 40).unwrap();
+    let x = vec![0f32; shape.q_elems()];
+    let kv = vec![0f32; shape.kv_elems()];
+    let e = distributed_forward(Strategy::Ulysses, 4, &x, &kv, &kv, &shape, &mask, &AttnOptions::default(), &RunOptions::default()).unwrap_err();
+    assert!(matches!(e, Error::Unsupported { ref strategy, .. } if strategy == "ulysses"), "{e}");
+    println!("{e}");
+    let e = distributed_forward(Strategy::Hybrid { ulysses_degree: 4 }, 8, &x, &kv, &kv, &shape, &mask, &AttnOptions::default(), &RunOptions::default()).unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+}
+
+#[test]
+fn failed_rank_stops_everyone_with_its_name() {
+    let shape = AttnShape::new(1, 64, 64, 8, 4, 16).unwrap();
+    let mask = Mask::causal(64, 64).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
+    let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
+    for s in [Strategy::Ring, Strategy::Balanced, Strategy::Ulysses, Strategy::Dispatch] {
+        for kind in [FailureKind::Error, FailureKind::Panic] {
+            let t0 = Instant::now();
+            let run = RunOptions {
+                timeout: Duration::from_secs(60),
+                fail: Some(InjectedFailure { rank: 2, step: if s == Strategy::Dispatch { 0 } else { 1 }, kind }),
+                ..Default::default()
+            };
+            let e = distributed_forward(s, 4, &q, &k, &k, &shape, &mask, &AttnOptions::default(), &run).unwrap_err();
+            assert!(matches!(e, Error::RankFailed { rank: 2, .. }), "{s} {kind:?}: {e}");
+            assert!(t0.elapsed() < Duration::from_secs(5), "{s}: took {:?}", t0.elapsed());
+            println!("{s} {kind:?}: {e} after {:?}", t0.elapsed());
+        }
+    }
+}
+
+#[test]
+fn merge_error_does_not_grow_with_ranks() {
+    let n = 512;
+    let shape = AttnShape::new(1, n, n, 4, 2, 32).unwrap();
+    let mask = Mask::causal(n, n).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let q: Vec<bf16> = randv(shape.q_elems(), &mut rng);
+    let k: Vec<bf16> = randv(shape.kv_elems(), &mut rng);
+    let v: Vec<bf16> = randv(shape.kv_elems(), &mut rng);
+    let opts = AttnOptions::default();
+    let reference = distattn_cpu::reference::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+    let err = |o: &[f32]| -> f64 { o.iter().zip(&reference.o).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max) };
+    let mut errs = Vec::new();
+    for p in [1, 2, 4, 8] {
+        let got = distributed_forward(Strategy::Ring, p, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+        let e = err(&got.o);
+        let el = got.lse.iter().zip(&reference.lse).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max);
+        println!("bf16 inputs, ring P={p}: max |O - O_f64| = {e:.3e}, max |LSE - LSE_f64| = {el:.3e}");
+        errs.push(e);
+    }
+    assert!(errs[3] <= 2.0 * errs[0] + 1e-7, "P=8 error {} vs P=1 error {}", errs[3], errs[0]);
+    let _ = DType::BF16;
+}
