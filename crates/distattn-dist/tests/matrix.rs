@@ -188,3 +188,41 @@ fn merge_error_does_not_grow_with_ranks() {
     assert!(errs[3] <= 2.0 * errs[0] + 1e-7, "P=8 error {} vs P=1 error {}", errs[3], errs[0]);
     let _ = DType::BF16;
 }
+
+#[test]
+fn fewer_tokens_than_ranks() {
+    // Some ranks hold no token at all; nothing changes in the answer.
+    let opts = AttnOptions::default();
+    let shape = AttnShape::new(1, 5, 5, 8, 8, 16).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
+    let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
+    let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
+    let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
+    for mask in [Mask::causal(5, 5).unwrap(), Mask::full(5, 5).unwrap()] {
+        let want = distattn_cpu::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+        let delta = distattn_cpu::row_delta(&want.o, &d_o, &shape).unwrap();
+        let wg = distattn_cpu::backward(&q, &k, &v, &d_o, &want.lse, &delta, &shape, &mask, &opts).unwrap();
+        for s in strategies(8) {
+            let got = distributed_forward(s, 8, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+            assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
+            let g = distributed_backward(s, 8, &q, &k, &v, &want.o, &want.lse, &d_o, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+            assert!(rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL, "{s}");
+        }
+    }
+}
+
+#[test]
+fn document_aware_zigzag_layout() {
+    let opts = AttnOptions::default();
+    let lens = distattn_core::mask::long_tailed_doc_lens(67, 4);
+    let shape = AttnShape::new(1, 67, 67, 4, 2, 16).unwrap();
+    let mask = Mask::documents(&lens, distattn_core::mask::DocKind::Causal).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+    let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
+    let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
+    let want = distattn_cpu::forward(&q, &k, &k, &shape, &mask, &opts).unwrap();
+    let run = RunOptions { plan: PlanOptions { documents: Some(lens.clone()), ..Default::default() }, ..Default::default() };
+    let got = distributed_forward(Strategy::Zigzag, 4, &q, &k, &k, &shape, &mask, &opts, &run).unwrap();
+    assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL);
+}

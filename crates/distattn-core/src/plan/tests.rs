@@ -15,25 +15,31 @@ fn strategies() -> Vec<Strategy> {
 }
 
 /// Builds every strategy forward and both backward variants, returns rows of the table.
-fn table(mask: &Mask, title: &str) -> Vec<(String, PlanSummary)> {
+fn table(mask: &Mask, title: &str, docs: Option<Vec<usize>>) -> Vec<(String, PlanSummary)> {
     let shape = shape_128k();
     let mut rows = Vec::new();
     println!("\n{title}: N=131072, P=8, 32 heads / 8 kv heads, d=128, bf16");
     println!("{:<28} {:>9} {:>12} {:>11} {:>14} {:>9}", "strategy (pass)", "imbalance", "bytes moved", "TFLOP", "peak/rank", "build ms");
-    for s in strategies() {
+    let mut list: Vec<(Strategy, &str, Option<Vec<usize>>)> = strategies().into_iter().map(|s| (s, "", None)).collect();
+    if docs.is_some() {
+        list.push((Strategy::Zigzag, " doc-layout", docs));
+    }
+    for (s, tag, documents) in list {
         let mut passes = vec![("fwd", PlanOptions::forward())];
         passes.push(("bwd", PlanOptions::backward(RingBackward::KvCirculate)));
         if s.is_ring() {
             passes.push(("bwd-burst", PlanOptions::backward(RingBackward::QCirculate)));
         }
-        for (name, opts) in passes {
+        for (name, mut opts) in passes {
+            opts.documents = documents.clone();
+            let name = format!("{tag}{}{name}", if tag.is_empty() { "" } else { " " });
             let t = Instant::now();
             let plan = build(s, 8, &shape, mask, DType::BF16, &opts).unwrap();
             let ms = t.elapsed().as_secs_f64() * 1e3;
             let sum = plan.summary();
             println!(
                 "{:<28} {:>9.3} {:>10.2}GB {:>11.2} {:>12.2}GB {:>9.1}",
-                format!("{s} ({name})"),
+                format!("{s} ({})", name.trim()),
                 sum.imbalance,
                 sum.bytes_moved as f64 / 1e9,
                 sum.flops / 1e12,
@@ -41,7 +47,7 @@ fn table(mask: &Mask, title: &str) -> Vec<(String, PlanSummary)> {
                 ms
             );
             assert!(ms < 1000.0, "{s} {name}: building took {ms} ms");
-            rows.push((format!("{s} {name}"), sum));
+            rows.push((format!("{s}{tag} {}", name.trim_start_matches(tag).trim()), sum));
         }
     }
     rows
@@ -54,7 +60,7 @@ fn get<'a>(rows: &'a [(String, PlanSummary)], name: &str) -> &'a PlanSummary {
 #[test]
 fn causal_128k_p8_table() {
     let mask = Mask::causal(131072, 131072).unwrap();
-    let rows = table(&mask, "causal");
+    let rows = table(&mask, "causal", None);
     for pass in ["fwd", "bwd"] {
         assert!(get(&rows, &format!("balanced {pass}")).imbalance <= 1.05);
         assert!(get(&rows, &format!("zigzag {pass}")).imbalance <= 1.05);
@@ -76,7 +82,7 @@ fn documents_128k_p8_table() {
     let lens = long_tailed_doc_lens(131072, 1);
     let mask = Mask::documents(&lens, DocKind::Causal).unwrap();
     println!("{} documents, longest {}", lens.len(), lens.iter().max().unwrap());
-    let rows = table(&mask, "causal documents (docs-random-causal:1)");
+    let rows = table(&mask, "causal documents (docs-random-causal:1)", Some(lens.clone()));
     for pass in ["fwd", "bwd"] {
         let d = get(&rows, &format!("dispatch {pass}"));
         assert!(d.imbalance <= 1.10, "dispatch imbalance {}", d.imbalance);
@@ -136,4 +142,39 @@ fn plans_validate_and_render() {
             }
         }
     }
+}
+
+#[test]
+fn ring_backward_variants_bytes() {
+    // K/V + dK/dV circulating vs BurstAttention's Q, dO, LSE, D + dQ circulating, causal 128k, P=8.
+    let mask = Mask::causal(131072, 131072).unwrap();
+    println!("\nring backward, causal N=131072, P=8, d=128, bf16: bytes moved");
+    println!("{:<22} {:>14} {:>14}", "heads / kv heads", "kv-circulate", "q-circulate");
+    for (h, kv) in [(32, 8), (32, 32), (64, 8)] {
+        let shape = AttnShape::new(1, 131072, 131072, h, kv, 128).unwrap();
+        let bytes = |rb| build(Strategy::Ring, 8, &shape, &mask, DType::BF16, &PlanOptions::backward(rb)).unwrap().summary().bytes_moved;
+        let (a, b) = (bytes(RingBackward::KvCirculate), bytes(RingBackward::QCirculate));
+        println!("{:<22} {:>12.2}GB {:>12.2}GB", format!("{h} / {kv}"), a as f64 / 1e9, b as f64 / 1e9);
+        // Per token and hop: KV side 2·kv·d·2 B (+ dK,dV 2·kv·d·4 B), Q side 2·h·d·2 + 2·h·4 B (+ dQ h·d·4 B).
+        let n = 131072u64 * 7 / 8; // 7 input hops of N/8 tokens on each of 8 ranks = 7N/8 per rank; accumulators make 8 hops
+        let (hh, kk, d) = (h as u64, kv as u64, 128u64);
+        assert_eq!(a, n * 8 * (2 * kk * d * 2) + 8 * 131072 * (2 * kk * d * 4));
+        assert_eq!(b, n * 8 * (2 * hh * d * 2 + 2 * hh * 4) + 8 * 131072 * (hh * d * 4));
+        if h == kv {
+            assert!(b < a, "without GQA, circulating the query side moves less");
+        } else {
+            assert!(b > a, "with GQA, circulating K/V moves less");
+        }
+    }
+}
+
+#[test]
+fn random_documents_spec() {
+    let spec: crate::MaskSpec = "docs-random-causal:3".parse().unwrap();
+    assert_eq!(spec.to_string(), "docs-random-causal:3");
+    let m = spec.build(100, 100).unwrap();
+    let lens = long_tailed_doc_lens(100, 3);
+    assert_eq!(m, Mask::documents(&lens, DocKind::Causal).unwrap());
+    assert_eq!(spec.doc_lens(100), Some(lens));
+    assert!("docs-random:x".parse::<crate::MaskSpec>().is_err());
 }
