@@ -1,6 +1,7 @@
 //! Every strategy × mask × world size × GQA on/off × uneven lengths: distributed forward (O,
 //! LSE) and backward (dQ, dK, dV) equal the single-rank result to f32 rounding; plus failure
 //! handling and merge precision.
+#![allow(clippy::manual_is_multiple_of)]
 
 use distattn_core::plan::{PlanOptions, RingBackward};
 use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Mask, Strategy};

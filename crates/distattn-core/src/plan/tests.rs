@@ -178,3 +178,15 @@ fn random_documents_spec() {
     assert_eq!(spec.doc_lens(100), Some(lens));
     assert!("docs-random:x".parse::<crate::MaskSpec>().is_err());
 }
+
+#[test]
+fn display_example() {
+    let shape = AttnShape::new(1, 131072, 131072, 32, 8, 128).unwrap();
+    let mask = Mask::causal(131072, 131072).unwrap();
+    for s in [Strategy::Balanced, Strategy::Ring] {
+        let plan = build(s, 8, &shape, &mask, DType::BF16, &PlanOptions::forward()).unwrap();
+        let text = plan.to_string();
+        println!("{text}");
+        assert_eq!(text.lines().count(), plan.steps() + 3);
+    }
+}
