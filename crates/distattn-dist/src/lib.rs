@@ -10,6 +10,22 @@
 //! The pieces below the one-call API ([`run_forward`], [`run_backward`], [`shard`],
 //! [`unshard_into`], [`exec::execute_rank`]) are public so other drivers (a CUDA executor, a
 //! multi-process launcher) can reuse them.
+//!
+//! ```
+//! use distattn_core::{AttnOptions, AttnShape, Mask, Strategy};
+//! use distattn_dist::{distributed_backward, distributed_forward, RunOptions};
+//!
+//! let shape = AttnShape::new(1, 50, 50, 4, 2, 16).unwrap();
+//! let mask = Mask::causal(50, 50).unwrap();
+//! let q = vec![0.1f32; shape.q_elems()];
+//! let kv = vec![0.2f32; shape.kv_elems()];
+//! let strategy: Strategy = "zigzag".parse().unwrap();
+//! let run = RunOptions::default();
+//! let fwd = distributed_forward(strategy, 4, &q, &kv, &kv, &shape, &mask, &AttnOptions::default(), &run).unwrap();
+//! let grads = distributed_backward(strategy, 4, &q, &kv, &kv, &fwd.o, &fwd.lse, &q, &shape, &mask,
+//!                                  &AttnOptions::default(), &run).unwrap();
+//! assert_eq!(grads.dk.len(), shape.kv_elems());
+//! ```
 #![allow(clippy::too_many_arguments, clippy::type_complexity, clippy::manual_is_multiple_of)]
 
 pub mod backend;
