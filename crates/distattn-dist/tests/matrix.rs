@@ -251,3 +251,49 @@ fn document_aware_zigzag_layout() {
     let got = distributed_forward(Strategy::Zigzag, 4, &q, &k, &k, &shape, &mask, &opts, &run).unwrap();
     assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL);
 }
+
+/// Executor overhead at a moderate size (run with `--ignored --nocapture`).
+#[test]
+#[ignore]
+fn timing_moderate() {
+    let n = 8192;
+    let shape = AttnShape::new(1, n, n, 8, 4, 64).unwrap();
+    let mask = Mask::causal(n, n).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let q: Vec<bf16> = randv(shape.q_elems(), &mut rng);
+    let k: Vec<bf16> = randv(shape.kv_elems(), &mut rng);
+    let opts = AttnOptions::default();
+    let t = Instant::now();
+    let want = distattn_cpu::forward(&q, &k, &k, &shape, &mask, &opts).unwrap();
+    println!("single rank forward: {:?}", t.elapsed());
+    for s in [Strategy::Ring, Strategy::Zigzag, Strategy::Balanced, Strategy::Ulysses, Strategy::Dispatch] {
+        let t = Instant::now();
+        let got = distributed_forward(s, 4, &q, &k, &k, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+        println!("{s} P=4 forward: {:?} (err {:.1e})", t.elapsed(), rel_err(&got.o, &want.o));
+        let t = Instant::now();
+        distributed_backward(s, 4, &q, &k, &k, &got.o, &got.lse, &q, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+        println!("{s} P=4 backward: {:?}", t.elapsed());
+    }
+}
+
+#[test]
+fn rows_with_several_key_runs() {
+    // Global tokens + sliding window: rows keep two separate key runs.
+    let opts = AttnOptions::default();
+    let shape = AttnShape::new(1, 58, 58, 6, 3, 16).unwrap();
+    let mask = Mask::window_global(58, Some(5), Some(2), 4).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+    let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
+    let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
+    let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
+    let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
+    let want = distattn_cpu::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+    let delta = distattn_cpu::row_delta(&want.o, &d_o, &shape).unwrap();
+    let wg = distattn_cpu::backward(&q, &k, &v, &d_o, &want.lse, &delta, &shape, &mask, &opts).unwrap();
+    for s in strategies(3) {
+        let got = distributed_forward(s, 3, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+        assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
+        let g = distributed_backward(s, 3, &q, &k, &v, &want.o, &want.lse, &d_o, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+        assert!(rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL, "{s}");
+    }
+}

@@ -119,7 +119,15 @@ fn ulysses_needs_divisible_heads() {
 #[test]
 fn plans_validate_and_render() {
     let shape = AttnShape::new(1, 53, 53, 4, 2, 16).unwrap();
-    for mask in [Mask::causal(53, 53).unwrap(), Mask::full(53, 53).unwrap(), Mask::prefix_lm(53, 11).unwrap()] {
+    let masks = [
+        Mask::causal(53, 53).unwrap(),
+        Mask::full(53, 53).unwrap(),
+        Mask::prefix_lm(53, 11).unwrap(),
+        Mask::sliding_window(53, 53, Some(6), Some(0)).unwrap(),
+        Mask::documents(&long_tailed_doc_lens(53, 2), DocKind::Causal).unwrap(),
+        Mask::window_global(53, Some(4), Some(4), 3).unwrap(),
+    ];
+    for mask in masks {
         for s in strategies() {
             for p in [1, 2, 3, 4, 8] {
                 for opts in [PlanOptions::forward(), PlanOptions::backward(RingBackward::KvCirculate), PlanOptions::backward(RingBackward::QCirculate)] {
