@@ -36,6 +36,10 @@ pub struct PlanSummary {
     pub critical_flops: f64,
     /// Peak live bytes on each rank.
     pub peak_bytes_per_rank: Vec<u64>,
+    /// Bytes each rank sends over the whole plan.
+    pub bytes_per_rank: Vec<u64>,
+    /// FLOPs each rank computes over the whole plan.
+    pub flops_per_rank: Vec<f64>,
     /// `[step][rank]` work and traffic.
     pub per_step: Vec<Vec<StepCost>>,
 }
@@ -126,12 +130,14 @@ impl Plan {
             pass: self.pass,
             world: self.world,
             steps: self.steps(),
-            layout: format!("{:?}", self.layout.kind).split([' ', '{']).next().unwrap_or("").to_lowercase(),
+            layout: self.layout.kind.name().to_string(),
             imbalance: if mean_sum > 0.0 { max_sum / mean_sum } else { 1.0 },
             bytes_moved: per_step.iter().flatten().map(|c| c.bytes_sent).sum(),
             flops: total,
             critical_flops: max_sum,
             peak_bytes_per_rank: self.peak_bytes(),
+            bytes_per_rank: (0..self.world).map(|r| per_step.iter().map(|s| s[r].bytes_sent).sum()).collect(),
+            flops_per_rank: (0..self.world).map(|r| per_step.iter().map(|s| s[r].flops).sum()).collect(),
             per_step,
         }
     }

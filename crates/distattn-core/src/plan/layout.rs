@@ -324,6 +324,20 @@ pub enum LayoutKind {
     Dispatched,
 }
 
+impl LayoutKind {
+    /// Short name (for tables and JSON).
+    pub fn name(&self) -> &'static str {
+        match self {
+            LayoutKind::Contiguous => "contiguous",
+            LayoutKind::Zigzag => "zigzag",
+            LayoutKind::Striped => "striped",
+            LayoutKind::DocZigzag { .. } => "doc-zigzag",
+            LayoutKind::GroupedZigzag { .. } => "grouped-zigzag",
+            LayoutKind::Dispatched => "dispatched",
+        }
+    }
+}
+
 /// Which query tokens and which key tokens each rank holds. Q, dO, O, LSE, D and dQ follow
 /// `q`; K, V, dK and dV follow `k`.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
