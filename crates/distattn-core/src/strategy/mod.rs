@@ -1,5 +1,5 @@
 //! Planners: one short file per strategy. Each turns (world, shape, mask) into a [`Plan`]
-//! through the shared [`Builder`]; none of them executes anything.
+//! through the shared plan builder; none of them executes anything.
 //!
 //! [`Plan`]: crate::plan::Plan
 // Planners index per-rank tables by rank on purpose; `%` keeps the MSRV (1.80).
