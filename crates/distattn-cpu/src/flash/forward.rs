@@ -1,0 +1,139 @@
+//! Flash attention forward: one task per (batch, head, query tile), online softmax over the
+//! non-empty key tiles of the mask.
+
+use super::gemm::{gemm, simd_available, AOp};
+use super::vmath;
+use super::{pack_transposed, round16, rows_f32, SendPtr, TileConfig, LOG2E};
+use crate::Forward;
+use distattn_core::{AttnShape, Element, Mask, TileClass};
+use rayon::prelude::*;
+
+/// Forward pass with explicit tiles. Inputs must already be validated.
+pub(crate) fn run<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: &AttnShape,
+    mask: &Mask,
+    scale: f32,
+    tiles: TileConfig,
+) -> Forward {
+    let simd = simd_available();
+    let AttnShape { batch, q_len: nq, k_len: nk, heads, kv_heads, head_dim: d } = *shape;
+    let group = shape.group();
+    let dp = round16(d);
+    let (br, bc) = (tiles.fwd_q, tiles.fwd_k);
+    let nqt = nq.div_ceil(br);
+    let nkt = nk.div_ceil(bc);
+
+    let qf = rows_f32(q, batch, nq, heads, d, dp);
+    let kf = rows_f32(k, batch, nk, kv_heads, d, dp);
+    let kt = pack_transposed(&kf, batch * kv_heads, nk, d, dp, bc);
+    drop(kf);
+    let vf = rows_f32(v, batch, nk, kv_heads, d, dp);
+
+    let mut o = vec![0f32; shape.q_elems()];
+    let mut lse = vec![f32::NEG_INFINITY; shape.lse_elems()];
+    let o_ptr = SendPtr(o.as_mut_ptr());
+    let lse_ptr = SendPtr(lse.as_mut_ptr());
+
+    // Largest query tiles first: better tail balance under causal-like masks.
+    let mut order: Vec<(u64, usize)> = (0..nqt)
+        .map(|t| (mask.tile(t * br..((t + 1) * br).min(nq), 0..nk).area, t))
+        .filter(|&(a, _)| a > 0)
+        .collect();
+    order.sort_by(|a, b| b.0.cmp(&a.0));
+    let items: Vec<(usize, usize)> = order
+        .iter()
+        .flat_map(|&(_, t)| (0..batch * heads).map(move |g| (g, t)))
+        .collect();
+    let c = scale * LOG2E;
+
+    items.par_iter().for_each_init(
+        || Scratch::new(br, bc, dp),
+        |sc, &(g, t)| {
+            let (b, h) = (g / heads, g % heads);
+            let kg = b * kv_heads + h / group;
+            let q0 = t * br;
+            let q1 = (q0 + br).min(nq);
+            let mq = q1 - q0;
+            sc.reset(mq, dp);
+            let qa = AOp { ptr: qf[(g * nq + q0) * dp..].as_ptr(), rs: dp, cs: 1 };
+            for (kr, info) in mask.key_tiles(q0..q1, bc) {
+                let tile = kr.start / bc;
+                let nkv = kr.len();
+                let ncol = round16(nkv);
+                let kt_tile = &kt[(kg * nkt + tile) * d * bc..][..d * bc];
+                // S = Q · Kᵀ (raw scores)
+                unsafe { gemm(simd, mq, ncol, d, qa, kt_tile.as_ptr(), bc, sc.s.as_mut_ptr(), bc, false) };
+                if info.class == TileClass::Partial {
+                    mask.fill_tile(q0..q1, kr.clone(), &mut sc.keep);
+                    for i in 0..mq {
+                        let row = &mut sc.s[i * bc..i * bc + nkv];
+                        for (x, &kp) in row.iter_mut().zip(&sc.keep[i * nkv..(i + 1) * nkv]) {
+                            if !kp {
+                                *x = f32::NEG_INFINITY;
+                            }
+                        }
+                    }
+                }
+                for i in 0..mq {
+                    let row = &mut sc.s[i * bc..i * bc + ncol];
+                    row[nkv..].fill(f32::NEG_INFINITY);
+                    let (m_new, alpha, sum) = vmath::fwd_row(simd, row, c, sc.m[i]);
+                    if alpha != 1.0 {
+                        vmath::scale(simd, &mut sc.o[i * dp..(i + 1) * dp], alpha);
+                    }
+                    sc.l[i] = sc.l[i] * alpha + sum;
+                    sc.m[i] = m_new;
+                }
+                // O += P · V
+                let vrows = &vf[(kg * nk + kr.start) * dp..][..nkv * dp];
+                let pa = AOp { ptr: sc.s.as_ptr(), rs: bc, cs: 1 };
+                unsafe { gemm(simd, mq, dp, nkv, pa, vrows.as_ptr(), dp, sc.o.as_mut_ptr(), dp, true) };
+            }
+            for i in 0..mq {
+                let (l, m) = (sc.l[i], sc.m[i]);
+                let row = (b * nq + q0 + i) * heads + h;
+                // SAFETY: each (b, h, query row) is written by exactly one task.
+                unsafe {
+                    let dst = std::slice::from_raw_parts_mut(o_ptr.get().add(row * d), d);
+                    if l > 0.0 && m > f32::NEG_INFINITY {
+                        let inv = 1.0 / l;
+                        for (x, &y) in dst.iter_mut().zip(&sc.o[i * dp..i * dp + d]) {
+                            *x = y * inv;
+                        }
+                        *lse_ptr.get().add((b * heads + h) * nq + q0 + i) = (m + l.log2()) / LOG2E;
+                    }
+                }
+            }
+        },
+    );
+    Forward { o, lse }
+}
+
+struct Scratch {
+    s: Vec<f32>,
+    o: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    keep: Vec<bool>,
+}
+
+impl Scratch {
+    fn new(br: usize, bc: usize, dp: usize) -> Scratch {
+        Scratch {
+            s: vec![0.0; br * bc],
+            o: vec![0.0; br * dp],
+            m: vec![f32::NEG_INFINITY; br],
+            l: vec![0.0; br],
+            keep: vec![false; br * bc],
+        }
+    }
+
+    fn reset(&mut self, mq: usize, dp: usize) {
+        self.o[..mq * dp].fill(0.0);
+        self.m.fill(f32::NEG_INFINITY);
+        self.l.fill(0.0);
+    }
+}

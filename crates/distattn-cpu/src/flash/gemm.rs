@@ -1,0 +1,216 @@
+//! Small-tile GEMM: `C[m×n] (+)= A[m×k] · B[k×n]` on f32, for the tiles of flash attention.
+//!
+//! `A` is read element by element through two strides (`rsa` between rows, `csa` between
+//! columns), so a transposed operand (`Pᵀ`, `dSᵀ`) costs nothing extra. `B` and `C` are
+//! row-major with leading dimensions `ldb` / `ldc`; `n` must be a multiple of [`NR`] (callers
+//! pad B with zeros). The AVX2/FMA micro-kernel computes `MR × NR = 6 × 16` blocks in 12 ymm
+//! accumulators; a portable scalar kernel serves other machines.
+
+/// Rows of a micro-tile.
+pub const MR: usize = 6;
+/// Columns of a micro-tile (two 8-lane vectors).
+pub const NR: usize = 16;
+
+/// One operand `A` described by a pointer and strides.
+#[derive(Clone, Copy)]
+pub struct AOp {
+    pub ptr: *const f32,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+/// `C[m×n] (+)= A[m×k] · B[k×n]`.
+///
+/// # Safety
+/// Every addressed element must be in bounds: `A` at `ptr + i·rs + p·cs` for `i < m, p < k`;
+/// `B` at `b + p·ldb + j` for `p < k, j < n`; `C` at `c + i·ldc + j` for `i < m, j < n`.
+/// `n % NR == 0`. `C` must not alias `A` or `B`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub unsafe fn gemm(
+    simd: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: AOp,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    debug_assert!(n % NR == 0);
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        return x86::gemm(m, n, k, a, b, ldb, c, ldc, accumulate);
+    }
+    let _ = simd;
+    scalar_gemm(m, n, k, a, b, ldb, c, ldc, accumulate)
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn scalar_gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: AOp,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    let mut acc = [0f32; NR];
+    for i in 0..m {
+        for j0 in (0..n).step_by(NR) {
+            let crow = c.add(i * ldc + j0);
+            for (t, x) in acc.iter_mut().enumerate() {
+                *x = if accumulate { *crow.add(t) } else { 0.0 };
+            }
+            for p in 0..k {
+                let av = *a.ptr.add(i * a.rs + p * a.cs);
+                let brow = b.add(p * ldb + j0);
+                for (t, x) in acc.iter_mut().enumerate() {
+                    *x += av * *brow.add(t);
+                }
+            }
+            for (t, x) in acc.iter().enumerate() {
+                *crow.add(t) = *x;
+            }
+        }
+    }
+}
+
+/// True when the AVX2/FMA kernels can run here.
+pub fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::env::var_os("DISTATTN_CPU_NO_SIMD").is_some() {
+            return false;
+        }
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{AOp, MR, NR};
+    use std::arch::x86_64::*;
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gemm(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: AOp,
+        b: *const f32,
+        ldb: usize,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        let mut j0 = 0;
+        while j0 < n {
+            let bp = b.add(j0);
+            let mut i0 = 0;
+            while i0 < m {
+                let ap = AOp { ptr: a.ptr.add(i0 * a.rs), ..a };
+                let cp = c.add(i0 * ldc + j0);
+                match m - i0 {
+                    1 => ukr::<1>(k, ap, bp, ldb, cp, ldc, accumulate),
+                    2 => ukr::<2>(k, ap, bp, ldb, cp, ldc, accumulate),
+                    3 => ukr::<3>(k, ap, bp, ldb, cp, ldc, accumulate),
+                    4 => ukr::<4>(k, ap, bp, ldb, cp, ldc, accumulate),
+                    5 => ukr::<5>(k, ap, bp, ldb, cp, ldc, accumulate),
+                    _ => ukr::<MR>(k, ap, bp, ldb, cp, ldc, accumulate),
+                }
+                i0 += MR;
+            }
+            j0 += NR;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn ukr<const R: usize>(
+        k: usize,
+        a: AOp,
+        b: *const f32,
+        ldb: usize,
+        c: *mut f32,
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        let mut c0 = [_mm256_setzero_ps(); R];
+        let mut c1 = [_mm256_setzero_ps(); R];
+        if accumulate {
+            for r in 0..R {
+                c0[r] = _mm256_loadu_ps(c.add(r * ldc));
+                c1[r] = _mm256_loadu_ps(c.add(r * ldc + 8));
+            }
+        }
+        let mut ap = a.ptr;
+        let mut bp = b;
+        for _ in 0..k {
+            let b0 = _mm256_loadu_ps(bp);
+            let b1 = _mm256_loadu_ps(bp.add(8));
+            for r in 0..R {
+                let av = _mm256_broadcast_ss(&*ap.add(r * a.rs));
+                c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+                c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
+            }
+            ap = ap.add(a.cs);
+            bp = bp.add(ldb);
+        }
+        for r in 0..R {
+            _mm256_storeu_ps(c.add(r * ldc), c0[r]);
+            _mm256_storeu_ps(c.add(r * ldc + 8), c1[r]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(m: usize, n: usize, k: usize, a: &[f32], rs: usize, cs: usize, b: &[f32], ldb: usize) -> Vec<f32> {
+        let mut c = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0f64;
+                for p in 0..k {
+                    s += a[i * rs + p * cs] as f64 * b[p * ldb + j] as f64;
+                }
+                c[i * n + j] = s as f32;
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn kernels_match_naive() {
+        for simd in [false, simd_available()] {
+            for &(m, n, k) in &[(1, 16, 1), (7, 32, 5), (13, 48, 64), (6, 16, 3), (96, 64, 128)] {
+                for trans in [false, true] {
+                    let a: Vec<f32> = (0..m * k).map(|x| ((x * 37 % 101) as f32 - 50.0) / 25.0).collect();
+                    let b: Vec<f32> = (0..k * (n + 3)).map(|x| ((x * 53 % 97) as f32 - 48.0) / 30.0).collect();
+                    let (rs, cs) = if trans { (1, m) } else { (k, 1) };
+                    let want = naive(m, n, k, &a, rs, cs, &b, n + 3);
+                    let mut c = vec![1f32; m * n];
+                    unsafe { gemm(simd, m, n, k, AOp { ptr: a.as_ptr(), rs, cs }, b.as_ptr(), n + 3, c.as_mut_ptr(), n, true) };
+                    for (x, w) in c.iter().zip(&want) {
+                        assert!((x - 1.0 - w).abs() < 1e-4 * (1.0 + w.abs()), "{x} vs {w}");
+                    }
+                    unsafe { gemm(simd, m, n, k, AOp { ptr: a.as_ptr(), rs, cs }, b.as_ptr(), n + 3, c.as_mut_ptr(), n, false) };
+                    for (x, w) in c.iter().zip(&want) {
+                        assert!((x - w).abs() < 1e-4 * (1.0 + w.abs()));
+                    }
+                }
+            }
+        }
+    }
+}

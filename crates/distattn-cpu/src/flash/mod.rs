@@ -1,0 +1,103 @@
+//! Tiled flash attention on the CPU.
+//!
+//! Inputs are first converted once to f32 in a head-major, zero-padded layout
+//! (`[batch, heads, len, dp]` with `dp = head_dim` rounded up to 16), and K and V are also
+//! packed transposed per key tile (`[batch, kv_heads, tile, head_dim, bk]`) so the score GEMMs
+//! stream contiguous vectors. All of this is linear in the sequence length; the score matrix
+//! only ever exists as one `bq × bk` tile per worker.
+
+pub mod backward;
+pub mod forward;
+pub mod gemm;
+pub mod vmath;
+
+use distattn_core::Element;
+use rayon::prelude::*;
+
+/// Tile sizes of the kernels (rows of queries × keys per tile).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileConfig {
+    /// Query rows per forward tile.
+    pub fwd_q: usize,
+    /// Keys per forward tile (rounded up to a multiple of 16).
+    pub fwd_k: usize,
+    /// Query rows per backward tile.
+    pub bwd_q: usize,
+    /// Keys per backward tile (rounded up to a multiple of 16).
+    pub bwd_k: usize,
+}
+
+impl TileConfig {
+    /// Tiles chosen for a head dimension (tuned on a 2-core AVX2 machine).
+    pub fn for_head_dim(d: usize) -> TileConfig {
+        let _ = d;
+        TileConfig { fwd_q: 96, fwd_k: 64, bwd_q: 64, bwd_k: 64 }
+    }
+
+    pub(crate) fn sanitized(self) -> TileConfig {
+        TileConfig {
+            fwd_q: self.fwd_q.max(1),
+            fwd_k: round16(self.fwd_k.max(1)),
+            bwd_q: self.bwd_q.max(1),
+            bwd_k: round16(self.bwd_k.max(1)),
+        }
+    }
+}
+
+pub(crate) fn round16(x: usize) -> usize {
+    x.div_ceil(16) * 16
+}
+
+/// log2(e): scores are scaled by `scale · LOG2E` so exponentials are base 2.
+pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
+
+/// A raw pointer shared by workers that write disjoint parts of one buffer.
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr<T>(pub *mut T);
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
+    /// The pointer (a method, so closures capture the whole wrapper).
+    #[inline(always)]
+    pub(crate) fn get(&self) -> *mut T {
+        self.0
+    }
+}
+
+/// `x` (`[batch, len, heads, d]`) as f32 rows `[batch, heads, len, dp]`, zero-padded to `dp`.
+pub(crate) fn rows_f32<T: Element>(x: &[T], batch: usize, len: usize, heads: usize, d: usize, dp: usize) -> Vec<f32> {
+    let mut out = vec![0f32; batch * heads * len * dp];
+    out.par_chunks_mut(len * dp).enumerate().for_each(|(g, dst)| {
+        let (b, h) = (g / heads, g % heads);
+        for i in 0..len {
+            let src = &x[((b * len + i) * heads + h) * d..][..d];
+            T::convert_to_f32(src, &mut dst[i * dp..i * dp + d]);
+        }
+    });
+    out
+}
+
+/// Rows `[groups, len, dp]` packed transposed per tile of `bk` rows: `[groups, tiles, d, bk]`,
+/// zero beyond `len`.
+pub(crate) fn pack_transposed(rows: &[f32], groups: usize, len: usize, d: usize, dp: usize, bk: usize) -> Vec<f32> {
+    let tiles = len.div_ceil(bk);
+    let mut out = vec![0f32; groups * tiles * d * bk];
+    out.par_chunks_mut(d * bk).enumerate().for_each(|(gt, dst)| {
+        let (g, t) = (gt / tiles, gt % tiles);
+        let j0 = t * bk;
+        let n = (len - j0).min(bk);
+        let src = &rows[(g * len + j0) * dp..];
+        // Blocks of 8 keys keep both sides in cache lines.
+        for jb in (0..n).step_by(8) {
+            let je = (jb + 8).min(n);
+            for c in 0..d {
+                let row = &mut dst[c * bk..];
+                for j in jb..je {
+                    row[j] = src[j * dp + c];
+                }
+            }
+        }
+    });
+    out
+}

@@ -1,0 +1,236 @@
+//! Row operations of the softmax, vectorised: `exp2` as a degree-6 polynomial on
+//! `[-1/2, 1/2]` plus an exponent shift (relative error ≈ 2e-7), with a portable fallback.
+//!
+//! Scores arrive unscaled; `c = scale · log2(e)` folds the softmax scale and the change of
+//! base into one multiply, so every exponential is a base-2 one.
+
+/// Online-softmax step of one row in the forward pass. `s` holds the raw scores of the tile
+/// (masked entries already −inf); on return it holds `p = 2^(c·s − m_new)`. Returns
+/// `(m_new, alpha, rowsum)` with `alpha = 2^(m_old − m_new)` the rescale of earlier state.
+/// A row that has seen no key yet (`m_new = −inf`) gets `p = 0`, `alpha = 1`.
+#[inline]
+pub fn fwd_row(simd: bool, s: &mut [f32], c: f32, m_old: f32) -> (f32, f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        return unsafe { x86::fwd_row(s, c, m_old) };
+    }
+    let _ = simd;
+    let mx = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let m_new = m_old.max(c * mx);
+    if m_new == f32::NEG_INFINITY {
+        s.fill(0.0);
+        return (m_new, 1.0, 0.0);
+    }
+    let mut sum = 0.0;
+    for x in s.iter_mut() {
+        *x = (c * *x - m_new).exp2();
+        sum += *x;
+    }
+    (m_new, (m_old - m_new).exp2(), sum)
+}
+
+/// Backward row: `p = 2^(c·s − lse2)` into `s`, `ds = p ∘ (dp − delta)` into `dp`.
+/// A row with `lse2 = −inf` (no key anywhere) gets zeros.
+#[inline]
+pub fn bwd_row(simd: bool, s: &mut [f32], dp: &mut [f32], c: f32, lse2: f32, delta: f32) {
+    if lse2 == f32::NEG_INFINITY {
+        s.fill(0.0);
+        dp.fill(0.0);
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        return unsafe { x86::bwd_row(s, dp, c, lse2, delta) };
+    }
+    let _ = simd;
+    for (x, g) in s.iter_mut().zip(dp.iter_mut()) {
+        *x = (c * *x - lse2).exp2();
+        *g = *x * (*g - delta);
+    }
+}
+
+/// `x *= a`.
+#[inline]
+pub fn scale(simd: bool, x: &mut [f32], a: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        return unsafe { x86::scale(x, a) };
+    }
+    let _ = simd;
+    x.iter_mut().for_each(|v| *v *= a);
+}
+
+/// Σ a·b in f32.
+#[inline]
+pub fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        return unsafe { x86::dot(a, b) };
+    }
+    let _ = simd;
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    const LN2: f32 = std::f32::consts::LN_2;
+    // Taylor coefficients of 2^f = e^(f ln2): ln2^k / k!.
+    const C1: f32 = LN2;
+    const C2: f32 = LN2 * LN2 / 2.0;
+    const C3: f32 = LN2 * LN2 * LN2 / 6.0;
+    const C4: f32 = LN2 * LN2 * LN2 * LN2 / 24.0;
+    const C5: f32 = LN2 * LN2 * LN2 * LN2 * LN2 / 120.0;
+    const C6: f32 = LN2 * LN2 * LN2 * LN2 * LN2 * LN2 / 720.0;
+
+    /// 2^x for 8 lanes; x ≤ −127 (and −inf) give exactly 0.
+    #[inline(always)]
+    pub unsafe fn exp2_ps(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-127.0)), _mm256_set1_ps(127.0));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+        let f = _mm256_sub_ps(x, n);
+        let mut p = _mm256_set1_ps(C6);
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(C5));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(C4));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(C3));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(C2));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(C1));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0));
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+        _mm256_mul_ps(p, _mm256_castsi256_ps(e))
+    }
+
+    #[inline(always)]
+    unsafe fn hmax(v: __m256) -> f32 {
+        let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_shuffle_ps::<1>(m, m));
+        _mm_cvtss_f32(m)
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_add_ss(m, _mm_shuffle_ps::<1>(m, m));
+        _mm_cvtss_f32(m)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fwd_row(s: &mut [f32], c: f32, m_old: f32) -> (f32, f32, f32) {
+        let n = s.len();
+        let p = s.as_mut_ptr();
+        let mut vm = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut j = 0;
+        while j + 8 <= n {
+            vm = _mm256_max_ps(vm, _mm256_loadu_ps(p.add(j)));
+            j += 8;
+        }
+        let mut mx = hmax(vm);
+        for t in j..n {
+            mx = mx.max(*p.add(t));
+        }
+        let m_new = m_old.max(c * mx);
+        if m_new == f32::NEG_INFINITY {
+            s.fill(0.0);
+            return (m_new, 1.0, 0.0);
+        }
+        let vc = _mm256_set1_ps(c);
+        let vmn = _mm256_set1_ps(-m_new);
+        let mut vs = _mm256_setzero_ps();
+        let mut j = 0;
+        while j + 8 <= n {
+            let e = exp2_ps(_mm256_fmadd_ps(_mm256_loadu_ps(p.add(j)), vc, vmn));
+            _mm256_storeu_ps(p.add(j), e);
+            vs = _mm256_add_ps(vs, e);
+            j += 8;
+        }
+        let mut sum = hsum(vs);
+        for t in j..n {
+            let e = (c * *p.add(t) - m_new).exp2();
+            *p.add(t) = e;
+            sum += e;
+        }
+        (m_new, (m_old - m_new).exp2(), sum)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn bwd_row(s: &mut [f32], dp: &mut [f32], c: f32, lse2: f32, delta: f32) {
+        let n = s.len().min(dp.len());
+        let (ps, pd) = (s.as_mut_ptr(), dp.as_mut_ptr());
+        let vc = _mm256_set1_ps(c);
+        let vl = _mm256_set1_ps(-lse2);
+        let vd = _mm256_set1_ps(delta);
+        let mut j = 0;
+        while j + 8 <= n {
+            let e = exp2_ps(_mm256_fmadd_ps(_mm256_loadu_ps(ps.add(j)), vc, vl));
+            _mm256_storeu_ps(ps.add(j), e);
+            let g = _mm256_mul_ps(e, _mm256_sub_ps(_mm256_loadu_ps(pd.add(j)), vd));
+            _mm256_storeu_ps(pd.add(j), g);
+            j += 8;
+        }
+        for t in j..n {
+            let e = (c * *ps.add(t) - lse2).exp2();
+            *ps.add(t) = e;
+            *pd.add(t) = e * (*pd.add(t) - delta);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scale(x: &mut [f32], a: f32) {
+        let n = x.len();
+        let p = x.as_mut_ptr();
+        let va = _mm256_set1_ps(a);
+        let mut j = 0;
+        while j + 8 <= n {
+            _mm256_storeu_ps(p.add(j), _mm256_mul_ps(_mm256_loadu_ps(p.add(j)), va));
+            j += 8;
+        }
+        for t in j..n {
+            *p.add(t) *= a;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut v = _mm256_setzero_ps();
+        let mut j = 0;
+        while j + 8 <= n {
+            v = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(j)), _mm256_loadu_ps(pb.add(j)), v);
+            j += 8;
+        }
+        let mut s = hsum(v);
+        for t in j..n {
+            s += *pa.add(t) * *pb.add(t);
+        }
+        s
+    }
+
+    #[cfg(test)]
+    #[test]
+    fn exp2_accuracy() {
+        if !super::super::gemm::simd_available() {
+            return;
+        }
+        let mut worst = 0f64;
+        let mut x = -130.0f32;
+        while x < 20.0 {
+            let mut buf = [0f32; 8];
+            unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), exp2_ps(_mm256_set1_ps(x))) };
+            let want = (x as f64).exp2();
+            if x > -126.0 {
+                worst = worst.max(((buf[0] as f64 - want) / want).abs());
+            } else {
+                assert!(buf[0] < 1e-37);
+            }
+            x += 0.01237;
+        }
+        assert!(worst < 5e-7, "worst relative error {worst}");
+        let mut buf = [1f32; 8];
+        unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), exp2_ps(_mm256_set1_ps(f32::NEG_INFINITY))) };
+        assert_eq!(buf[0], 0.0);
+    }
+}

@@ -1,0 +1,171 @@
+//! Shared helpers of the distattn-cpu tests: seeded random inputs, relative errors, and the
+//! one table of tolerances.
+//!
+//! Seeds: every test draws fresh inputs from a seed printed on stderr (`cargo test -- --nocapture`
+//! shows it; a failing test prints it in its message). Set `DISTATTN_SEED=<n>` to replay.
+#![allow(dead_code)]
+
+use distattn_core::{AttnOptions, AttnShape, DType, Element, Mask};
+use distattn_cpu::{backward_with, forward_with, reference, row_delta, TileConfig};
+use half::{bf16, f16};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand_distr::StandardNormal;
+
+/// Relative error bounds, `‖x − ref‖ / ‖ref‖`, where `ref` is the f64 reference computed from
+/// the *unrounded* f32 inputs. So for bf16/f16 the bound covers the storage rounding of Q, K,
+/// V and dO (2^-9 and 2^-12 relative per element) plus f32 accumulation; for f32 it covers
+/// accumulation order and the polynomial exp2 (≈ 2e-7).
+pub const FLOOR: f64 = 1e-1;
+
+pub fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::BF16 => 1e-2,
+        DType::F16 => 2e-3,
+    }
+}
+
+/// The run's seed: `DISTATTN_SEED` if set, else fresh; printed either way.
+pub fn seed(test: &str) -> u64 {
+    let s = match std::env::var("DISTATTN_SEED") {
+        Ok(v) => v.parse().expect("DISTATTN_SEED must be an integer"),
+        Err(_) => rand::rng().random(),
+    };
+    eprintln!("[{test}] seed {s} (replay with DISTATTN_SEED={s})");
+    s
+}
+
+pub fn rng(test: &str) -> (StdRng, u64) {
+    let s = seed(test);
+    (StdRng::seed_from_u64(s), s)
+}
+
+pub fn randn(rng: &mut StdRng, n: usize, sd: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.sample::<f32, _>(StandardNormal) * sd).collect()
+}
+
+pub fn cast<T: Element>(x: &[f32]) -> Vec<T> {
+    x.iter().map(|&v| T::from_f32(v)).collect()
+}
+
+/// `‖x − r‖ / max(‖r‖, FLOOR·√n)`; infinite on any NaN.
+///
+/// The floor (an RMS of 0.1; inputs are unit normal, so O and the gradients have RMS of
+/// order 0.1–1) keeps the measure meaningful where the exact result is nearly zero by
+/// cancellation — e.g. dQ when every row sees a single key, where dS = P·(dP − D) ≈ 0.
+pub fn rel_err(x: &[f32], r: &[f64]) -> f64 {
+    assert_eq!(x.len(), r.len());
+    let mut num = 0f64;
+    let mut den = 0f64;
+    for (&a, &b) in x.iter().zip(r) {
+        if a.is_nan() {
+            return f64::INFINITY;
+        }
+        num += (a as f64 - b).powi(2);
+        den += b * b;
+    }
+    (num / den.max(FLOOR * FLOOR * r.len() as f64)).sqrt()
+}
+
+/// LSE comparison: −inf exactly where the reference has −inf, relative error elsewhere.
+pub fn lse_err(x: &[f32], r: &[f64]) -> f64 {
+    let mut fin_x = Vec::new();
+    let mut fin_r = Vec::new();
+    for (&a, &b) in x.iter().zip(r) {
+        if b == f64::NEG_INFINITY {
+            if a != f32::NEG_INFINITY {
+                return f64::INFINITY;
+            }
+        } else {
+            fin_x.push(a);
+            fin_r.push(b);
+        }
+    }
+    if fin_r.is_empty() {
+        0.0
+    } else {
+        rel_err(&fin_x, &fin_r)
+    }
+}
+
+/// Errors of one forward + backward case.
+#[derive(Debug)]
+pub struct Errs {
+    pub o: f64,
+    pub lse: f64,
+    pub dq: f64,
+    pub dk: f64,
+    pub dv: f64,
+}
+
+impl Errs {
+    pub fn max(&self) -> f64 {
+        [self.o, self.lse, self.dq, self.dk, self.dv].into_iter().fold(0.0, f64::max)
+    }
+}
+
+pub struct Inputs {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub d_o: Vec<f32>,
+}
+
+pub fn inputs(rng: &mut StdRng, shape: &AttnShape) -> Inputs {
+    Inputs {
+        q: randn(rng, shape.q_elems(), 1.0),
+        k: randn(rng, shape.kv_elems(), 1.0),
+        v: randn(rng, shape.kv_elems(), 1.0),
+        d_o: randn(rng, shape.q_elems(), 1.0),
+    }
+}
+
+/// Runs flash forward + backward in storage type `T` and the f64 reference on the unrounded
+/// inputs; returns the relative errors. Panics on any NaN.
+pub fn errors<T: Element>(x: &Inputs, shape: &AttnShape, mask: &Mask, tiles: TileConfig) -> Errs {
+    let opts = AttnOptions::default();
+    let (q, k, v, d_o) = (cast::<T>(&x.q), cast::<T>(&x.k), cast::<T>(&x.v), cast::<T>(&x.d_o));
+    let f = forward_with(&q, &k, &v, shape, mask, &opts, tiles).unwrap();
+    assert!(f.o.iter().all(|x| x.is_finite()), "non-finite O");
+    assert!(f.lse.iter().all(|x| !x.is_nan()), "NaN LSE");
+    let r = reference::forward(&x.q, &x.k, &x.v, shape, mask, &opts).unwrap();
+    let delta = row_delta(&f.o, &d_o, shape).unwrap();
+    let g = backward_with(&q, &k, &v, &d_o, &f.lse, &delta, shape, mask, &opts, tiles).unwrap();
+    for t in [&g.dq, &g.dk, &g.dv] {
+        assert!(t.iter().all(|x| x.is_finite()), "non-finite gradient");
+    }
+    let rg = reference::backward(&x.q, &x.k, &x.v, &x.d_o, shape, mask, &opts).unwrap();
+    Errs {
+        o: rel_err(&f.o, &r.o),
+        lse: lse_err(&f.lse, &r.lse),
+        dq: rel_err(&g.dq, &rg.dq),
+        dk: rel_err(&g.dk, &rg.dk),
+        dv: rel_err(&g.dv, &rg.dv),
+    }
+}
+
+pub fn errors_dtype(dtype: DType, x: &Inputs, shape: &AttnShape, mask: &Mask, tiles: TileConfig) -> Errs {
+    match dtype {
+        DType::F32 => errors::<f32>(x, shape, mask, tiles),
+        DType::BF16 => errors::<bf16>(x, shape, mask, tiles),
+        DType::F16 => errors::<f16>(x, shape, mask, tiles),
+    }
+}
+
+/// Asserts one case within the dtype's tolerance, naming the case and seed on failure.
+pub fn check(name: &str, seed: u64, dtype: DType, x: &Inputs, shape: &AttnShape, mask: &Mask, tiles: TileConfig) {
+    let e = errors_dtype(dtype, x, shape, mask, tiles);
+    let tol = tolerance(dtype);
+    if std::env::var_os("DISTATTN_TEST_VERBOSE").is_some() {
+        eprintln!("{name} [{dtype}, {shape}]: max error {:.2e} ({e:?})", e.max());
+    }
+    assert!(
+        e.max() <= tol,
+        "{name} [{dtype}, {shape}, tiles {tiles:?}]: errors {e:?} exceed {tol} (DISTATTN_SEED={seed})"
+    );
+}
+
+/// Small tiles (many partial tiles and ragged edges) and the defaults.
+pub fn tile_configs(d: usize) -> [TileConfig; 2] {
+    [TileConfig { fwd_q: 7, fwd_k: 16, bwd_q: 5, bwd_k: 16 }, TileConfig::for_head_dim(d)]
+}
