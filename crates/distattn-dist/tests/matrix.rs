@@ -4,7 +4,7 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 use distattn_core::plan::{PlanOptions, RingBackward};
-use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Mask, Strategy};
+use distattn_core::{AttnOptions, AttnShape, Element, Error, Mask, Strategy};
 use distattn_dist::{distributed_backward, distributed_forward, FailureKind, InjectedFailure, RunOptions};
 use half::bf16;
 use rand::{Rng, SeedableRng};

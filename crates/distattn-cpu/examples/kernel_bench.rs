@@ -1,0 +1,24 @@
+//! Single-thread GFLOP/s of the tile GEMM micro-kernel (data in L1/L2), for tuning.
+//! cargo run --release -p distattn-cpu --example kernel_bench
+use distattn_cpu::flash::gemm::{gemm, simd_available, AOp};
+use std::time::Instant;
+
+fn main() {
+    let simd = simd_available();
+    for &(m, n, k, trans) in &[(96, 64, 64, false), (96, 64, 128, false), (96, 128, 64, false), (64, 64, 64, true), (64, 128, 64, true), (96, 128, 128, false)] {
+        let a = vec![0.5f32; m * k];
+        let b = vec![0.25f32; k * n];
+        let mut c = vec![0f32; m * n];
+        let (rs, cs) = if trans { (1, m) } else { (k, 1) };
+        let iters = 20000;
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t = Instant::now();
+            for _ in 0..iters {
+                unsafe { gemm(simd, m, n, k, AOp { ptr: a.as_ptr(), rs, cs }, b.as_ptr(), n, c.as_mut_ptr(), n, true) };
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        println!("m={m} n={n} k={k} transA={trans}: {:.1} GFLOP/s", 2.0 * (m * n * k * iters) as f64 / best / 1e9);
+    }
+}

@@ -1,0 +1,286 @@
+//! `distattn bench`: forward and backward throughput on the backend present, with a
+//! correctness check against the f64 reference first.
+
+use anyhow::{bail, Result};
+use clap::Args;
+use distattn::{host, AttnOptions, AttnShape, DType, HostTensor, Mask, MaskSpec};
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args)]
+#[command(after_help = "\
+Masks (--mask, repeatable): any spec of `distattn run --help`, or the shorthands
+  window  = window:256,0 (causal sliding window of 257 keys)
+  docs    = docs-causal with four documents of 1/8, 1/4, 1/8 and 1/2 of the sequence
+Throughput follows the FlashAttention convention: forward 4*batch*heads*area*head_dim FLOPs
+(area = kept query-key pairs: seq^2 for full, about seq^2/2 for causal), backward 2.5x that.")]
+pub struct BenchArgs {
+    /// Sequence lengths.
+    #[arg(long, value_delimiter = ',', default_values_t = [1024usize, 4096])]
+    seqs: Vec<usize>,
+    /// Masks to time (repeatable).
+    #[arg(long = "mask", default_values_t = ["full".to_string(), "causal".to_string(), "window".to_string(), "docs".to_string()])]
+    masks: Vec<String>,
+    /// Head dimensions.
+    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 128])]
+    head_dims: Vec<usize>,
+    /// Storage dtypes.
+    #[arg(long, value_delimiter = ',', default_values_t = [DType::F32, DType::BF16])]
+    dtypes: Vec<DType>,
+    /// Query heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Key/value heads (default: as many as query heads).
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Batch size.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Timed repetitions per measurement (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Skip the backward pass.
+    #[arg(long)]
+    forward_only: bool,
+    /// Write the rows as JSON to this file ('-' for standard output).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Random seed of the inputs.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// One measured row, in the format shared by every distattn benchmark.
+#[derive(Serialize, Clone)]
+struct Row {
+    #[serde(rename = "impl")]
+    implementation: String,
+    backend: String,
+    pass: String,
+    mask: String,
+    causal: bool,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: String,
+    ms: f64,
+    tflops: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    device: String,
+    date: String,
+    commit: String,
+    check: String,
+    rows: Vec<Row>,
+}
+
+fn expand_mask(name: &str, seq: usize) -> Result<MaskSpec> {
+    Ok(match name {
+        "window" => "window:256,0".parse()?,
+        "docs" => {
+            let (a, b) = (seq / 8, seq / 4);
+            MaskSpec::Documents { lens: vec![a, b, a, seq - 2 * a - b], kind: distattn::mask::DocKind::Causal }
+        }
+        other => other.parse()?,
+    })
+}
+
+fn random_tensor(rng: &mut rand::rngs::StdRng, shape: Vec<usize>, dtype: DType) -> HostTensor {
+    let n: usize = shape.iter().product();
+    let vals: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    HostTensor::from_f32(shape, &vals, dtype)
+}
+
+fn median_ms(repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?; // warm-up: page faults, thread pool start
+    let mut times = Vec::with_capacity(repeats);
+    for _ in 0..repeats.max(1) {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+fn rel_err(x: &[f32], reference: &[f64]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&a, &b) in x.iter().zip(reference) {
+        let (a, b) = (a as f64, if b.is_finite() { b } else { 0.0 });
+        let a = if a.is_finite() { a } else { 0.0 };
+        num += (a - b) * (a - b);
+        den += b * b;
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// Forward and backward of a small GQA causal case against the f64 reference.
+fn check(seed: u64) -> Result<String> {
+    let shape = AttnShape::new(1, 300, 300, 4, 2, 64)?;
+    let mask = Mask::causal(300, 300)?;
+    let opts = AttnOptions::default();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xC0FFEE);
+    let mut worst = 0.0f64;
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+        let q = random_tensor(&mut rng, vec![1, 300, 4, 64], dtype);
+        let k = random_tensor(&mut rng, vec![1, 300, 2, 64], dtype);
+        let v = random_tensor(&mut rng, vec![1, 300, 2, 64], dtype);
+        let g = random_tensor(&mut rng, vec![1, 300, 4, 64], dtype);
+        let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts)?;
+        let grads = host::backward(&q, &k, &v, &fwd.o, &g, &fwd.lse, &shape, &mask, &opts)?;
+        let rq = q.cast(DType::F32).to_f32();
+        let rk = k.cast(DType::F32).to_f32();
+        let rv = v.cast(DType::F32).to_f32();
+        let rg = g.cast(DType::F32).to_f32();
+        let rf = distattn::cpu::reference::forward(&rq, &rk, &rv, &shape, &mask, &opts)?;
+        let rb = distattn::cpu::reference::backward(&rq, &rk, &rv, &rg, &shape, &mask, &opts)?;
+        for (name, got, want) in [
+            ("o", &fwd.o, &rf.o),
+            ("lse", &fwd.lse, &rf.lse),
+            ("dq", &grads.dq, &rb.dq),
+            ("dk", &grads.dk, &rb.dk),
+            ("dv", &grads.dv, &rb.dv),
+        ] {
+            let e = rel_err(got, want);
+            if !(e <= tol) {
+                bail!("self-check failed: {dtype} {name} relative error {e:.2e} exceeds {tol:.0e}");
+            }
+            worst = worst.max(e / tol);
+        }
+    }
+    Ok(format!(
+        "self-check vs f64 reference (seq 300, causal, 4 q / 2 kv heads, d 64): O, LSE, dQ, dK, dV within tolerance (f32 1e-5, bf16 1e-2; worst at {:.0}% of it)",
+        worst * 100.0
+    ))
+}
+
+fn cpu_name() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    format!("cpu: {model}, {} threads", rayon::current_num_threads())
+}
+
+fn commit() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn print_table(rows: &[Row]) {
+    println!(
+        "{:<7} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10} {:>9} {:>10} {:>9}",
+        "backend", "dtype", "mask", "seq", "heads", "d", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s"
+    );
+    for fwd in rows.iter().filter(|r| r.pass == "fwd") {
+        let bwd = rows.iter().find(|r| {
+            r.pass == "bwd" && r.mask == fwd.mask && r.seq == fwd.seq && r.head_dim == fwd.head_dim && r.dtype == fwd.dtype
+        });
+        let (bms, btf) = bwd.map_or(("-".into(), "-".into()), |b| (format!("{:.1}", b.ms), format!("{:.3}", b.tflops)));
+        let mut mask = fwd.mask.clone();
+        if mask.len() > 22 {
+            mask.truncate(19);
+            mask.push_str("...");
+        }
+        println!(
+            "{:<7} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10.1} {:>9.3} {:>10} {:>9}",
+            fwd.backend, fwd.dtype, mask, fwd.seq, fwd.heads, fwd.head_dim, fwd.ms, fwd.tflops, bms, btf
+        );
+    }
+}
+
+pub fn bench(args: BenchArgs) -> Result<()> {
+    let kv_heads = args.kv_heads.unwrap_or(args.heads);
+    eprintln!("{}", cpu_name());
+    let check = check(args.seed)?;
+    eprintln!("{check}");
+    let mut configs = Vec::new();
+    for &seq in &args.seqs {
+        for name in &args.masks {
+            let spec = expand_mask(name, seq)?;
+            for &d in &args.head_dims {
+                for &dtype in &args.dtypes {
+                    configs.push((seq, spec.clone(), d, dtype));
+                }
+            }
+        }
+    }
+    let bar = ProgressBar::new(configs.len() as u64);
+    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {msg}")?);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    let mut rows = Vec::new();
+    let opts = AttnOptions::default();
+    for (seq, spec, d, dtype) in configs {
+        bar.set_message(format!("{dtype} {spec} seq {seq} d {d}"));
+        let shape = AttnShape::new(args.batch, seq, seq, args.heads, kv_heads, d)?;
+        let mask = spec.build(seq, seq)?;
+        let q = random_tensor(&mut rng, vec![args.batch, seq, args.heads, d], dtype);
+        let k = random_tensor(&mut rng, vec![args.batch, seq, kv_heads, d], dtype);
+        let v = random_tensor(&mut rng, vec![args.batch, seq, kv_heads, d], dtype);
+        let flops = 4.0 * (args.batch * args.heads) as f64 * mask.area() as f64 * d as f64;
+        let mut row = Row {
+            implementation: "distattn".into(),
+            backend: "cpu".into(),
+            pass: "fwd".into(),
+            mask: spec.to_string(),
+            causal: spec.is_causal(),
+            batch: args.batch,
+            seq,
+            heads: args.heads,
+            kv_heads,
+            head_dim: d,
+            dtype: dtype.to_string(),
+            ms: 0.0,
+            tflops: 0.0,
+        };
+        let mut fwd = None;
+        row.ms = median_ms(args.repeats, || {
+            fwd = Some(host::forward(&q, &k, &v, &shape, &mask, &opts)?);
+            Ok(())
+        })?;
+        row.tflops = flops / row.ms / 1e9;
+        rows.push(row.clone());
+        if !args.forward_only {
+            let fwd = fwd.expect("forward ran");
+            let g = random_tensor(&mut rng, vec![args.batch, seq, args.heads, d], dtype);
+            row.pass = "bwd".into();
+            row.ms = median_ms(args.repeats, || {
+                host::backward(&q, &k, &v, &fwd.o, &g, &fwd.lse, &shape, &mask, &opts)?;
+                Ok(())
+            })?;
+            row.tflops = 2.5 * flops / row.ms / 1e9;
+            rows.push(row);
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    print_table(&rows);
+    if let Some(path) = &args.json {
+        let report = Report {
+            device: cpu_name(),
+            date: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+            commit: commit(),
+            check,
+            rows,
+        };
+        let text = serde_json::to_string_pretty(&report)?;
+        if path.as_os_str() == "-" {
+            println!("{text}");
+        } else {
+            std::fs::write(path, text + "\n").map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        }
+    }
+    Ok(())
+}

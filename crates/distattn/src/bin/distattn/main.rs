@@ -1,0 +1,66 @@
+//! `distattn`: exact attention from the command line.
+//!
+//! `distattn run` computes attention on `.npy` files, `distattn bench` runs the benchmark
+//! table on the backend present. Errors print one line and exit with status 1.
+
+mod bench;
+mod run;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "distattn", version, about = "Exact, memory-efficient attention over long sequences", long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Compute attention on .npy inputs; optionally write O, LSE and gradients.
+    Run(run::RunArgs),
+    /// Benchmark forward and backward throughput on the backend present (the CPU here).
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    // A bug must still end in one line, not a trace (RUST_BACKTRACE=1 restores the trace).
+    if std::env::var_os("RUST_BACKTRACE").is_none() {
+        std::panic::set_hook(Box::new(|info| {
+            let msg = info
+                .payload()
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            eprintln!("error: internal error: {msg} (at {}); please report it", info.location().map_or(String::new(), |l| l.to_string()));
+        }));
+    }
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            // --help and --version.
+            print!("{e}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            // Usage errors in one line too: clap's first line names the problem.
+            let text = e.render().to_string();
+            eprintln!("{}", text.lines().next().unwrap_or("error: bad arguments"));
+            return ExitCode::from(2);
+        }
+    };
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Bench(args) => bench::bench(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+            eprintln!("error: {}", chain.join(": "));
+            ExitCode::FAILURE
+        }
+    }
+}

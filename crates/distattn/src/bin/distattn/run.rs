@@ -1,0 +1,113 @@
+//! `distattn run`: attention on `.npy` files.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use distattn::{host, AttnOptions, DType, HostTensor, MaskSpec};
+use std::path::PathBuf;
+
+#[derive(Args)]
+#[command(after_help = "\
+Layouts: q is [batch, seq, heads, head_dim] (or packed [tokens, heads, head_dim]); k and v are
+[batch, kv_seq, kv_heads, head_dim]; heads must be a multiple of kv_heads (GQA/MQA).
+Outputs are f32: o like q, lse as [batch, heads, seq] (natural log; -inf for rows that see no
+key), dq like q, dk and dv like k.
+
+Masks (--mask):
+  full | causal                       causal is aligned bottom-right when seq != kv_seq
+  window:L,R                          L keys left and R right of the diagonal ('-' = unbounded)
+  window-global:L,R,G                 sliding window plus G global leading tokens
+  docs:A,B,... | docs-causal:A,B,...  packed documents (lengths add up to seq)
+  prefix:P | prefix-docs:A/P,B/Q,...  prefix-LM (also per document)
+  shared-question:Q,A1,A2,...         answers that each see one shared question
+  block-causal:B | block-causal-docs:B:A,B,...
+  blocks:BQ,BK:0110...                arbitrary block mask, row-major")]
+pub struct RunArgs {
+    /// Queries (.npy).
+    #[arg(long)]
+    q: PathBuf,
+    /// Keys (.npy).
+    #[arg(long)]
+    k: PathBuf,
+    /// Values (.npy).
+    #[arg(long)]
+    v: PathBuf,
+    /// Attention mask (see below).
+    #[arg(long, default_value = "full")]
+    mask: MaskSpec,
+    /// Softmax scale (default 1/sqrt(head_dim)).
+    #[arg(long)]
+    scale: Option<f32>,
+    /// Convert inputs to this storage dtype before computing: f32, bf16 or f16 (default: the files' dtype).
+    #[arg(long)]
+    dtype: Option<DType>,
+    /// Write the output O here (.npy, f32).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Write the log-sum-exp here (.npy, f32, [batch, heads, seq]).
+    #[arg(long)]
+    lse: Option<PathBuf>,
+    /// Gradient of the output (.npy, like q): also compute dq, dk, dv.
+    #[arg(long)]
+    grad_out: Option<PathBuf>,
+    /// Where to write dq (default: dq.npy beside --out, or ./dq.npy).
+    #[arg(long)]
+    dq: Option<PathBuf>,
+    /// Where to write dk (default: dk.npy beside --out, or ./dk.npy).
+    #[arg(long)]
+    dk: Option<PathBuf>,
+    /// Where to write dv (default: dv.npy beside --out, or ./dv.npy).
+    #[arg(long)]
+    dv: Option<PathBuf>,
+    /// Fail if any input holds NaN or infinity.
+    #[arg(long)]
+    check_finite: bool,
+}
+
+fn load(path: &PathBuf, name: &str, dtype: Option<DType>, check: bool) -> Result<HostTensor> {
+    let t = HostTensor::read_npy(path).with_context(|| format!("reading --{name}"))?;
+    if check {
+        t.check_finite(name)?;
+    }
+    Ok(match dtype {
+        Some(d) => t.cast(d),
+        None => t,
+    })
+}
+
+pub fn run(args: RunArgs) -> Result<()> {
+    let q = load(&args.q, "q", args.dtype, args.check_finite)?;
+    let k = load(&args.k, "k", args.dtype, args.check_finite)?;
+    let v = load(&args.v, "v", args.dtype, args.check_finite)?;
+    let shape = host::infer_shape(&q, &k, &v)?;
+    let mask = args.mask.build(shape.q_len, shape.k_len)?;
+    let opts = AttnOptions { scale: args.scale };
+    let started = std::time::Instant::now();
+    let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts)?;
+    eprintln!("forward: {shape}, mask {}, dtype {}, {:.1} ms", args.mask, q.dtype(), started.elapsed().as_secs_f64() * 1e3);
+    if let Some(path) = &args.out {
+        HostTensor::write_npy_f32(path, &q.shape, &fwd.o)?;
+    }
+    if let Some(path) = &args.lse {
+        HostTensor::write_npy_f32(path, &[shape.batch, shape.heads, shape.q_len], &fwd.lse)?;
+    }
+    if let Some(g) = &args.grad_out {
+        let d_o = load(g, "grad-out", Some(q.dtype()), args.check_finite)?;
+        if d_o.shape != q.shape {
+            anyhow::bail!("--grad-out has shape {:?}, but q has shape {:?}", d_o.shape, q.shape);
+        }
+        let started = std::time::Instant::now();
+        let grads = host::backward(&q, &k, &v, &fwd.o, &d_o, &fwd.lse, &shape, &mask, &opts)?;
+        eprintln!("backward: {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
+        let dir = args.out.as_ref().and_then(|p| p.parent()).map(|p| p.to_path_buf()).unwrap_or_default();
+        let pick = |given: &Option<PathBuf>, name: &str| given.clone().unwrap_or_else(|| dir.join(name));
+        HostTensor::write_npy_f32(pick(&args.dq, "dq.npy"), &q.shape, &grads.dq)?;
+        HostTensor::write_npy_f32(pick(&args.dk, "dk.npy"), &k.shape, &grads.dk)?;
+        HostTensor::write_npy_f32(pick(&args.dv, "dv.npy"), &k.shape, &grads.dv)?;
+    }
+    if args.out.is_none() && args.lse.is_none() && args.grad_out.is_none() {
+        let n = fwd.o.len() as f64;
+        let mean = fwd.o.iter().map(|&x| x as f64).sum::<f64>() / n;
+        println!("o: {:?} f32, mean {mean:.6} (pass --out to save it)", q.shape);
+    }
+    Ok(())
+}

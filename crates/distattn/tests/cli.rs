@@ -1,0 +1,110 @@
+//! The command line end to end: results on .npy files, and one-line errors for bad input.
+
+use distattn::{DType, HostTensor};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn distattn(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_distattn")).args(args).output().expect("binary runs")
+}
+
+fn save(dir: &Path, name: &str, shape: &[usize], seed: u32, dtype: DType) -> PathBuf {
+    let n: usize = shape.iter().product();
+    // A cheap deterministic spread of values in [-1, 1): enough to exercise the CLI plumbing.
+    let vals: Vec<f32> = (0..n as u32).map(|i| ((i.wrapping_mul(2654435761) ^ seed) % 2000) as f32 / 1000.0 - 1.0).collect();
+    let path = dir.join(name);
+    match dtype {
+        DType::F32 => HostTensor::write_npy_f32(&path, shape, &vals).unwrap(),
+        _ => {
+            // Store bf16 bit patterns as uint16, the documented way to pass bf16 through .npy.
+            let t = HostTensor::from_f32(shape.to_vec(), &vals, DType::BF16);
+            let distattn::TensorData::BF16(bits) = t.data else { unreachable!() };
+            let mut bytes = Vec::new();
+            let header = format!("{{'descr': '<u2', 'fortran_order': False, 'shape': ({}), }}", shape.iter().map(|d| format!("{d},")).collect::<String>());
+            let pad = 64 - (10 + header.len() + 1) % 64;
+            let header = format!("{header}{}\n", " ".repeat(pad % 64));
+            bytes.extend_from_slice(b"\x93NUMPY\x01\x00");
+            bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+            bytes.extend_from_slice(header.as_bytes());
+            for b in bits {
+                bytes.extend_from_slice(&b.to_bits().to_le_bytes());
+            }
+            std::fs::write(&path, bytes).unwrap();
+        }
+    }
+    path
+}
+
+fn one_line_error(out: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line expected, got: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert!(err.contains(needle), "'{needle}' not in: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn run_writes_outputs_and_gradients() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = save(dir.path(), "q.npy", &[1, 37, 4, 32], 1, DType::F32);
+    let k = save(dir.path(), "k.npy", &[1, 37, 2, 32], 2, DType::F32);
+    let v = save(dir.path(), "v.npy", &[1, 37, 2, 32], 3, DType::F32);
+    let g = save(dir.path(), "g.npy", &[1, 37, 4, 32], 4, DType::F32);
+    let o = dir.path().join("o.npy");
+    let lse = dir.path().join("lse.npy");
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let out = distattn(&["run", "--q", &p(&q), "--k", &p(&k), "--v", &p(&v), "--mask", "causal", "--out", &p(&o), "--lse", &p(&lse), "--grad-out", &p(&g)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(HostTensor::read_npy(&o).unwrap().shape, vec![1, 37, 4, 32]);
+    assert_eq!(HostTensor::read_npy(&lse).unwrap().shape, vec![1, 4, 37]);
+    for (name, shape) in [("dq.npy", vec![1, 37, 4, 32]), ("dk.npy", vec![1, 37, 2, 32]), ("dv.npy", vec![1, 37, 2, 32])] {
+        let t = HostTensor::read_npy(dir.path().join(name)).unwrap();
+        assert_eq!(t.shape, shape);
+        assert!(t.to_f32().iter().all(|x| x.is_finite()));
+    }
+    // bf16 bit-pattern inputs run too and agree with f32 inputs to bf16 precision.
+    let qb = save(dir.path(), "qb.npy", &[1, 37, 4, 32], 1, DType::BF16);
+    let kb = save(dir.path(), "kb.npy", &[1, 37, 2, 32], 2, DType::BF16);
+    let vb = save(dir.path(), "vb.npy", &[1, 37, 2, 32], 3, DType::BF16);
+    let ob = dir.path().join("ob.npy");
+    let out = distattn(&["run", "--q", &p(&qb), "--k", &p(&kb), "--v", &p(&vb), "--mask", "causal", "--out", &p(&ob)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (a, b) = (HostTensor::read_npy(&o).unwrap().to_f32(), HostTensor::read_npy(&ob).unwrap().to_f32());
+    let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(err < 2e-2, "bf16 vs f32 max abs diff {err}");
+}
+
+#[test]
+fn bad_input_is_one_line_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let q = p(&save(dir.path(), "q.npy", &[1, 16, 4, 32], 1, DType::F32));
+    let k = p(&save(dir.path(), "k.npy", &[1, 16, 4, 32], 2, DType::F32));
+    let v = p(&save(dir.path(), "v.npy", &[1, 16, 4, 32], 3, DType::F32));
+    let k3 = p(&save(dir.path(), "k3.npy", &[1, 16, 3, 32], 2, DType::F32));
+    let kd = p(&save(dir.path(), "kd.npy", &[1, 16, 4, 16], 2, DType::F32));
+    let vb = p(&save(dir.path(), "vb.npy", &[1, 16, 4, 32], 3, DType::BF16));
+    one_line_error(&distattn(&["run", "--q", &q, "--k", &kd, "--v", &kd]), "shape mismatch");
+    one_line_error(&distattn(&["run", "--q", &q, "--k", &k3, "--v", &k3]), "multiple of key/value heads");
+    one_line_error(&distattn(&["run", "--q", &q, "--k", &k, "--v", &vb]), "dtype mismatch");
+    one_line_error(&distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--mask", "diagonal"]), "unknown mask");
+    one_line_error(&distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--mask", "docs:3,4"]), "document lengths");
+    one_line_error(&distattn(&["run", "--q", &q, "--k", &k, "--v", &dir.path().join("nope.npy").to_string_lossy()]), "nope.npy");
+    let mut vals = vec![0.5f32; 16 * 4 * 32];
+    vals[77] = f32::NAN;
+    let qn = dir.path().join("qn.npy");
+    HostTensor::write_npy_f32(&qn, &[1, 16, 4, 32], &vals).unwrap();
+    one_line_error(&distattn(&["run", "--q", &p(&qn), "--k", &k, "--v", &v, "--check-finite"]), "non-finite value at flat index 77");
+}
+
+#[test]
+fn help_explains_options() {
+    let out = distattn(&["run", "--help"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for word in ["--mask", "--grad-out", "--check-finite", "--lse", "window:L,R", "docs-causal"] {
+        assert!(text.contains(word), "run --help lacks {word}");
+    }
+    let out = distattn(&["bench", "--help"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--json"));
+}
