@@ -152,6 +152,25 @@ impl TokenSet {
         self.pieces_into(other).iter().map(|p| p.2).sum::<usize>() == self.len()
     }
 
+    /// Members of both sets, as runs.
+    pub fn intersect(&self, other: &TokenSet) -> TokenSet {
+        let (a, b) = (self.to_runs(), other.to_runs());
+        let (mut i, mut j) = (0, 0);
+        let mut out = Vec::new();
+        while i < a.len() && j < b.len() {
+            let (lo, hi) = (a[i].start.max(b[j].start), a[i].end.min(b[j].end));
+            if lo < hi {
+                out.push(lo..hi);
+            }
+            if a[i].end <= b[j].end {
+                i += 1;
+            } else {
+                j += 1;
+            }
+        }
+        TokenSet::from_runs(out)
+    }
+
     /// Union of several sets, as runs.
     pub fn union<'a>(sets: impl IntoIterator<Item = &'a TokenSet>) -> TokenSet {
         TokenSet::from_runs(sets.into_iter().flat_map(|s| s.to_runs()).collect())
@@ -481,6 +500,8 @@ mod tests {
         assert!(s.is_subset_of(&t));
         assert!(!t.is_subset_of(&s));
         assert_eq!(members(&s.local_slice(2..4)), vec![4, 8]);
+        assert_eq!(members(&s.intersect(&TokenSet::from_runs(vec![0..3, 4..9]))), vec![2, 4, 8]);
+        assert_eq!(members(&st.intersect(&TokenSet::range(3..8))), vec![4, 7]);
     }
 
     #[test]

@@ -86,7 +86,7 @@ fn documents_128k_p8_table() {
     for pass in ["fwd", "bwd"] {
         let d = get(&rows, &format!("dispatch {pass}"));
         assert!(d.imbalance <= 1.10, "dispatch imbalance {}", d.imbalance);
-        for ring in ["ring", "zigzag", "striped", "hybrid", "allgather"] {
+        for ring in ["ring", "zigzag", "striped", "balanced", "hybrid", "hybrid:2", "allgather", "zigzag doc-layout"] {
             assert!(d.bytes_moved < get(&rows, &format!("{ring} {pass}")).bytes_moved, "{ring} {pass}");
         }
     }
