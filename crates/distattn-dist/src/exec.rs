@@ -146,7 +146,7 @@ pub fn execute_rank<B: Backend, C: Communicator<Buf = B::CommBuf>>(
                         store[b] = Some(g);
                     }
                 }
-                Op::Alloc { buf, fill } => store[*buf] = Some(backend.alloc(dtype(*buf), desc(*buf).elems(&shape), *fill)?),
+                Op::Alloc { buf, fill } => store[*buf] = Some(backend.alloc(dtype(*buf), desc(*buf).elems(&shape), fill.value())?),
                 Op::Copy { src, dst } | Op::Add { src, dst } => {
                     let p = pieces(desc(*src), desc(*dst), &shape);
                     let mut d = store[*dst].take().ok_or_else(|| missing(rank, *dst))?;

@@ -111,6 +111,34 @@ impl BufDesc {
     }
 }
 
+/// Initial value of an allocated buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fill {
+    /// 0 (sums, outputs).
+    Zero,
+    /// −inf (an LSE accumulator no key has reached yet).
+    NegInf,
+}
+
+impl Fill {
+    pub fn value(self) -> f32 {
+        match self {
+            Fill::Zero => 0.0,
+            Fill::NegInf => f32::NEG_INFINITY,
+        }
+    }
+
+    fn from_value(x: f32) -> Fill {
+        if x == f32::NEG_INFINITY {
+            Fill::NegInf
+        } else {
+            debug_assert_eq!(x, 0.0, "buffers start at 0 or -inf");
+            Fill::Zero
+        }
+    }
+}
+
 /// One operation of a rank's program.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Op {
@@ -118,7 +146,7 @@ pub enum Op {
     /// allocated from their descriptors.
     Comm { phase: usize, sends: Vec<(usize, BufId)>, recvs: Vec<(usize, BufId)> },
     /// Allocates a buffer filled with `fill` (0 for sums, −inf for an LSE accumulator).
-    Alloc { buf: BufId, fill: f32 },
+    Alloc { buf: BufId, fill: Fill },
     /// Copies the (tokens ∩, heads ∩) part of `src` into `dst`.
     Copy { src: BufId, dst: BufId },
     /// Adds the (tokens ∩, heads ∩) part of `src` into `dst` (f32 gradients).
@@ -537,7 +565,7 @@ impl<'a> Builder<'a> {
     /// A new buffer, allocated with `fill` at `step`.
     pub fn alloc(&mut self, rank: usize, step: usize, desc: BufDesc, fill: f32) -> BufId {
         let id = self.buf(rank, desc);
-        self.push(rank, step, Op::Alloc { buf: id, fill });
+        self.push(rank, step, Op::Alloc { buf: id, fill: Fill::from_value(fill) });
         id
     }
 

@@ -142,6 +142,8 @@ fn plans_validate_and_render() {
                     assert!((sum.flops / fl - 1.0).abs() < 1e-9, "{s} P={p}: every kept pair exactly once");
                     let text = plan.to_string();
                     assert!(text.contains("imbalance"));
+                    let back: Plan = serde_json::from_str(&serde_json::to_string(&plan).unwrap()).unwrap();
+                    assert_eq!(back, plan);
                     let json = serde_json::to_value(&sum).unwrap();
                     for key in ["imbalance", "bytes_moved", "flops", "peak_bytes_per_rank"] {
                         assert!(json.get(key).is_some());
