@@ -331,6 +331,10 @@ pub struct PlanOptions {
     pub chunk_tokens: Option<usize>,
     /// Document lengths of a packed batch: zigzag then uses the per-document zig-zag layout.
     pub documents: Option<Vec<usize>>,
+    /// Balanced: run the published last step (owners only, half the ranks idle for even P)
+    /// instead of splitting its blocks between owner and idle rank.
+    #[serde(default)]
+    pub balanced_no_split: bool,
 }
 
 impl PlanOptions {

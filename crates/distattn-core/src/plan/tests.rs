@@ -67,6 +67,11 @@ fn causal_128k_p8_table() {
         let ring = get(&rows, &format!("ring {pass}")).imbalance;
         assert!((1.8..2.0).contains(&ring), "ring imbalance {ring}");
     }
+    // The published schedule (last step unsplit) leaves half the ranks idle: 1.125 at P=8.
+    let opts = PlanOptions { balanced_no_split: true, ..PlanOptions::forward() };
+    let published = build(Strategy::Balanced, 8, &shape_128k(), &mask, DType::BF16, &opts).unwrap().summary().imbalance;
+    println!("balanced, published last step (no token split): imbalance {published:.3}");
+    assert!((published - 1.125).abs() < 1e-3, "{published}");
     // FLOPs are the mask's: forward 4·area·d·heads.
     let fl = get(&rows, "ring fwd").flops;
     assert!((fl / (4.0 * mask.area() as f64 * 128.0 * 32.0) - 1.0).abs() < 1e-9);

@@ -112,6 +112,7 @@ fn run_step(b: &mut Builder, step: usize, tasks: &[(usize, usize, Who)], inputs:
         let job = match who {
             Who::Owner => Job { i, j, own: Some(whole), help: None },
             Who::Helper => Job { i, j, own: None, help: Some(whole) },
+            Who::Split if b.opts.balanced_no_split => Job { i, j, own: Some(whole), help: None },
             Who::Split => {
                 let m = split_row(b, &qd, &kd);
                 let n = qd.tokens.len();
