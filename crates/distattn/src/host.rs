@@ -1,9 +1,10 @@
-//! Attention on dtype-erased host tensors: shape inference from tensor dimensions and dtype
-//! dispatch to the typed kernels.
+//! Attention on dtype-erased host tensors: shape inference from tensor dimensions, dtype
+//! dispatch to the typed kernels, on one call or on in-process ranks running a plan.
 
 use crate::tensor::{HostTensor, TensorData};
-use distattn_core::{AttnOptions, AttnShape, Error, Mask, Result};
+use distattn_core::{AttnOptions, AttnShape, Element, Error, Mask, Result, Strategy};
 use distattn_cpu::{Forward, Grads};
+use distattn_dist::{distributed_backward, distributed_forward, RunOptions};
 
 /// Infers the attention shape from Q `[batch, q_len, heads, d]` (or packed `[tokens, heads, d]`)
 /// and K, V of the same rank with `kv_heads` heads.
@@ -43,19 +44,68 @@ fn same_dtype(q: &HostTensor, other: &HostTensor, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Forward attention on the CPU backend for host tensors of one dtype.
-pub fn forward(q: &HostTensor, k: &HostTensor, v: &HostTensor, shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<Forward> {
+/// Where an attention call runs.
+#[derive(Debug, Clone, Default)]
+pub enum Execution {
+    /// One call of the CPU kernels.
+    #[default]
+    Single,
+    /// `world` in-process ranks running the plan of `strategy`.
+    Ranks { strategy: Strategy, world: usize, run: RunOptions },
+}
+
+fn forward_typed<T: Element>(q: &[T], k: &[T], v: &[T], shape: &AttnShape, mask: &Mask, opts: &AttnOptions, exec: &Execution) -> Result<Forward> {
+    match exec {
+        Execution::Single => distattn_cpu::forward(q, k, v, shape, mask, opts),
+        Execution::Ranks { strategy, world, run } => distributed_forward(*strategy, *world, q, k, v, shape, mask, opts, run),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_typed<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[f32],
+    d_o: &[T],
+    lse: &[f32],
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+    exec: &Execution,
+) -> Result<Grads> {
+    match exec {
+        Execution::Single => {
+            let delta = distattn_cpu::row_delta(o, d_o, shape)?;
+            distattn_cpu::backward(q, k, v, d_o, lse, &delta, shape, mask, opts)
+        }
+        Execution::Ranks { strategy, world, run } => {
+            distributed_backward(*strategy, *world, q, k, v, o, lse, d_o, shape, mask, opts, run)
+        }
+    }
+}
+
+/// Forward attention for host tensors of one dtype: O (f32) and LSE.
+pub fn forward(
+    q: &HostTensor,
+    k: &HostTensor,
+    v: &HostTensor,
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+    exec: &Execution,
+) -> Result<Forward> {
     same_dtype(q, k, "k")?;
     same_dtype(q, v, "v")?;
     match (&q.data, &k.data, &v.data) {
-        (TensorData::F32(q), TensorData::F32(k), TensorData::F32(v)) => distattn_cpu::forward(q, k, v, shape, mask, opts),
-        (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v)) => distattn_cpu::forward(q, k, v, shape, mask, opts),
-        (TensorData::F16(q), TensorData::F16(k), TensorData::F16(v)) => distattn_cpu::forward(q, k, v, shape, mask, opts),
+        (TensorData::F32(q), TensorData::F32(k), TensorData::F32(v)) => forward_typed(q, k, v, shape, mask, opts, exec),
+        (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v)) => forward_typed(q, k, v, shape, mask, opts, exec),
+        (TensorData::F16(q), TensorData::F16(k), TensorData::F16(v)) => forward_typed(q, k, v, shape, mask, opts, exec),
         _ => unreachable!("dtypes checked above"),
     }
 }
 
-/// Backward attention on the CPU backend: recomputes D from `o` and `d_o`, then returns dQ, dK, dV.
+/// Backward attention for host tensors of one dtype: dQ, dK, dV from the forward's O and LSE.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
     q: &HostTensor,
@@ -67,6 +117,7 @@ pub fn backward(
     shape: &AttnShape,
     mask: &Mask,
     opts: &AttnOptions,
+    exec: &Execution,
 ) -> Result<Grads> {
     same_dtype(q, k, "k")?;
     same_dtype(q, v, "v")?;
@@ -74,16 +125,13 @@ pub fn backward(
     shape.check_len("grad-out", d_o.len(), shape.q_elems())?;
     match (&q.data, &k.data, &v.data, &d_o.data) {
         (TensorData::F32(q), TensorData::F32(k), TensorData::F32(v), TensorData::F32(g)) => {
-            let delta = distattn_cpu::row_delta(o, g, shape)?;
-            distattn_cpu::backward(q, k, v, g, lse, &delta, shape, mask, opts)
+            backward_typed(q, k, v, o, g, lse, shape, mask, opts, exec)
         }
         (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v), TensorData::BF16(g)) => {
-            let delta = distattn_cpu::row_delta(o, g, shape)?;
-            distattn_cpu::backward(q, k, v, g, lse, &delta, shape, mask, opts)
+            backward_typed(q, k, v, o, g, lse, shape, mask, opts, exec)
         }
         (TensorData::F16(q), TensorData::F16(k), TensorData::F16(v), TensorData::F16(g)) => {
-            let delta = distattn_cpu::row_delta(o, g, shape)?;
-            distattn_cpu::backward(q, k, v, g, lse, &delta, shape, mask, opts)
+            backward_typed(q, k, v, o, g, lse, shape, mask, opts, exec)
         }
         _ => unreachable!("dtypes checked above"),
     }

@@ -1,7 +1,7 @@
 //! distattn: exact, memory-efficient attention over very long sequences.
 //!
 //! This crate is the front door: it re-exports the hardware-free core (shapes, dtypes, masks,
-//! errors) and the CPU backend, and adds dtype-erased host tensors with `.npy` input/output.
+//! plans, errors), the CPU backend and the distributed executor on in-process ranks, and adds dtype-erased host tensors with `.npy` input/output.
 //!
 //! ```
 //! use distattn::{AttnOptions, AttnShape, Mask};
@@ -23,4 +23,5 @@ pub mod tensor;
 
 pub use distattn_core::*;
 pub use distattn_cpu as cpu;
+pub use distattn_dist as dist;
 pub use tensor::{HostTensor, TensorData};

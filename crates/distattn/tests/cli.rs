@@ -108,3 +108,52 @@ fn help_explains_options() {
     let out = distattn(&["bench", "--help"]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("--json"));
 }
+
+#[test]
+fn run_on_ranks_matches_single_call_and_failed_rank_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let q = p(&save(dir.path(), "q.npy", &[1, 45, 4, 16], 1, DType::F32));
+    let k = p(&save(dir.path(), "k.npy", &[1, 45, 2, 16], 2, DType::F32));
+    let v = p(&save(dir.path(), "v.npy", &[1, 45, 2, 16], 3, DType::F32));
+    let single = dir.path().join("o1.npy");
+    let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--mask", "causal", "--out", &p(&single)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let want = HostTensor::read_npy(&single).unwrap().to_f32();
+    for strategy in ["ring", "zigzag", "balanced", "ulysses", "hybrid", "allgather", "dispatch"] {
+        let o = dir.path().join(format!("o-{strategy}.npy"));
+        let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--mask", "causal", "--world", "2", "--strategy", strategy, "--out", &p(&o)]);
+        assert!(out.status.success(), "{strategy}: {}", String::from_utf8_lossy(&out.stderr));
+        let got = HostTensor::read_npy(&o).unwrap().to_f32();
+        let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(err < 1e-5, "{strategy}: max abs diff {err}");
+    }
+    let started = std::time::Instant::now();
+    let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--world", "4", "--strategy", "ring", "--fail-rank", "3"]);
+    one_line_error(&out, "rank 3 failed");
+    assert!(started.elapsed().as_secs() < 10);
+    one_line_error(&distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--world", "3", "--strategy", "ulysses"]), "divisible by the world size 3");
+}
+
+#[test]
+fn plan_json_summary() {
+    let plan = |strategy: &str, mask: &str| -> serde_json::Value {
+        let out = distattn(&["plan", "--strategy", strategy, "--world", "8", "--seq", "131072", "--mask", mask, "--heads", "32", "--kv-heads", "8", "--json"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let ring = plan("ring", "causal");
+    for key in ["imbalance", "bytes_moved", "flops", "peak_bytes_per_rank"] {
+        assert!(ring[key].is_number(), "{key} missing: {ring}");
+    }
+    let imbalance = |v: &serde_json::Value| v["imbalance"].as_f64().unwrap();
+    assert!((imbalance(&ring) - 1.875).abs() < 0.05, "ring {}", imbalance(&ring));
+    assert!(imbalance(&plan("zigzag", "causal")) <= 1.05);
+    assert!(imbalance(&plan("balanced", "causal")) <= 1.05);
+    let docs = "docs-random-causal:1";
+    let dispatch = plan("dispatch", docs);
+    assert!(imbalance(&dispatch) <= 1.10);
+    for ring_like in ["ring", "zigzag", "hybrid"] {
+        assert!(dispatch["bytes_moved"].as_u64() < plan(ring_like, docs)["bytes_moved"].as_u64(), "{ring_like}");
+    }
+}

@@ -34,8 +34,10 @@ pub struct PlanSummary {
     pub flops: f64,
     /// FLOPs of the slowest rank per step, summed (the critical path of compute).
     pub critical_flops: f64,
+    /// Peak live bytes of the most loaded rank (the memory a device must have).
+    pub peak_bytes_per_rank: u64,
     /// Peak live bytes on each rank.
-    pub peak_bytes_per_rank: Vec<u64>,
+    pub peak_bytes_by_rank: Vec<u64>,
     /// Bytes each rank sends over the whole plan.
     pub bytes_per_rank: Vec<u64>,
     /// FLOPs each rank computes over the whole plan.
@@ -125,6 +127,7 @@ impl Plan {
             mean_sum += s / p;
             total += s;
         }
+        let peak = self.peak_bytes();
         PlanSummary {
             strategy: self.strategy.to_string(),
             pass: self.pass,
@@ -135,7 +138,8 @@ impl Plan {
             bytes_moved: per_step.iter().flatten().map(|c| c.bytes_sent).sum(),
             flops: total,
             critical_flops: max_sum,
-            peak_bytes_per_rank: self.peak_bytes(),
+            peak_bytes_per_rank: peak.iter().copied().max().unwrap_or(0),
+            peak_bytes_by_rank: peak,
             bytes_per_rank: (0..self.world).map(|r| per_step.iter().map(|s| s[r].bytes_sent).sum()).collect(),
             flops_per_rank: (0..self.world).map(|r| per_step.iter().map(|s| s[r].flops).sum()).collect(),
             per_step,
@@ -207,7 +211,7 @@ impl fmt::Display for Plan {
             human(s.bytes_moved as f64),
             human(s.flops),
             human(s.critical_flops),
-            human(s.peak_bytes_per_rank.iter().copied().max().unwrap_or(0) as f64)
+            human(s.peak_bytes_per_rank as f64)
         )
     }
 }

@@ -3,7 +3,8 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
-use distattn::{host, AttnOptions, AttnShape, DType, HostTensor, Mask, MaskSpec};
+use distattn::host::{self, Execution};
+use distattn::{AttnOptions, AttnShape, DType, HostTensor, Mask, MaskSpec, Strategy};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -51,6 +52,12 @@ pub struct BenchArgs {
     /// Random seed of the inputs.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Also time context-parallel strategies on this many in-process ranks.
+    #[arg(long, default_value_t = 1)]
+    world: usize,
+    /// Strategies timed when --world > 1.
+    #[arg(long, value_delimiter = ',', default_values_t = ["ring".parse::<Strategy>().unwrap(), "zigzag".parse().unwrap(), "balanced".parse().unwrap(), "ulysses".parse().unwrap(), "allgather".parse().unwrap(), "dispatch".parse().unwrap()])]
+    strategies: Vec<Strategy>,
 }
 
 /// One measured row, in the format shared by every distattn benchmark.
@@ -59,6 +66,9 @@ struct Row {
     #[serde(rename = "impl")]
     implementation: String,
     backend: String,
+    /// `single` for one kernel call, else the context-parallel strategy.
+    strategy: String,
+    world: usize,
     pass: String,
     mask: String,
     causal: bool,
@@ -133,8 +143,8 @@ fn check(seed: u64) -> Result<String> {
         let k = random_tensor(&mut rng, vec![1, 300, 2, 64], dtype);
         let v = random_tensor(&mut rng, vec![1, 300, 2, 64], dtype);
         let g = random_tensor(&mut rng, vec![1, 300, 4, 64], dtype);
-        let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts)?;
-        let grads = host::backward(&q, &k, &v, &fwd.o, &g, &fwd.lse, &shape, &mask, &opts)?;
+        let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts, &Execution::Single)?;
+        let grads = host::backward(&q, &k, &v, &fwd.o, &g, &fwd.lse, &shape, &mask, &opts, &Execution::Single)?;
         let rq = q.cast(DType::F32).to_f32();
         let rk = k.cast(DType::F32).to_f32();
         let rv = v.cast(DType::F32).to_f32();
@@ -181,12 +191,17 @@ fn commit() -> String {
 
 fn print_table(rows: &[Row]) {
     println!(
-        "{:<7} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10} {:>9} {:>10} {:>9}",
-        "backend", "dtype", "mask", "seq", "heads", "d", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s"
+        "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10} {:>9} {:>10} {:>9}",
+        "backend", "strategy", "dtype", "mask", "seq", "heads", "d", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s"
     );
     for fwd in rows.iter().filter(|r| r.pass == "fwd") {
         let bwd = rows.iter().find(|r| {
-            r.pass == "bwd" && r.mask == fwd.mask && r.seq == fwd.seq && r.head_dim == fwd.head_dim && r.dtype == fwd.dtype
+            r.pass == "bwd"
+                && r.mask == fwd.mask
+                && r.seq == fwd.seq
+                && r.head_dim == fwd.head_dim
+                && r.dtype == fwd.dtype
+                && r.strategy == fwd.strategy
         });
         let (bms, btf) = bwd.map_or(("-".into(), "-".into()), |b| (format!("{:.1}", b.ms), format!("{:.3}", b.tflops)));
         let mut mask = fwd.mask.clone();
@@ -195,8 +210,10 @@ fn print_table(rows: &[Row]) {
             mask.push_str("...");
         }
         println!(
-            "{:<7} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10.1} {:>9.3} {:>10} {:>9}",
-            fwd.backend, fwd.dtype, mask, fwd.seq, fwd.heads, fwd.head_dim, fwd.ms, fwd.tflops, bms, btf
+            "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10.1} {:>9.3} {:>10} {:>9}",
+            fwd.backend,
+            if fwd.world > 1 { format!("{}x{}", fwd.strategy, fwd.world) } else { fwd.strategy.clone() },
+            fwd.dtype, mask, fwd.seq, fwd.heads, fwd.head_dim, fwd.ms, fwd.tflops, bms, btf
         );
     }
 }
@@ -230,38 +247,64 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         let k = random_tensor(&mut rng, vec![args.batch, seq, kv_heads, d], dtype);
         let v = random_tensor(&mut rng, vec![args.batch, seq, kv_heads, d], dtype);
         let flops = 4.0 * (args.batch * args.heads) as f64 * mask.area() as f64 * d as f64;
-        let mut row = Row {
-            implementation: "distattn".into(),
-            backend: "cpu".into(),
-            pass: "fwd".into(),
-            mask: spec.to_string(),
-            causal: spec.is_causal(),
-            batch: args.batch,
-            seq,
-            heads: args.heads,
-            kv_heads,
-            head_dim: d,
-            dtype: dtype.to_string(),
-            ms: 0.0,
-            tflops: 0.0,
-        };
-        let mut fwd = None;
-        row.ms = median_ms(args.repeats, || {
-            fwd = Some(host::forward(&q, &k, &v, &shape, &mask, &opts)?);
-            Ok(())
-        })?;
-        row.tflops = flops / row.ms / 1e9;
-        rows.push(row.clone());
-        if !args.forward_only {
-            let fwd = fwd.expect("forward ran");
-            let g = random_tensor(&mut rng, vec![args.batch, seq, args.heads, d], dtype);
-            row.pass = "bwd".into();
-            row.ms = median_ms(args.repeats, || {
-                host::backward(&q, &k, &v, &fwd.o, &g, &fwd.lse, &shape, &mask, &opts)?;
+        let g = random_tensor(&mut rng, vec![args.batch, seq, args.heads, d], dtype);
+        let mut execs = vec![Execution::Single];
+        if args.world > 1 {
+            for &strategy in &args.strategies {
+                let plan = distattn::PlanOptions { documents: spec.doc_lens(seq), ..Default::default() };
+                let run = distattn::dist::RunOptions { plan, ..Default::default() };
+                execs.push(Execution::Ranks { strategy, world: args.world, run });
+            }
+        }
+        for exec in &execs {
+            let (strategy, world) = match exec {
+                Execution::Single => ("single".to_string(), 1),
+                Execution::Ranks { strategy, world, .. } => (strategy.to_string(), *world),
+            };
+            let mut row = Row {
+                implementation: "distattn".into(),
+                backend: "cpu".into(),
+                strategy,
+                world,
+                pass: "fwd".into(),
+                mask: spec.to_string(),
+                causal: spec.is_causal(),
+                batch: args.batch,
+                seq,
+                heads: args.heads,
+                kv_heads,
+                head_dim: d,
+                dtype: dtype.to_string(),
+                ms: 0.0,
+                tflops: 0.0,
+            };
+            let mut fwd = None;
+            let timed = median_ms(args.repeats, || {
+                fwd = Some(host::forward(&q, &k, &v, &shape, &mask, &opts, exec)?);
                 Ok(())
-            })?;
-            row.tflops = 2.5 * flops / row.ms / 1e9;
-            rows.push(row);
+            });
+            row.ms = match timed {
+                Ok(ms) => ms,
+                // A strategy that cannot serve this shape (e.g. Ulysses with heads not divisible
+                // by the world size) is reported and skipped; other errors end the run.
+                Err(e) if matches!(e.downcast_ref::<distattn::Error>(), Some(distattn::Error::Unsupported { .. })) => {
+                    bar.println(format!("skipped {}: {e}", row.strategy));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            row.tflops = flops / row.ms / 1e9;
+            rows.push(row.clone());
+            if !args.forward_only {
+                let fwd = fwd.expect("forward ran");
+                row.pass = "bwd".into();
+                row.ms = median_ms(args.repeats, || {
+                    host::backward(&q, &k, &v, &fwd.o, &g, &fwd.lse, &shape, &mask, &opts, exec)?;
+                    Ok(())
+                })?;
+                row.tflops = 2.5 * flops / row.ms / 1e9;
+                rows.push(row);
+            }
         }
         bar.inc(1);
     }

@@ -1,9 +1,11 @@
 //! `distattn`: exact attention from the command line.
 //!
-//! `distattn run` computes attention on `.npy` files, `distattn bench` runs the benchmark
-//! table on the backend present. Errors print one line and exit with status 1.
+//! `distattn run` computes attention on `.npy` files (on one call or on in-process ranks),
+//! `distattn bench` runs the benchmark table on the backend present, `distattn plan` shows a
+//! context-parallel plan. Errors print one line and exit with status 1.
 
 mod bench;
+mod plan;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -22,6 +24,8 @@ enum Command {
     Run(run::RunArgs),
     /// Benchmark forward and backward throughput on the backend present (the CPU here).
     Bench(bench::BenchArgs),
+    /// Show a context-parallel plan: work and bytes per step and rank, imbalance, peak memory.
+    Plan(plan::PlanArgs),
 }
 
 fn main() -> ExitCode {
@@ -54,6 +58,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Bench(args) => bench::bench(args),
+        Command::Plan(args) => plan::plan(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

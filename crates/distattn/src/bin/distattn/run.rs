@@ -2,8 +2,12 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use distattn::{host, AttnOptions, DType, HostTensor, MaskSpec};
+use distattn::dist::{FailureKind, InjectedFailure, RunOptions};
+use distattn::host::{self, Execution};
+use distattn::plan::RingBackward;
+use distattn::{AttnOptions, DType, HostTensor, MaskSpec, PlanOptions, Strategy};
 use std::path::PathBuf;
+use std::time::Duration;
 
 #[derive(Args)]
 #[command(after_help = "\
@@ -61,6 +65,72 @@ pub struct RunArgs {
     /// Fail if any input holds NaN or infinity.
     #[arg(long)]
     check_finite: bool,
+    #[command(flatten)]
+    dist: DistArgs,
+}
+
+/// Options of a context-parallel run on in-process ranks.
+#[derive(Args, Clone)]
+pub struct DistArgs {
+    /// Number of ranks the sequence is split across (1 = a single call).
+    #[arg(long, default_value_t = 1)]
+    pub world: usize,
+    /// Context-parallel strategy: ring, zigzag, striped, balanced, ulysses, hybrid, allgather, dispatch.
+    #[arg(long, default_value = "zigzag")]
+    pub strategy: Strategy,
+    /// Ulysses group size of the hybrid strategy (default: the largest that divides heads and world).
+    #[arg(long)]
+    pub ulysses_degree: Option<usize>,
+    /// Backward of ring strategies: kv (K/V and dK/dV circulate) or q (BurstAttention: Q, dO, LSE, D and dQ circulate).
+    #[arg(long, default_value = "kv")]
+    pub ring_backward: RingBackwardArg,
+    /// Seconds a rank waits for a peer before giving up with an error.
+    #[arg(long, default_value_t = 60)]
+    pub timeout: u64,
+    /// Testing aid: make this rank fail at the start of the plan's second step.
+    #[arg(long)]
+    pub fail_rank: Option<usize>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy)]
+pub enum RingBackwardArg {
+    Kv,
+    Q,
+}
+
+impl DistArgs {
+    /// The execution these options ask for, with the document lengths of `mask` if it has any.
+    pub fn execution(&self, mask: &MaskSpec, seq: usize) -> Result<Execution> {
+        if self.world == 0 {
+            anyhow::bail!("--world must be at least 1");
+        }
+        if self.world == 1 {
+            return Ok(Execution::Single);
+        }
+        let strategy = match self.ulysses_degree {
+            Some(u) => self.strategy.with_ulysses_degree(u),
+            None => self.strategy,
+        };
+        let plan = PlanOptions {
+            ring_backward: match self.ring_backward {
+                RingBackwardArg::Kv => RingBackward::KvCirculate,
+                RingBackwardArg::Q => RingBackward::QCirculate,
+            },
+            documents: mask.doc_lens(seq),
+            ..PlanOptions::default()
+        };
+        let fail = self.fail_rank.map(|rank| InjectedFailure { rank, step: 1, kind: FailureKind::Error });
+        if let Some(rank) = self.fail_rank {
+            if rank >= self.world {
+                anyhow::bail!("--fail-rank {rank} is not a rank of a world of {}", self.world);
+            }
+        }
+        Ok(Execution::Ranks {
+            strategy,
+            world: self.world,
+            run: RunOptions { plan, timeout: Duration::from_secs(self.timeout), fail },
+        })
+    }
 }
 
 fn load(path: &PathBuf, name: &str, dtype: Option<DType>, check: bool) -> Result<HostTensor> {
@@ -81,9 +151,14 @@ pub fn run(args: RunArgs) -> Result<()> {
     let shape = host::infer_shape(&q, &k, &v)?;
     let mask = args.mask.build(shape.q_len, shape.k_len)?;
     let opts = AttnOptions { scale: args.scale };
+    let exec = args.dist.execution(&args.mask, shape.q_len)?;
     let started = std::time::Instant::now();
-    let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts)?;
-    eprintln!("forward: {shape}, mask {}, dtype {}, {:.1} ms", args.mask, q.dtype(), started.elapsed().as_secs_f64() * 1e3);
+    let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts, &exec)?;
+    let place = match &exec {
+        Execution::Single => String::new(),
+        Execution::Ranks { strategy, world, .. } => format!(", {strategy} on {world} ranks"),
+    };
+    eprintln!("forward: {shape}, mask {}, dtype {}{place}, {:.1} ms", args.mask, q.dtype(), started.elapsed().as_secs_f64() * 1e3);
     if let Some(path) = &args.out {
         HostTensor::write_npy_f32(path, &q.shape, &fwd.o)?;
     }
@@ -96,7 +171,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             anyhow::bail!("--grad-out has shape {:?}, but q has shape {:?}", d_o.shape, q.shape);
         }
         let started = std::time::Instant::now();
-        let grads = host::backward(&q, &k, &v, &fwd.o, &d_o, &fwd.lse, &shape, &mask, &opts)?;
+        let grads = host::backward(&q, &k, &v, &fwd.o, &d_o, &fwd.lse, &shape, &mask, &opts, &exec)?;
         eprintln!("backward: {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
         let dir = args.out.as_ref().and_then(|p| p.parent()).map(|p| p.to_path_buf()).unwrap_or_default();
         let pick = |given: &Option<PathBuf>, name: &str| given.clone().unwrap_or_else(|| dir.join(name));
