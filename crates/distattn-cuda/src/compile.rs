@@ -26,6 +26,8 @@ pub struct KernelConfig {
     pub dtype: DType,
     pub head_dim: usize,
     pub fwd_warps: usize,
+    /// 16-row MMA tiles per warp in the forward.
+    pub fwd_mr: usize,
     pub fwd_bn: usize,
     pub bwd_warps: usize,
     pub bwd_bm: usize,
@@ -37,9 +39,10 @@ impl KernelConfig {
         if !matches!(dtype, DType::BF16 | DType::F16) {
             return Err(Error::UnsupportedDType(format!("{dtype} (the CUDA backend takes bf16 and f16)")));
         }
-        let (fwd_warps, fwd_bn) = match head_dim {
-            64 | 96 | 128 => (8, 64),
-            256 => (4, 32),
+        let (fwd_warps, fwd_mr, fwd_bn) = match head_dim {
+            64 | 128 => (4, 2, 64),
+            96 => (4, 2, 32),
+            256 => (4, 1, 32),
             _ => {
                 return Err(Error::UnsupportedHeadDim {
                     head_dim,
@@ -48,12 +51,29 @@ impl KernelConfig {
                 })
             }
         };
-        let bwd_bm = if head_dim == 128 { 32 } else { 64 };
-        Ok(KernelConfig { dtype, head_dim, fwd_warps, fwd_bn, bwd_warps: 8, bwd_bm })
+        let bwd_bm = if head_dim == 96 { 64 } else { 32 };
+        let mut c = KernelConfig { dtype, head_dim, fwd_warps, fwd_mr, fwd_bn, bwd_warps: 8, bwd_bm };
+        // Tuning experiments: DISTATTN_KCFG="fwd_warps=8,fwd_mr=1,fwd_bn=64,bwd_bm=64".
+        if let Ok(spec) = std::env::var("DISTATTN_KCFG") {
+            for kv in spec.split(',') {
+                let mut it = kv.splitn(2, '=');
+                if let (Some(k), Some(Ok(v))) = (it.next(), it.next().map(|v| v.trim().parse::<usize>())) {
+                    match k.trim() {
+                        "fwd_warps" => c.fwd_warps = v,
+                        "fwd_mr" => c.fwd_mr = v,
+                        "fwd_bn" => c.fwd_bn = v,
+                        "bwd_warps" => c.bwd_warps = v,
+                        "bwd_bm" => c.bwd_bm = v,
+                        _ => {}
+                    }
+                }
+            }
+        }
+        Ok(c)
     }
 
     pub fn fwd_bm(&self) -> usize {
-        16 * self.fwd_warps
+        16 * self.fwd_mr * self.fwd_warps
     }
     pub fn bwd_bn(&self) -> usize {
         16 * self.bwd_warps
@@ -66,7 +86,7 @@ impl KernelConfig {
     }
     /// Dynamic shared memory of the forward kernel, bytes.
     pub fn fwd_smem(&self) -> usize {
-        (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2
+        (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2 + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
     }
     /// Dynamic shared memory of the dK/dV kernel, bytes.
     pub fn bwd_smem(&self) -> usize {
@@ -80,6 +100,7 @@ impl KernelConfig {
             format!("-DDA_BF16={}", (self.dtype == DType::BF16) as u8),
             format!("-DHEAD_DIM={}", self.head_dim),
             format!("-DFWD_WARPS={}", self.fwd_warps),
+            format!("-DFWD_MR={}", self.fwd_mr),
             format!("-DFWD_BN={}", self.fwd_bn),
             format!("-DBWD_WARPS={}", self.bwd_warps),
             format!("-DBWD_BM={}", self.bwd_bm),
@@ -238,6 +259,10 @@ pub fn nvrtc_options(cfg: &KernelConfig, arch: &str, includes: &[PathBuf], verbo
     }
     if verbose {
         o.push("--ptxas-options=-v".into());
+    }
+    // Extra defines for experiments (part of the cache key through the options).
+    if let Ok(extra) = std::env::var("DISTATTN_EXTRA_DEFINES") {
+        o.extend(extra.split_whitespace().map(String::from));
     }
     o
 }

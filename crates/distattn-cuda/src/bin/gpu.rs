@@ -451,12 +451,15 @@ fn time_ms(be: &CudaBackend, reps: usize, mut f: impl FnMut() -> Res<()>) -> Res
     Ok(ts[ts.len() / 2])
 }
 
-fn bench(be: &CudaBackend, out: &str, dims: &[usize], quick: bool) -> Res<()> {
+fn bench(be: &CudaBackend, out: &str, dims: &[usize], quick: bool, seqs: Option<Vec<usize>>) -> Res<()> {
     let mut rows = Vec::new();
     let mut grid: Vec<(usize, usize)> = [512, 1024, 2048, 4096, 8192, 16384].iter().map(|&s| (16384 / s, s)).collect();
     if !quick {
         grid.push((1, 65536));
         grid.push((1, 131072));
+    }
+    if let Some(only) = seqs {
+        grid.retain(|(_, s)| only.contains(s));
     }
     for &d in dims {
         let heads = 2048 / d;
@@ -521,8 +524,17 @@ fn main() {
     };
     println!("device {} ({}), cache {:?}", be.device_name(), be.arch(), distattn_cuda::compile::cache_dir());
     let t0 = Instant::now();
-    for d in [64, 96, 128, 256] {
+    let bench_mode = args.get(1).map(|s| s == "bench").unwrap_or(false);
+    let prep_dims: Vec<usize> = if bench_mode {
+        get("--dims").unwrap_or_else(|| "128".into()).split(',').filter_map(|x| x.parse().ok()).collect()
+    } else {
+        vec![64, 96, 128, 256]
+    };
+    for &d in &prep_dims {
         for dt in [distattn_core::DType::BF16, distattn_core::DType::F16] {
+            if bench_mode && dt != distattn_core::DType::BF16 {
+                continue;
+            }
             if let Err(e) = be.prepare(dt, d) {
                 eprintln!("prepare {dt} d{d}: {e}");
                 std::process::exit(1);
@@ -538,7 +550,8 @@ fn main() {
         Some("bench") => {
             let out = get("--out").unwrap_or_else(|| "distattn_bench.json".into());
             let dims: Vec<usize> = get("--dims").unwrap_or_else(|| "128".into()).split(',').filter_map(|x| x.parse().ok()).collect();
-            bench(&be, &out, &dims, args.iter().any(|a| a == "--quick")).map(|_| 0)
+            let seqs = get("--seqs").map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect());
+            bench(&be, &out, &dims, args.iter().any(|a| a == "--quick"), seqs).map(|_| 0)
         }
         _ => {
             eprintln!("usage: distattn-cuda-gpu check [--dump DIR] | bench --out FILE [--dims 128,64] [--quick]");

@@ -84,6 +84,27 @@ __device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, co
                  : "r"(smem_u32(p)));
 }
 
+// dst[0] += a, dst[1] += b (8-byte aligned): one vector reduction on sm_90, two otherwise.
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+}
+
+__device__ __forceinline__ void ldsm_x4a(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4a_t(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
 // C += A(16x16, row) * B(16x8, col), f32 accumulators.
 __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
 #if DA_BF16
@@ -107,13 +128,26 @@ template <int ROWS, int NT>
 __device__ __forceinline__ void load_rows(elem_t* s, const elem_t* base, size_t row_stride, int r0,
                                           int limit, int tid) {
     constexpr int CPR = D / 8; // 16-byte chunks per row
+    if constexpr (NT % CPR == 0) {
+        // Each thread keeps one chunk column and walks rows: one pointer, no divisions.
+        constexpr int RPP = NT / CPR; // rows per pass
+        const int ch = tid % CPR, rr = tid / CPR;
+        const elem_t* src = base + (size_t)(r0 + rr) * row_stride + ch * 8;
+        elem_t* dst = s + rr * LDS + ch * 8;
 #pragma unroll
-    for (int c = tid; c < ROWS * CPR; c += NT) {
-        int r = c / CPR, ch = c % CPR;
-        int gr = r0 + r;
-        bool ok = gr < limit;
-        const elem_t* src = base + (size_t)(ok ? gr : 0) * row_stride + ch * 8;
-        cp_async16(s + r * LDS + ch * 8, src, ok ? 16 : 0);
+        for (int i = 0; i < ROWS / RPP; ++i) {
+            const bool ok = r0 + rr + i * RPP < limit;
+            cp_async16(dst + i * RPP * LDS, ok ? src + (size_t)i * RPP * row_stride : base, ok ? 16 : 0);
+        }
+    } else {
+#pragma unroll
+        for (int c = tid; c < ROWS * CPR; c += NT) {
+            int r = c / CPR, ch = c % CPR;
+            int gr = r0 + r;
+            bool ok = gr < limit;
+            const elem_t* src = base + (size_t)(ok ? gr : 0) * row_stride + ch * 8;
+            cp_async16(s + r * LDS + ch * 8, src, ok ? 16 : 0);
+        }
     }
 }
 
@@ -134,9 +168,13 @@ struct FwdParams {
     int pad_;
 };
 
-#define FWD_BM (16 * FWD_WARPS)
+#ifndef FWD_MR
+#define FWD_MR 1 // 16-row MMA tiles per warp: K/V fragments read from smem are reused MR times
+#endif
+#define FWD_WM (16 * FWD_MR)
+#define FWD_BM (FWD_WM * FWD_WARPS)
 #define FWD_NT (32 * FWD_WARPS)
-#define Q_IN_REGS (D <= 128)
+#define Q_IN_REGS (D * FWD_MR <= 128)
 
 extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -150,6 +188,7 @@ extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int q0 = qt * FWD_BM;
+    const int wr0 = warp * FWD_WM; // this warp's first row in the tile
     const size_t qs = (size_t)p.heads * D, ks = (size_t)p.kv_heads * D;
     const elem_t* qbase = p.q + ((size_t)b * p.q_len * p.heads + h) * D;
     const elem_t* kbase = p.k + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
@@ -165,18 +204,30 @@ extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p
     }
     cp_async_commit();
 
-    float o[D / 8][4];
+    float o[FWD_MR][D / 8][4];
+    // Running row max (log2 units) and partial row sums live in shared memory, one slot per
+    // thread: 8 registers fewer in the hottest loop (the difference between spilling or not).
+    float* mls = (float*)(Vs + 2 * FWD_BN * LDS);
+#define MROW(mi, r) mls[((mi) * 2 + (r)) * FWD_NT + tid]
+#define LROW(mi, r) mls[(2 * FWD_MR + (mi) * 2 + (r)) * FWD_NT + tid]
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    for (int mi = 0; mi < FWD_MR; ++mi) {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) o[mi][i][0] = o[mi][i][1] = o[mi][i][2] = o[mi][i][3] = 0.f;
+        MROW(mi, 0) = MROW(mi, 1) = NEG_INF;
+        LROW(mi, 0) = LROW(mi, 1) = 0.f;
+    }
 
-    const elem_t* qrow_ptr = Qs + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
+    const elem_t* qrow_ptr = Qs + (wr0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
 #if Q_IN_REGS
-    u32 qf[D / 16][4];
+    u32 qf[FWD_MR][D / 16][4];
     cp_async_wait<1>();
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], qrow_ptr + kk * 16);
+    for (int mi = 0; mi < FWD_MR; ++mi)
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            ldsm_x4(qf[mi][kk][0], qf[mi][kk][1], qf[mi][kk][2], qf[mi][kk][3], qrow_ptr + mi * 16 * LDS + kk * 16);
 #endif
 
     for (int e = e0; e < e1; ++e) {
@@ -189,129 +240,141 @@ extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        const elem_t* Kst = Ks + stage * FWD_BN * LDS;
-        const elem_t* Vst = Vs + stage * FWD_BN * LDS;
+        // Per-lane ldmatrix addresses of this stage (bytes, shared window).
+        const u32 kaddr = smem_u32(Ks) + 2 * (stage * FWD_BN * LDS + ((lane & 7) + (lane >> 4) * 8) * LDS + ((lane >> 3) & 1) * 8);
+        const u32 vaddr = smem_u32(Vs) + 2 * (stage * FWD_BN * LDS + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
 
-        // S = Q K^T for this warp's 16 rows.
-        float s[FWD_BN / 8][4];
+        // S = Q K^T for this warp's rows.
+        float s[FWD_MR][FWD_BN / 8][4];
 #pragma unroll
-        for (int j = 0; j < FWD_BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        for (int mi = 0; mi < FWD_MR; ++mi)
+#pragma unroll
+            for (int j = 0; j < FWD_BN / 8; ++j) s[mi][j][0] = s[mi][j][1] = s[mi][j][2] = s[mi][j][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            u32 a[4];
+            u32 a[FWD_MR][4];
+#pragma unroll
+            for (int mi = 0; mi < FWD_MR; ++mi) {
 #if Q_IN_REGS
-            a[0] = qf[kk][0]; a[1] = qf[kk][1]; a[2] = qf[kk][2]; a[3] = qf[kk][3];
+                a[mi][0] = qf[mi][kk][0]; a[mi][1] = qf[mi][kk][1]; a[mi][2] = qf[mi][kk][2]; a[mi][3] = qf[mi][kk][3];
 #else
-            ldsm_x4(a[0], a[1], a[2], a[3], qrow_ptr + kk * 16);
+                ldsm_x4(a[mi][0], a[mi][1], a[mi][2], a[mi][3], qrow_ptr + mi * 16 * LDS + kk * 16);
 #endif
+            }
 #pragma unroll
             for (int nj = 0; nj < FWD_BN / 16; ++nj) {
                 u32 b0, b1, b2, b3;
-                ldsm_x4(b0, b1, b2, b3,
-                        Kst + (nj * 16 + (lane & 7) + (lane >> 4) * 8) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
-                mma16816(s[2 * nj], a, b0, b1);
-                mma16816(s[2 * nj + 1], a, b2, b3);
-            }
-        }
+                ldsm_x4a(b0, b1, b2, b3, kaddr + 2 * (nj * 16 * LDS + kk * 16));
 #pragma unroll
-        for (int j = 0; j < FWD_BN / 8; ++j) {
-            s[j][0] *= p.scale_log2; s[j][1] *= p.scale_log2;
-            s[j][2] *= p.scale_log2; s[j][3] *= p.scale_log2;
+                for (int mi = 0; mi < FWD_MR; ++mi) {
+                    mma16816(s[mi][2 * nj], a[mi], b0, b1);
+                    mma16816(s[mi][2 * nj + 1], a[mi], b2, b3);
+                }
+            }
         }
         const int moff = p.tiles[e].y;
-        if (moff >= 0) { // partial tile: apply the bitmask
-            constexpr int W = FWD_BN / 32;
-            const u32* r0w = p.bits + moff + (warp * 16 + g) * W;
-            const u32* r1w = r0w + 8 * W;
+        const float sl2 = p.scale_log2;
 #pragma unroll
-            for (int j = 0; j < FWD_BN / 8; ++j) {
-                int c = 8 * j + 2 * t;
-                u32 w0 = r0w[c >> 5] >> (c & 31), w1 = r1w[c >> 5] >> (c & 31);
-                if (!(w0 & 1)) s[j][0] = NEG_INF;
-                if (!(w0 & 2)) s[j][1] = NEG_INF;
-                if (!(w1 & 1)) s[j][2] = NEG_INF;
-                if (!(w1 & 2)) s[j][3] = NEG_INF;
+        for (int mi = 0; mi < FWD_MR; ++mi) {
+            if (moff >= 0) { // partial tile: apply the bitmask
+                constexpr int W = FWD_BN / 32;
+                const u32* r0w = p.bits + moff + (wr0 + mi * 16 + g) * W;
+                const u32* r1w = r0w + 8 * W;
+#pragma unroll
+                for (int j = 0; j < FWD_BN / 8; ++j) {
+                    int c = 8 * j + 2 * t;
+                    u32 w0 = r0w[c >> 5] >> (c & 31), w1 = r1w[c >> 5] >> (c & 31);
+                    if (!(w0 & 1)) s[mi][j][0] = NEG_INF;
+                    if (!(w0 & 2)) s[mi][j][1] = NEG_INF;
+                    if (!(w1 & 1)) s[mi][j][2] = NEG_INF;
+                    if (!(w1 & 2)) s[mi][j][3] = NEG_INF;
+                }
             }
-        }
-        // Online softmax (log2 domain).
+            // Online softmax (log2 domain).
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = NEG_INF;
+            for (int r = 0; r < 2; ++r) {
+                float mx = NEG_INF;
 #pragma unroll
-            for (int j = 0; j < FWD_BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            const float mn = fmaxf(m[r], mx);
-            const float mu = mn == NEG_INF ? 0.f : mn;
-            const float alpha = fast_exp2(m[r] - mu);
-            m[r] = mn;
-            float rs = 0.f;
+                for (int j = 0; j < FWD_BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * r], s[mi][j][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+                // m is kept in scaled (log2) units; scores are scaled inside the exponent.
+                const float mo = MROW(mi, r);
+                const float mn = fmaxf(mo, mx * sl2);
+                const float mu = mn == NEG_INF ? 0.f : mn;
+                const float alpha = fast_exp2(mo - mu);
+                MROW(mi, r) = mn;
+                float rs = 0.f;
 #pragma unroll
-            for (int j = 0; j < FWD_BN / 8; ++j) {
-                s[j][2 * r] = fast_exp2(s[j][2 * r] - mu);
-                s[j][2 * r + 1] = fast_exp2(s[j][2 * r + 1] - mu);
-                rs += s[j][2 * r] + s[j][2 * r + 1];
+                for (int j = 0; j < FWD_BN / 8; ++j) {
+                    s[mi][j][2 * r] = fast_exp2(fmaf(s[mi][j][2 * r], sl2, -mu));
+                    s[mi][j][2 * r + 1] = fast_exp2(fmaf(s[mi][j][2 * r + 1], sl2, -mu));
+                    rs += s[mi][j][2 * r] + s[mi][j][2 * r + 1];
+                }
+                LROW(mi, r) = LROW(mi, r) * alpha + rs;
+#pragma unroll
+                for (int i = 0; i < D / 8; ++i) { o[mi][i][2 * r] *= alpha; o[mi][i][2 * r + 1] *= alpha; }
             }
-            l[r] = l[r] * alpha + rs;
-#pragma unroll
-            for (int i = 0; i < D / 8; ++i) { o[i][2 * r] *= alpha; o[i][2 * r + 1] *= alpha; }
         }
         // O += P V
 #pragma unroll
         for (int kk = 0; kk < FWD_BN / 16; ++kk) {
-            u32 a[4];
-            a[0] = pack2(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = pack2(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            u32 a[FWD_MR][4];
+#pragma unroll
+            for (int mi = 0; mi < FWD_MR; ++mi) {
+                a[mi][0] = pack2(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+                a[mi][1] = pack2(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+                a[mi][2] = pack2(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+                a[mi][3] = pack2(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dj = 0; dj < D / 16; ++dj) {
                 u32 b0, b1, b2, b3;
-                ldsm_x4_t(b0, b1, b2, b3,
-                          Vst + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dj * 16 + (lane >> 4) * 8);
-                mma16816(o[2 * dj], a, b0, b1);
-                mma16816(o[2 * dj + 1], a, b2, b3);
+                ldsm_x4a_t(b0, b1, b2, b3, vaddr + 2 * (kk * 16 * LDS + dj * 16));
+#pragma unroll
+                for (int mi = 0; mi < FWD_MR; ++mi) {
+                    mma16816(o[mi][2 * dj], a[mi], b0, b1);
+                    mma16816(o[mi][2 * dj + 1], a[mi], b2, b3);
+                }
             }
         }
         __syncthreads();
     }
 
     // Finalize: normalise, write O (staged through this warp's rows of Qs), LSE.
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float lt = l[r];
-        lt += __shfl_xor_sync(0xffffffff, lt, 1);
-        lt += __shfl_xor_sync(0xffffffff, lt, 2);
-        inv[r] = lt > 0.f ? 1.f / lt : 0.f;
-        const int row = q0 + warp * 16 + g + 8 * r;
-        if (t == 0 && row < p.q_len)
-            p.lse[((size_t)b * p.heads + h) * p.q_len + row] = lt > 0.f ? (m[r] + __log2f(lt)) * LN2 : NEG_INF;
-    }
+    cp_async_wait<0>();
     __syncwarp();
-    elem_t* wrows = Qs + warp * 16 * LDS;
+    elem_t* wrows = Qs + wr0 * LDS;
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-        *(u32*)(wrows + g * LDS + i * 8 + 2 * t) = pack2(o[i][0] * inv[0], o[i][1] * inv[0]);
-        *(u32*)(wrows + (g + 8) * LDS + i * 8 + 2 * t) = pack2(o[i][2] * inv[1], o[i][3] * inv[1]);
-    }
-    if (p.o_f32) {
+    for (int mi = 0; mi < FWD_MR; ++mi) {
+        float inv[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int row = q0 + warp * 16 + g + 8 * r;
-            if (row < p.q_len) {
+            float lt = LROW(mi, r);
+            lt += __shfl_xor_sync(0xffffffff, lt, 1);
+            lt += __shfl_xor_sync(0xffffffff, lt, 2);
+            inv[r] = lt > 0.f ? 1.f / lt : 0.f;
+            const int row = q0 + wr0 + mi * 16 + g + 8 * r;
+            if (t == 0 && row < p.q_len)
+                p.lse[((size_t)b * p.heads + h) * p.q_len + row] = lt > 0.f ? (MROW(mi, r) + __log2f(lt)) * LN2 : NEG_INF;
+            if (p.o_f32 && row < p.q_len) {
                 float* dst = p.o_f32 + (((size_t)b * p.q_len + row) * p.heads + h) * D;
 #pragma unroll
                 for (int i = 0; i < D / 8; ++i)
-                    *(float2*)(dst + i * 8 + 2 * t) = make_float2(o[i][2 * r] * inv[r], o[i][2 * r + 1] * inv[r]);
+                    *(float2*)(dst + i * 8 + 2 * t) = make_float2(o[mi][i][2 * r] * inv[r], o[mi][i][2 * r + 1] * inv[r]);
             }
+        }
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            *(u32*)(wrows + (mi * 16 + g) * LDS + i * 8 + 2 * t) = pack2(o[mi][i][0] * inv[0], o[mi][i][1] * inv[0]);
+            *(u32*)(wrows + (mi * 16 + g + 8) * LDS + i * 8 + 2 * t) = pack2(o[mi][i][2] * inv[1], o[mi][i][3] * inv[1]);
         }
     }
     __syncwarp();
     constexpr int CPR = D / 8;
-    for (int c = lane; c < 16 * CPR; c += 32) {
+    for (int c = lane; c < FWD_WM * CPR; c += 32) {
         int r = c / CPR, ch = c % CPR;
-        int row = q0 + warp * 16 + r;
+        int row = q0 + wr0 + r;
         if (row < p.q_len)
             *(uint4*)(p.o + (((size_t)b * p.q_len + row) * p.heads + h) * D + ch * 8) = *(const uint4*)(wrows + r * LDS + ch * 8);
     }
@@ -432,8 +495,13 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
         dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
         dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
     }
-    const elem_t* krow = Ks + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
-    const elem_t* vrow = Vs + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
+    // Per-lane ldmatrix byte offsets: "A" = rows (lane&7)+8*bit3, col 8*bit4 (A operands and
+    // transposed B operands); "B" = rows (lane&7)+8*bit4, col 8*bit3 (plain B operands).
+    const u32 laneA = 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
+    const u32 laneB = 2 * (((lane & 7) + (lane >> 4) * 8) * LDS + ((lane >> 3) & 1) * 8);
+    const u32 krow = smem_u32(Ks) + 2 * warp * 16 * LDS + laneA;
+    const u32 vrow = smem_u32(Vs) + 2 * warp * 16 * LDS + laneA;
+    const u32 kbase_s = smem_u32(Ks) + laneA;
 
     for (int it = 0; it < total; ++it) {
         const int st = it & 1;
@@ -444,8 +512,8 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
         const int hh = it / ne, e = e0 + it % ne;
         const int h = kvh * G + hh;
         const int2 te = p.tiles[e];
-        const elem_t* Qst = Qs + st * BWD_BM * LDS;
-        const elem_t* dOst = dOs + st * BWD_BM * LDS;
+        const u32 qst = smem_u32(Qs) + 2 * st * BWD_BM * LDS;
+        const u32 dost = smem_u32(dOs) + 2 * st * BWD_BM * LDS;
         const float* lse_st = lse_s + st * BWD_BM;
         const float* del_st = del_s + st * BWD_BM;
 
@@ -456,12 +524,11 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             u32 a[4];
-            ldsm_x4(a[0], a[1], a[2], a[3], krow + kk * 16);
+            ldsm_x4a(a[0], a[1], a[2], a[3], krow + 2 * kk * 16);
 #pragma unroll
             for (int nj = 0; nj < BWD_BM / 16; ++nj) {
                 u32 b0, b1, b2, b3;
-                ldsm_x4(b0, b1, b2, b3,
-                        Qst + (nj * 16 + (lane & 7) + (lane >> 4) * 8) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+                ldsm_x4a(b0, b1, b2, b3, qst + laneB + 2 * (nj * 16 * LDS + kk * 16));
                 mma16816(sp[2 * nj], a, b0, b1);
                 mma16816(sp[2 * nj + 1], a, b2, b3);
             }
@@ -500,8 +567,7 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
 #pragma unroll
             for (int dj = 0; dj < D / 16; ++dj) {
                 u32 b0, b1, b2, b3;
-                ldsm_x4_t(b0, b1, b2, b3,
-                          dOst + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dj * 16 + (lane >> 4) * 8);
+                ldsm_x4a_t(b0, b1, b2, b3, dost + laneA + 2 * (kk * 16 * LDS + dj * 16));
                 mma16816(dv[2 * dj], a, b0, b1);
                 mma16816(dv[2 * dj + 1], a, b2, b3);
             }
@@ -513,12 +579,11 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             u32 a[4];
-            ldsm_x4(a[0], a[1], a[2], a[3], vrow + kk * 16);
+            ldsm_x4a(a[0], a[1], a[2], a[3], vrow + 2 * kk * 16);
 #pragma unroll
             for (int nj = 0; nj < BWD_BM / 16; ++nj) {
                 u32 b0, b1, b2, b3;
-                ldsm_x4(b0, b1, b2, b3,
-                        dOst + (nj * 16 + (lane & 7) + (lane >> 4) * 8) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+                ldsm_x4a(b0, b1, b2, b3, dost + laneB + 2 * (nj * 16 * LDS + kk * 16));
                 mma16816(dp[2 * nj], a, b0, b1);
                 mma16816(dp[2 * nj + 1], a, b2, b3);
             }
@@ -546,13 +611,13 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
 #pragma unroll
             for (int dj = 0; dj < D / 16; ++dj) {
                 u32 b0, b1, b2, b3;
-                ldsm_x4_t(b0, b1, b2, b3,
-                          Qst + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + dj * 16 + (lane >> 4) * 8);
+                ldsm_x4a_t(b0, b1, b2, b3, qst + laneA + 2 * (kk * 16 * LDS + dj * 16));
                 mma16816(dk[2 * dj], a, b0, b1);
                 mma16816(dk[2 * dj + 1], a, b2, b3);
             }
         }
         __syncthreads();
+#ifndef BWD_NO_DQ // (timing experiment only: leaves dQ out)
         // dQ (BWD_BM x D) += scale * dS K, split over warps, accumulated with f32 atomics;
         // each warp's DQ_DC columns in DQ_PASSES passes to bound register pressure.
         {
@@ -572,8 +637,7 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
 #pragma unroll
                     for (int dj = 0; dj < DQ_PC / 16; ++dj) {
                         u32 b0, b1, b2, b3;
-                        ldsm_x4_t(b0, b1, b2, b3,
-                                  Ks + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + c0 + dj * 16 + (lane >> 4) * 8);
+                        ldsm_x4a_t(b0, b1, b2, b3, kbase_s + 2 * (kk * 16 * LDS + c0 + dj * 16));
                         mma16816(dq[2 * dj], a, b0, b1);
                         mma16816(dq[2 * dj + 1], a, b2, b3);
                     }
@@ -584,14 +648,12 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
                     if (row < p.q_len) {
                         float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + c0 + 2 * t;
 #pragma unroll
-                        for (int i = 0; i < DQ_PC / 8; ++i) {
-                            atomicAdd(dst + i * 8, dq[i][2 * r] * p.scale);
-                            atomicAdd(dst + i * 8 + 1, dq[i][2 * r + 1] * p.scale);
-                        }
+                        for (int i = 0; i < DQ_PC / 8; ++i) red_add2(dst + i * 8, dq[i][2 * r] * p.scale, dq[i][2 * r + 1] * p.scale);
                     }
                 }
             }
         }
+#endif
         __syncthreads();
     }
     cp_async_wait<0>();
