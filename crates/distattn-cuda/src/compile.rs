@@ -31,6 +31,8 @@ pub struct KernelConfig {
     pub fwd_bn: usize,
     pub bwd_warps: usize,
     pub bwd_bm: usize,
+    /// Backward with every GEMM tiled over the 8 warps (`flash_bwd_dkdv2`; sm_90+, d 64/128).
+    pub bwd_v2: bool,
 }
 
 impl KernelConfig {
@@ -52,7 +54,7 @@ impl KernelConfig {
             }
         };
         let bwd_bm = if head_dim == 96 { 64 } else { 32 };
-        let mut c = KernelConfig { dtype, head_dim, fwd_warps, fwd_mr, fwd_bn, bwd_warps: 8, bwd_bm };
+        let mut c = KernelConfig { dtype, head_dim, fwd_warps, fwd_mr, fwd_bn, bwd_warps: 8, bwd_bm, bwd_v2: false };
         // Tuning experiments: DISTATTN_KCFG="fwd_warps=8,fwd_mr=1,fwd_bn=64,bwd_bm=64".
         if let Ok(spec) = std::env::var("DISTATTN_KCFG") {
             for kv in spec.split(',') {
@@ -64,12 +66,35 @@ impl KernelConfig {
                         "fwd_bn" => c.fwd_bn = v,
                         "bwd_warps" => c.bwd_warps = v,
                         "bwd_bm" => c.bwd_bm = v,
+                        "bwd_v2" => c.bwd_v2 = v != 0,
                         _ => {}
                     }
                 }
             }
         }
         Ok(c)
+    }
+
+    /// The configuration for an NVRTC target: the v2 backward on sm_90 and newer (it needs
+    /// 173 KB of shared memory at d 128), unless `DISTATTN_KCFG` says `bwd_v2=0`.
+    pub fn for_arch(mut self, arch: &str) -> Self {
+        let major: u32 = arch.trim_start_matches("sm_").chars().take_while(|c| c.is_ascii_digit()).collect::<String>().parse().unwrap_or(0);
+        let forced_off = std::env::var("DISTATTN_KCFG").map(|s| s.contains("bwd_v2=0")).unwrap_or(false);
+        if major >= 90 && matches!(self.head_dim, 64 | 128) && !forced_off {
+            self.bwd_v2 = true;
+            self.bwd_bm = 64;
+            self.bwd_warps = 8;
+        }
+        self
+    }
+
+    /// Name of the dK/dV kernel of this configuration.
+    pub fn dkdv_kernel(&self) -> &'static str {
+        if self.bwd_v2 {
+            "flash_bwd_dkdv2"
+        } else {
+            "flash_bwd_dkdv"
+        }
     }
 
     pub fn fwd_bm(&self) -> usize {
@@ -90,9 +115,11 @@ impl KernelConfig {
     }
     /// Dynamic shared memory of the dK/dV kernel, bytes.
     pub fn bwd_smem(&self) -> usize {
+        let staged = if self.bwd_v2 { 2 } else { 1 }; // dS^T (and P^T for v2)
         (2 * self.bwd_bn() + 4 * self.bwd_bm) * self.lds() * 2
-            + self.bwd_bn() * (self.bwd_bm + 8) * 2
+            + staged * self.bwd_bn() * (self.bwd_bm + 8) * 2
             + 4 * self.bwd_bm * 4
+            + if self.bwd_v2 { self.bwd_bm * (self.head_dim + 4) * 4 } else { 0 } // dQ staging (bulk)
     }
     /// The `-D` options of this variant.
     pub fn defines(&self) -> Vec<String> {
@@ -104,6 +131,7 @@ impl KernelConfig {
             format!("-DFWD_BN={}", self.fwd_bn),
             format!("-DBWD_WARPS={}", self.bwd_warps),
             format!("-DBWD_BM={}", self.bwd_bm),
+            format!("-DBWD_V2={}", self.bwd_v2 as u8),
         ]
     }
     /// Every variant the library may compile.
@@ -396,6 +424,8 @@ mod tests {
             assert!(c.fwd_smem() <= 163 * 1024, "{c:?} fwd smem {}", c.fwd_smem());
             if c.has_backward() {
                 assert!(c.bwd_smem() <= 163 * 1024, "{c:?} bwd smem {}", c.bwd_smem());
+                let h = c.for_arch("sm_90a");
+                assert!(h.bwd_smem() <= 227 * 1024, "{h:?} bwd smem {}", h.bwd_smem());
             }
             assert_eq!(c.fwd_bn % 32, 0);
         }

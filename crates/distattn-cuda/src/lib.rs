@@ -248,7 +248,7 @@ impl CudaBackend {
         if let Some(k) = map.get(&(dtype, head_dim)) {
             return Ok(k.clone());
         }
-        let cfg = KernelConfig::new(dtype, head_dim)?;
+        let cfg = KernelConfig::new(dtype, head_dim)?.for_arch(&self.arch);
         let compiled = compile::compile_variant(&cfg, &self.arch, false)?;
         let module = self
             .ctx
@@ -259,7 +259,7 @@ impl CudaBackend {
             cfg,
             fwd: f("flash_fwd")?,
             delta: f("bwd_delta")?,
-            dkdv: if cfg.has_backward() { Some(f("flash_bwd_dkdv")?) } else { None },
+            dkdv: if cfg.has_backward() { Some(f(cfg.dkdv_kernel())?) } else { None },
             convert: f("convert_f32")?,
             merge: f("lse_merge")?,
             _module: module.clone(),
@@ -327,7 +327,7 @@ impl CudaBackend {
         if shape.q_len > i32::MAX as usize / 2 || shape.k_len > i32::MAX as usize / 2 {
             return Err(backend_err("sequence too long for 32-bit tile indices"));
         }
-        KernelConfig::new(T::DTYPE, shape.head_dim)
+        Ok(KernelConfig::new(T::DTYPE, shape.head_dim)?.for_arch(&self.arch))
     }
 
     fn check_buf<U>(&self, name: &str, s: &CudaSlice<U>, expected: usize, shape: &AttnShape) -> Result<()> {

@@ -15,6 +15,9 @@
 typedef unsigned short elem_t;
 typedef unsigned int u32;
 
+#ifndef BWD_V2
+#define BWD_V2 0
+#endif
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
 #endif
@@ -103,6 +106,11 @@ __device__ __forceinline__ void ldsm_x4a_t(u32& r0, u32& r1, u32& r2, u32& r3, u
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(addr));
+}
+
+// dst[0..4] += v (16-byte aligned; sm_90 only).
+__device__ __forceinline__ void red_add4(float* dst, float a, float b, float c, float d) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
 // C += A(16x16, row) * B(16x8, col), f32 accumulators.
@@ -443,6 +451,7 @@ struct BwdParams {
 
 #if D <= 128 // the dK/dV kernel holds dK and dV in registers: head dims up to 128
 
+#if !BWD_V2 // the one-warp-per-16-keys kernel (sm_80, head dim 96)
 extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* Ks = (elem_t*)smem_raw;
@@ -672,6 +681,325 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
         }
     }
 }
+#endif
+
+#if BWD_V2 && (D == 64 || D == 128) && BWD_WARPS == 8 && BWD_BM == 64
+// ---------------------------------------------------------------- backward v2 (sm_90 default)
+// Same job as flash_bwd_dkdv (one block per 128-key tile, loop over the query tiles of every
+// query head of the KV head), with every GEMM tiled over the 8 warps instead of one warp per 16
+// keys: S^T and dP^T as 4 (keys) x 2 (queries) warps of 32 x 32, P^T and dS^T through shared
+// memory, dV/dK as 4 (keys) x 2 (head-dim halves) warps of 32 x D/2, dQ as 2 (queries) x 4
+// (head-dim quarters) warps of 32 x D/4. About 30 % fewer shared-memory operand bytes per FLOP.
+#define LDP (BWD_BM + 8)
+#define V2_DKC (D / 2)
+#define V2_DQC (D / 4)
+#ifndef BWD_DQ_BULK
+#define BWD_DQ_BULK 0
+#endif
+#ifndef BWD_DQ_V4
+#define BWD_DQ_V4 0
+#endif
+#ifndef V2_UNROLL
+#define V2_UNROLL 2
+#endif
+
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t* Ks = (elem_t*)smem_raw;
+    elem_t* Vs = Ks + BWD_BN * LDS;
+    elem_t* Qs = Vs + BWD_BN * LDS;          // 2 stages
+    elem_t* dOs = Qs + 2 * BWD_BM * LDS;     // 2 stages
+    elem_t* Ps = dOs + 2 * BWD_BM * LDS;     // [BWD_BN][LDP], P^T
+    elem_t* dSs = Ps + BWD_BN * LDP;         // [BWD_BN][LDP], dS^T
+    float* lse_s = (float*)(dSs + BWD_BN * LDP); // 2 stages
+    float* del_s = lse_s + 2 * BWD_BM;            // 2 stages
+#if BWD_DQ_BULK
+    float* dQs = del_s + 2 * BWD_BM;              // [BWD_BM][D + 4] f32, dQ tile for bulk reduction
+#endif
+
+    const int kt = p.n_tiles - 1 - blockIdx.x;
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int G = p.heads / p.kv_heads;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int k0 = kt * BWD_BN;
+    const size_t qstr = (size_t)p.heads * D, kstr = (size_t)p.kv_heads * D;
+    const int e0 = p.tile_ptr[kt], ne = p.tile_ptr[kt + 1] - e0;
+    const int total = G * ne;
+    const int wm = warp & 3;  // key group of 32 (S, dP, dV, dK)
+    const int wn = warp >> 2; // query half (S, dP) / head-dim half (dV, dK)
+    const int wq = warp & 1;  // query half (dQ)
+    const int wd = warp >> 1; // head-dim quarter (dQ)
+
+    const elem_t* kbase = p.k + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
+    const elem_t* vbase = p.v + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
+    load_rows<BWD_BN, 256>(Ks, kbase, kstr, k0, p.k_len, tid);
+    load_rows<BWD_BN, 256>(Vs, vbase, kstr, k0, p.k_len, tid);
+    cp_async_commit();
+
+    auto load_item = [&](int it, int st) {
+        const int hh = it / ne, e = e0 + it % ne;
+        const int h = kvh * G + hh;
+        const int qt = p.tiles[e].x;
+        const elem_t* qb = p.q + ((size_t)b * p.q_len * p.heads + h) * D;
+        const elem_t* db = p.dout + ((size_t)b * p.q_len * p.heads + h) * D;
+        load_rows<BWD_BM, 256>(Qs + st * BWD_BM * LDS, qb, qstr, qt * BWD_BM, p.q_len, tid);
+        load_rows<BWD_BM, 256>(dOs + st * BWD_BM * LDS, db, qstr, qt * BWD_BM, p.q_len, tid);
+        if (tid < 2 * BWD_BM) {
+            const int i = tid % BWD_BM;
+            const int row = qt * BWD_BM + i;
+            const bool ok = row < p.q_len;
+            const size_t off = ((size_t)b * p.heads + h) * p.q_len + (ok ? row : 0);
+            if (tid < BWD_BM) cp_async4(lse_s + st * BWD_BM + i, p.lse + off, ok ? 4 : 0);
+            else cp_async4(del_s + st * BWD_BM + i, p.delta + off, ok ? 4 : 0);
+        }
+    };
+    if (total > 0) load_item(0, 0);
+    cp_async_commit();
+
+    float dk[2][V2_DKC / 8][4], dv[2][V2_DKC / 8][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int i = 0; i < V2_DKC / 8; ++i) {
+            dk[mi][i][0] = dk[mi][i][1] = dk[mi][i][2] = dk[mi][i][3] = 0.f;
+            dv[mi][i][0] = dv[mi][i][1] = dv[mi][i][2] = dv[mi][i][3] = 0.f;
+        }
+    // Per-lane ldmatrix byte offsets ("A": A operands / transposed B; "B": plain B).
+    const u32 laneA = 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
+    const u32 laneB = 2 * (((lane & 7) + (lane >> 4) * 8) * LDS + ((lane >> 3) & 1) * 8);
+    const u32 laneAP = 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * LDP + (lane >> 4) * 8);
+    const u32 laneSP = 2 * (((lane & 7) + (lane >> 4) * 8) * LDP + ((lane >> 3) & 1) * 8);
+    const u32 ks_u = smem_u32(Ks), vs_u = smem_u32(Vs), ps_u = smem_u32(Ps), ds_u = smem_u32(dSs);
+
+    for (int it = 0; it < total; ++it) {
+        const int st = it & 1;
+        if (it + 1 < total) load_item(it + 1, st ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+#if BWD_DQ_BULK
+        // The previous tile's bulk reductions must have read dQs before it is rewritten.
+        if (tid < BWD_BM) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+        __syncthreads();
+        const int hh = it / ne, e = e0 + it % ne;
+        const int h = kvh * G + hh;
+        const int2 te = p.tiles[e];
+        const u32 qst = smem_u32(Qs) + 2 * st * BWD_BM * LDS;
+        const u32 dost = smem_u32(dOs) + 2 * st * BWD_BM * LDS;
+        const float* lse_st = lse_s + st * BWD_BM;
+        const float* del_st = del_s + st * BWD_BM;
+
+        {
+            // S^T = K Q^T and dP^T = V dO^T, this warp's 32 keys x 32 queries.
+            float sp[2][4][4], dp[2][4][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) sp[mi][j][c] = dp[mi][j][c] = 0.f;
+#pragma unroll V2_UNROLL
+            for (int kk = 0; kk < D / 16; ++kk) {
+                u32 a[2][4];
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+                    ldsm_x4a(a[mi][0], a[mi][1], a[mi][2], a[mi][3], ks_u + laneA + 2 * ((32 * wm + 16 * mi) * LDS + kk * 16));
+#pragma unroll
+                for (int nq = 0; nq < 2; ++nq) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4a(b0, b1, b2, b3, qst + laneB + 2 * ((32 * wn + 16 * nq) * LDS + kk * 16));
+#pragma unroll
+                    for (int mi = 0; mi < 2; ++mi) {
+                        mma16816(sp[mi][2 * nq], a[mi], b0, b1);
+                        mma16816(sp[mi][2 * nq + 1], a[mi], b2, b3);
+                    }
+                }
+            }
+#pragma unroll V2_UNROLL
+            for (int kk = 0; kk < D / 16; ++kk) {
+                u32 a[2][4];
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+                    ldsm_x4a(a[mi][0], a[mi][1], a[mi][2], a[mi][3], vs_u + laneA + 2 * ((32 * wm + 16 * mi) * LDS + kk * 16));
+#pragma unroll
+                for (int nq = 0; nq < 2; ++nq) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4a(b0, b1, b2, b3, dost + laneB + 2 * ((32 * wn + 16 * nq) * LDS + kk * 16));
+#pragma unroll
+                    for (int mi = 0; mi < 2; ++mi) {
+                        mma16816(dp[mi][2 * nq], a[mi], b0, b1);
+                        mma16816(dp[mi][2 * nq + 1], a[mi], b2, b3);
+                    }
+                }
+            }
+            // P^T, dS^T = P^T (dP^T - delta) -> shared memory (bf16/f16).
+            constexpr int W = BWD_BN / 32;
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                const int rk = 32 * wm + 16 * mi + g; // key row in the tile (and rk + 8)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int c = 32 * wn + 8 * j + 2 * t; // query column (and c + 1)
+                    float pv[4], dsv[4];
+#pragma unroll
+                    for (int c2 = 0; c2 < 2; ++c2) {
+                        const float lv = lse_st[c + c2];
+                        const float l2 = lv == NEG_INF ? POS_INF : lv * LOG2E;
+                        const float dl = del_st[c + c2];
+                        float p0 = fast_exp2(fmaf(sp[mi][j][c2], p.scale_log2, -l2));
+                        float p1 = fast_exp2(fmaf(sp[mi][j][2 + c2], p.scale_log2, -l2));
+                        if (te.y >= 0) {
+                            const u32 w = p.bits[te.y + (c + c2) * W + (rk >> 5)] >> (rk & 31);
+                            if (!(w & 1)) p0 = 0.f;
+                            if (!(w & 0x100)) p1 = 0.f;
+                        }
+                        pv[c2] = p0;
+                        pv[2 + c2] = p1;
+                        dsv[c2] = p0 * (dp[mi][j][c2] - dl);
+                        dsv[2 + c2] = p1 * (dp[mi][j][2 + c2] - dl);
+                    }
+                    *(u32*)(Ps + rk * LDP + c) = pack2(pv[0], pv[1]);
+                    *(u32*)(Ps + (rk + 8) * LDP + c) = pack2(pv[2], pv[3]);
+                    *(u32*)(dSs + rk * LDP + c) = pack2(dsv[0], dsv[1]);
+                    *(u32*)(dSs + (rk + 8) * LDP + c) = pack2(dsv[2], dsv[3]);
+                }
+            }
+        }
+        __syncthreads();
+        // dV += P^T dO and dK += dS^T Q: this warp's 32 keys x D/2 columns.
+#pragma unroll
+        for (int kq = 0; kq < BWD_BM / 16; ++kq) {
+            u32 ap[2][4], as[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                ldsm_x4a(ap[mi][0], ap[mi][1], ap[mi][2], ap[mi][3], ps_u + laneAP + 2 * ((32 * wm + 16 * mi) * LDP + kq * 16));
+                ldsm_x4a(as[mi][0], as[mi][1], as[mi][2], as[mi][3], ds_u + laneAP + 2 * ((32 * wm + 16 * mi) * LDP + kq * 16));
+            }
+#pragma unroll
+            for (int dj = 0; dj < V2_DKC / 16; ++dj) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4a_t(b0, b1, b2, b3, dost + laneA + 2 * (kq * 16 * LDS + V2_DKC * wn + dj * 16));
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    mma16816(dv[mi][2 * dj], ap[mi], b0, b1);
+                    mma16816(dv[mi][2 * dj + 1], ap[mi], b2, b3);
+                }
+                ldsm_x4a_t(b0, b1, b2, b3, qst + laneA + 2 * (kq * 16 * LDS + V2_DKC * wn + dj * 16));
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    mma16816(dk[mi][2 * dj], as[mi], b0, b1);
+                    mma16816(dk[mi][2 * dj + 1], as[mi], b2, b3);
+                }
+            }
+        }
+#ifndef BWD_NO_DQ
+        // dQ += scale * dS K: this warp's 32 queries x D/4 columns, f32 reductions.
+        {
+            float dq[2][V2_DQC / 8][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int i = 0; i < V2_DQC / 8; ++i) dq[mi][i][0] = dq[mi][i][1] = dq[mi][i][2] = dq[mi][i][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < BWD_BN / 16; ++kk) {
+                u32 a[2][4];
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+                    ldsm_x4a_t(a[mi][0], a[mi][1], a[mi][2], a[mi][3], ds_u + laneSP + 2 * (kk * 16 * LDP + 32 * wq + 16 * mi));
+#pragma unroll
+                for (int dj = 0; dj < V2_DQC / 16; ++dj) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4a_t(b0, b1, b2, b3, ks_u + laneA + 2 * (kk * 16 * LDS + V2_DQC * wd + dj * 16));
+#pragma unroll
+                    for (int mi = 0; mi < 2; ++mi) {
+                        mma16816(dq[mi][2 * dj], a[mi], b0, b1);
+                        mma16816(dq[mi][2 * dj + 1], a[mi], b2, b3);
+                    }
+                }
+            }
+#if BWD_DQ_BULK
+            // (Experiment, slower: -18 %.) Stage the scaled tile in shared memory, then one bulk f32 add-reduction per row
+            // (TMA engine) instead of D/2 vector reductions per row from the threads.
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    float* row_s = dQs + (32 * wq + 16 * mi + g + 8 * r) * (D + 4) + V2_DQC * wd + 2 * t;
+#pragma unroll
+                    for (int i = 0; i < V2_DQC / 8; ++i)
+                        *(float2*)(row_s + i * 8) = make_float2(dq[mi][i][2 * r] * p.scale, dq[mi][i][2 * r + 1] * p.scale);
+                }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();
+            if (tid < BWD_BM) {
+                const int row = te.x * BWD_BM + tid;
+                if (row < p.q_len) {
+                    float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D;
+                    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                                 ::"l"(dst), "r"(smem_u32(dQs + tid * (D + 4))), "n"(D * 4) : "memory");
+                }
+                asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            }
+#elif BWD_DQ_V4
+            // (Experiment, slower: -3 %.) Lanes t and t^1 swap half their fragments so that each holds 4 consecutive
+            // columns of one row: one 16-byte reduction instead of two 8-byte ones.
+            const bool odd = t & 1;
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                const int row = te.x * BWD_BM + 32 * wq + 16 * mi + g + (odd ? 8 : 0);
+                float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + V2_DQC * wd + 4 * (t >> 1);
+#pragma unroll
+                for (int i = 0; i < V2_DQC / 8; ++i) {
+                    const float x0 = dq[mi][i][0] * p.scale, x1 = dq[mi][i][1] * p.scale;
+                    const float x2 = dq[mi][i][2] * p.scale, x3 = dq[mi][i][3] * p.scale;
+                    const float r0 = __shfl_xor_sync(0xffffffff, odd ? x0 : x2, 1);
+                    const float r1 = __shfl_xor_sync(0xffffffff, odd ? x1 : x3, 1);
+                    if (row < p.q_len) {
+                        if (odd) red_add4(dst + i * 8, r0, r1, x2, x3);
+                        else red_add4(dst + i * 8, x0, x1, r0, r1);
+                    }
+                }
+            }
+#else
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = te.x * BWD_BM + 32 * wq + 16 * mi + g + 8 * r;
+                    if (row < p.q_len) {
+                        float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + V2_DQC * wd + 2 * t;
+#pragma unroll
+                        for (int i = 0; i < V2_DQC / 8; ++i)
+                            red_add2(dst + i * 8, dq[mi][i][2 * r] * p.scale, dq[mi][i][2 * r + 1] * p.scale);
+                    }
+                }
+#endif
+        }
+#endif
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+#if BWD_DQ_BULK
+    if (tid < BWD_BM) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = k0 + 32 * wm + 16 * mi + g + 8 * r;
+            if (key < p.k_len) {
+                const size_t off = (((size_t)b * p.k_len + key) * p.kv_heads + kvh) * D + V2_DKC * wn + 2 * t;
+#pragma unroll
+                for (int i = 0; i < V2_DKC / 8; ++i) {
+                    *(u32*)(p.dk + off + i * 8) = pack2(dk[mi][i][2 * r] * p.scale, dk[mi][i][2 * r + 1] * p.scale);
+                    *(u32*)(p.dv + off + i * 8) = pack2(dv[mi][i][2 * r], dv[mi][i][2 * r + 1]);
+                }
+            }
+        }
+}
+#endif
 #endif
 
 // ---------------------------------------------------------------- backward: dQ f32 -> dtype
