@@ -14,7 +14,10 @@ use std::path::{Path, PathBuf};
 pub const FLASH_SRC: &str = include_str!("kernels/flash.cu");
 
 pub(crate) fn backend_err(reason: impl Into<String>) -> Error {
-    Error::Backend { backend: "cuda", reason: reason.into() }
+    Error::Backend {
+        backend: "cuda",
+        reason: reason.into(),
+    }
 }
 
 /// Head dimensions the kernels support (forward; backward: all but 256).
@@ -39,7 +42,9 @@ impl KernelConfig {
     /// The tuned configuration for a dtype and head dim.
     pub fn new(dtype: DType, head_dim: usize) -> Result<Self> {
         if !matches!(dtype, DType::BF16 | DType::F16) {
-            return Err(Error::UnsupportedDType(format!("{dtype} (the CUDA backend takes bf16 and f16)")));
+            return Err(Error::UnsupportedDType(format!(
+                "{dtype} (the CUDA backend takes bf16 and f16)"
+            )));
         }
         let (fwd_warps, fwd_mr, fwd_bn) = match head_dim {
             64 | 128 => (4, 2, 64),
@@ -54,12 +59,23 @@ impl KernelConfig {
             }
         };
         let bwd_bm = if head_dim == 96 { 64 } else { 32 };
-        let mut c = KernelConfig { dtype, head_dim, fwd_warps, fwd_mr, fwd_bn, bwd_warps: 8, bwd_bm, bwd_v2: false };
+        let mut c = KernelConfig {
+            dtype,
+            head_dim,
+            fwd_warps,
+            fwd_mr,
+            fwd_bn,
+            bwd_warps: 8,
+            bwd_bm,
+            bwd_v2: false,
+        };
         // Tuning experiments: DISTATTN_KCFG="fwd_warps=8,fwd_mr=1,fwd_bn=64,bwd_bm=64".
         if let Ok(spec) = std::env::var("DISTATTN_KCFG") {
             for kv in spec.split(',') {
                 let mut it = kv.splitn(2, '=');
-                if let (Some(k), Some(Ok(v))) = (it.next(), it.next().map(|v| v.trim().parse::<usize>())) {
+                if let (Some(k), Some(Ok(v))) =
+                    (it.next(), it.next().map(|v| v.trim().parse::<usize>()))
+                {
                     match k.trim() {
                         "fwd_warps" => c.fwd_warps = v,
                         "fwd_mr" => c.fwd_mr = v,
@@ -78,8 +94,16 @@ impl KernelConfig {
     /// The configuration for an NVRTC target: the v2 backward on sm_90 and newer (it needs
     /// 173 KB of shared memory at d 128), unless `DISTATTN_KCFG` says `bwd_v2=0`.
     pub fn for_arch(mut self, arch: &str) -> Self {
-        let major: u32 = arch.trim_start_matches("sm_").chars().take_while(|c| c.is_ascii_digit()).collect::<String>().parse().unwrap_or(0);
-        let forced_off = std::env::var("DISTATTN_KCFG").map(|s| s.contains("bwd_v2=0")).unwrap_or(false);
+        let major: u32 = arch
+            .trim_start_matches("sm_")
+            .chars()
+            .take_while(|c| c.is_ascii_digit())
+            .collect::<String>()
+            .parse()
+            .unwrap_or(0);
+        let forced_off = std::env::var("DISTATTN_KCFG")
+            .map(|s| s.contains("bwd_v2=0"))
+            .unwrap_or(false);
         if major >= 90 && matches!(self.head_dim, 64 | 128) && !forced_off {
             self.bwd_v2 = true;
             self.bwd_bm = 64;
@@ -111,7 +135,8 @@ impl KernelConfig {
     }
     /// Dynamic shared memory of the forward kernel, bytes.
     pub fn fwd_smem(&self) -> usize {
-        (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2 + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
+        (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2
+            + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
     }
     /// Dynamic shared memory of the dK/dV kernel, bytes.
     pub fn bwd_smem(&self) -> usize {
@@ -119,7 +144,11 @@ impl KernelConfig {
         (2 * self.bwd_bn() + 4 * self.bwd_bm) * self.lds() * 2
             + staged * self.bwd_bn() * (self.bwd_bm + 8) * 2
             + 4 * self.bwd_bm * 4
-            + if self.bwd_v2 { self.bwd_bm * (self.head_dim + 4) * 4 } else { 0 } // dQ staging (bulk)
+            + if self.bwd_v2 {
+                self.bwd_bm * (self.head_dim + 4) * 4
+            } else {
+                0
+            } // dQ staging (bulk)
     }
     /// The `-D` options of this variant.
     pub fn defines(&self) -> Vec<String> {
@@ -275,12 +304,23 @@ pub fn cache_dir() -> Option<PathBuf> {
     if let Ok(d) = std::env::var("DISTATTN_CACHE_DIR") {
         return Some(PathBuf::from(d));
     }
-    std::env::var("HOME").ok().map(|h| Path::new(&h).join(".cache").join("distattn"))
+    std::env::var("HOME")
+        .ok()
+        .map(|h| Path::new(&h).join(".cache").join("distattn"))
 }
 
 /// Options passed to NVRTC for a variant.
-pub fn nvrtc_options(cfg: &KernelConfig, arch: &str, includes: &[PathBuf], verbose: bool) -> Vec<String> {
-    let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "--use_fast_math".into()];
+pub fn nvrtc_options(
+    cfg: &KernelConfig,
+    arch: &str,
+    includes: &[PathBuf],
+    verbose: bool,
+) -> Vec<String> {
+    let mut o = vec![
+        format!("--gpu-architecture={arch}"),
+        "-std=c++17".into(),
+        "--use_fast_math".into(),
+    ];
     o.extend(cfg.defines());
     for i in includes {
         o.push(format!("--include-path={}", i.display()));
@@ -304,15 +344,26 @@ pub fn compile_variant(cfg: &KernelConfig, arch: &str, verbose: bool) -> Result<
     let ver = nvrtc_version()?;
     // The include paths are not part of the key: the kernels include no header.
     let key_opts = nvrtc_options(cfg, arch, &[], false).join(" ");
-    let key = fnv64(&[FLASH_SRC.as_bytes(), key_opts.as_bytes(), format!("{ver:?}").as_bytes()]);
+    let key = fnv64(&[
+        FLASH_SRC.as_bytes(),
+        key_opts.as_bytes(),
+        format!("{ver:?}").as_bytes(),
+    ]);
     let cache_file = cache_dir().map(|d| {
-        d.join(format!("flash-{}-d{}-{arch}-{key:016x}.cubin", cfg.dtype, cfg.head_dim))
+        d.join(format!(
+            "flash-{}-d{}-{arch}-{key:016x}.cubin",
+            cfg.dtype, cfg.head_dim
+        ))
     });
     if !verbose {
         if let Some(f) = &cache_file {
             if let Ok(bytes) = std::fs::read(f) {
                 if !bytes.is_empty() {
-                    return Ok(Compiled { cubin: bytes, log: String::new(), from_cache: true });
+                    return Ok(Compiled {
+                        cubin: bytes,
+                        log: String::new(),
+                        from_cache: true,
+                    });
                 }
             }
         }
@@ -342,7 +393,8 @@ pub fn nvrtc_compile(src: &str, name: &str, opts: &[String]) -> Result<Compiled>
     }
     let c_src = CString::new(src).map_err(|_| backend_err("kernel source contains a NUL byte"))?;
     let c_name = CString::new(name).map_err(|_| backend_err("bad program name"))?;
-    let prog = result::create_program(&c_src, Some(&c_name)).map_err(|e| backend_err(format!("nvrtcCreateProgram: {e:?}")))?;
+    let prog = result::create_program(&c_src, Some(&c_name))
+        .map_err(|e| backend_err(format!("nvrtcCreateProgram: {e:?}")))?;
     // SAFETY: `prog` is a live program until destroyed below.
     let res = unsafe { result::compile_program(prog, opts) };
     let log = unsafe { result::get_program_log(prog) }
@@ -352,20 +404,29 @@ pub fn nvrtc_compile(src: &str, name: &str, opts: &[String]) -> Result<Compiled>
         })
         .unwrap_or_default();
     let out = match res {
-        Err(e) => Err(backend_err(format!("NVRTC compile of {name} failed ({e:?}) with {}:\n{log}", opts.join(" ")))),
+        Err(e) => Err(backend_err(format!(
+            "NVRTC compile of {name} failed ({e:?}) with {}:\n{log}",
+            opts.join(" ")
+        ))),
         Ok(()) => {
             let mut size = 0usize;
             // SAFETY: size query then a buffer of that size.
             let r = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) };
             if r != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
-                Err(backend_err(format!("nvrtcGetCUBINSize failed ({r:?}); options must name an sm_ architecture")))
+                Err(backend_err(format!(
+                    "nvrtcGetCUBINSize failed ({r:?}); options must name an sm_ architecture"
+                )))
             } else {
                 let mut buf = vec![0u8; size];
                 let r = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut _) };
                 if r != sys::nvrtcResult::NVRTC_SUCCESS {
                     Err(backend_err(format!("nvrtcGetCUBIN failed ({r:?})")))
                 } else {
-                    Ok(Compiled { cubin: buf, log, from_cache: false })
+                    Ok(Compiled {
+                        cubin: buf,
+                        log,
+                        from_cache: false,
+                    })
                 }
             }
         }
@@ -398,7 +459,10 @@ pub fn parse_ptxas(log: &str) -> Vec<KernelResources> {
         if let Some(i) = line.find("Compiling entry function '") {
             let rest = &line[i + "Compiling entry function '".len()..];
             let name = rest.split('\'').next().unwrap_or("").to_string();
-            out.push(KernelResources { name, ..Default::default() });
+            out.push(KernelResources {
+                name,
+                ..Default::default()
+            });
         } else if let Some(k) = out.last_mut() {
             if line.contains("stack frame") {
                 k.stack_frame = num_before(line, "bytes stack frame").unwrap_or(0);
@@ -421,16 +485,34 @@ mod tests {
     #[test]
     fn configs_and_smem_fit_sm80() {
         for c in KernelConfig::all() {
-            assert!(c.fwd_smem() <= 163 * 1024, "{c:?} fwd smem {}", c.fwd_smem());
+            assert!(
+                c.fwd_smem() <= 163 * 1024,
+                "{c:?} fwd smem {}",
+                c.fwd_smem()
+            );
             if c.has_backward() {
-                assert!(c.bwd_smem() <= 163 * 1024, "{c:?} bwd smem {}", c.bwd_smem());
+                assert!(
+                    c.bwd_smem() <= 163 * 1024,
+                    "{c:?} bwd smem {}",
+                    c.bwd_smem()
+                );
                 let h = c.for_arch("sm_90a");
-                assert!(h.bwd_smem() <= 227 * 1024, "{h:?} bwd smem {}", h.bwd_smem());
+                assert!(
+                    h.bwd_smem() <= 227 * 1024,
+                    "{h:?} bwd smem {}",
+                    h.bwd_smem()
+                );
             }
             assert_eq!(c.fwd_bn % 32, 0);
         }
-        assert!(matches!(KernelConfig::new(DType::BF16, 80), Err(Error::UnsupportedHeadDim { .. })));
-        assert!(matches!(KernelConfig::new(DType::F32, 64), Err(Error::UnsupportedDType(_))));
+        assert!(matches!(
+            KernelConfig::new(DType::BF16, 80),
+            Err(Error::UnsupportedHeadDim { .. })
+        ));
+        assert!(matches!(
+            KernelConfig::new(DType::F32, 64),
+            Err(Error::UnsupportedDType(_))
+        ));
     }
 
     #[test]

@@ -9,10 +9,19 @@ use distattn_cuda::compile::{self, KernelConfig};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let archs: Vec<String> = if args.is_empty() { vec!["sm_90a".into(), "sm_80".into()] } else { args };
+    let archs: Vec<String> = if args.is_empty() {
+        vec!["sm_90a".into(), "sm_80".into()]
+    } else {
+        args
+    };
     if !compile::nvrtc_available() {
-        let require = std::env::var("DISTATTN_REQUIRE_NVRTC").map(|v| v == "1").unwrap_or(false);
-        eprintln!("nvrtc-check: NVRTC library not found (LD_LIBRARY_PATH={:?})", std::env::var("LD_LIBRARY_PATH").ok());
+        let require = std::env::var("DISTATTN_REQUIRE_NVRTC")
+            .map(|v| v == "1")
+            .unwrap_or(false);
+        eprintln!(
+            "nvrtc-check: NVRTC library not found (LD_LIBRARY_PATH={:?})",
+            std::env::var("LD_LIBRARY_PATH").ok()
+        );
         std::process::exit(if require { 1 } else { 0 });
     }
     match compile::nvrtc_version() {
@@ -27,7 +36,10 @@ fn main() {
         Err(e) => println!("note: {e} (the kernels include no header)"),
     }
     let mut failures = 0;
-    println!("{:<8} {:<5} {:>4} {:<16} {:>5} {:>6} {:>6} {:>6}", "arch", "dtype", "d", "kernel", "regs", "stack", "spillS", "spillL");
+    println!(
+        "{:<8} {:<5} {:>4} {:<16} {:>5} {:>6} {:>6} {:>6}",
+        "arch", "dtype", "d", "kernel", "regs", "stack", "spillS", "spillL"
+    );
     for arch in &archs {
         let dims = std::env::var("DISTATTN_CHECK_DIMS").unwrap_or_default();
         for cfg in KernelConfig::all() {
@@ -44,12 +56,16 @@ fn main() {
                     let res = compile::parse_ptxas(&c.log);
                     if res.is_empty() {
                         failures += 1;
-                        println!("FAIL {arch} {} d{}: no ptxas report in the NVRTC log:\n{}", cfg.dtype, cfg.head_dim, c.log);
+                        println!(
+                            "FAIL {arch} {} d{}: no ptxas report in the NVRTC log:\n{}",
+                            cfg.dtype, cfg.head_dim, c.log
+                        );
                     }
                     for r in res {
                         // The dK/dV kernel exists for every head dim but is only used up to 128.
                         let used = cfg.has_backward() || !r.name.starts_with("flash_bwd_dkdv");
-                        let bad = used && (r.spill_stores > 0 || r.spill_loads > 0 || r.stack_frame > 0);
+                        let bad =
+                            used && (r.spill_stores > 0 || r.spill_loads > 0 || r.stack_frame > 0);
                         if bad {
                             failures += 1;
                         }
@@ -63,7 +79,13 @@ fn main() {
                             r.stack_frame,
                             r.spill_stores,
                             r.spill_loads,
-                            if bad { "  <-- SPILL" } else if !used { "  (unused)" } else { "" }
+                            if bad {
+                                "  <-- SPILL"
+                            } else if !used {
+                                "  (unused)"
+                            } else {
+                                ""
+                            }
                         );
                     }
                 }
