@@ -140,15 +140,11 @@ impl KernelConfig {
     }
     /// Dynamic shared memory of the dK/dV kernel, bytes.
     pub fn bwd_smem(&self) -> usize {
-        let staged = if self.bwd_v2 { 2 } else { 1 }; // dS^T (and P^T for v2)
+        // dS^T (v1); P^T and dS^T, double-buffered (v2)
+        let staged = if self.bwd_v2 { 4 } else { 1 };
         (2 * self.bwd_bn() + 4 * self.bwd_bm) * self.lds() * 2
             + staged * self.bwd_bn() * (self.bwd_bm + 8) * 2
             + 4 * self.bwd_bm * 4
-            + if self.bwd_v2 {
-                self.bwd_bm * (self.head_dim + 4) * 4
-            } else {
-                0
-            } // dQ staging (bulk)
     }
     /// The `-D` options of this variant.
     pub fn defines(&self) -> Vec<String> {

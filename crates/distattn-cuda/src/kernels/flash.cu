@@ -693,9 +693,6 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
 #define LDP (BWD_BM + 8)
 #define V2_DKC (D / 2)
 #define V2_DQC (D / 4)
-#ifndef BWD_DQ_BULK
-#define BWD_DQ_BULK 0
-#endif
 #ifndef BWD_DQ_V4
 #define BWD_DQ_V4 0
 #endif
@@ -709,13 +706,10 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
     elem_t* Vs = Ks + BWD_BN * LDS;
     elem_t* Qs = Vs + BWD_BN * LDS;          // 2 stages
     elem_t* dOs = Qs + 2 * BWD_BM * LDS;     // 2 stages
-    elem_t* Ps = dOs + 2 * BWD_BM * LDS;     // [BWD_BN][LDP], P^T
-    elem_t* dSs = Ps + BWD_BN * LDP;         // [BWD_BN][LDP], dS^T
-    float* lse_s = (float*)(dSs + BWD_BN * LDP); // 2 stages
+    elem_t* Ps = dOs + 2 * BWD_BM * LDS;     // 2 x [BWD_BN][LDP], P^T
+    elem_t* dSs = Ps + 2 * BWD_BN * LDP;     // 2 x [BWD_BN][LDP], dS^T
+    float* lse_s = (float*)(dSs + 2 * BWD_BN * LDP); // 2 stages
     float* del_s = lse_s + 2 * BWD_BM;            // 2 stages
-#if BWD_DQ_BULK
-    float* dQs = del_s + 2 * BWD_BM;              // [BWD_BM][D + 4] f32, dQ tile for bulk reduction
-#endif
 
     const int kt = p.n_tiles - 1 - blockIdx.x;
     const int kvh = blockIdx.y, b = blockIdx.z;
@@ -770,18 +764,20 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
     const u32 laneB = 2 * (((lane & 7) + (lane >> 4) * 8) * LDS + ((lane >> 3) & 1) * 8);
     const u32 laneAP = 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * LDP + (lane >> 4) * 8);
     const u32 laneSP = 2 * (((lane & 7) + (lane >> 4) * 8) * LDP + ((lane >> 3) & 1) * 8);
-    const u32 ks_u = smem_u32(Ks), vs_u = smem_u32(Vs), ps_u = smem_u32(Ps), ds_u = smem_u32(dSs);
+    const u32 ks_u = smem_u32(Ks), vs_u = smem_u32(Vs);
 
+    // Two barriers per query tile: (1) this tile's loads have landed and every warp is done
+    // with tile it-1, so stage st^1 (Q, dO, P^T, dS^T of tile it-1) may be refilled; (2) P^T and
+    // dS^T of this tile are complete. P^T/dS^T are double-buffered like Q/dO for that.
     for (int it = 0; it < total; ++it) {
         const int st = it & 1;
+        cp_async_wait<0>();
+        __syncthreads();
         if (it + 1 < total) load_item(it + 1, st ^ 1);
         cp_async_commit();
-        cp_async_wait<1>();
-#if BWD_DQ_BULK
-        // The previous tile's bulk reductions must have read dQs before it is rewritten.
-        if (tid < BWD_BM) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-#endif
-        __syncthreads();
+        elem_t* Pst = Ps + st * BWD_BN * LDP;
+        elem_t* dSst = dSs + st * BWD_BN * LDP;
+        const u32 ps_u = smem_u32(Pst), ds_u = smem_u32(dSst);
         const int hh = it / ne, e = e0 + it % ne;
         const int h = kvh * G + hh;
         const int2 te = p.tiles[e];
@@ -859,10 +855,10 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
                         dsv[c2] = p0 * (dp[mi][j][c2] - dl);
                         dsv[2 + c2] = p1 * (dp[mi][j][2 + c2] - dl);
                     }
-                    *(u32*)(Ps + rk * LDP + c) = pack2(pv[0], pv[1]);
-                    *(u32*)(Ps + (rk + 8) * LDP + c) = pack2(pv[2], pv[3]);
-                    *(u32*)(dSs + rk * LDP + c) = pack2(dsv[0], dsv[1]);
-                    *(u32*)(dSs + (rk + 8) * LDP + c) = pack2(dsv[2], dsv[3]);
+                    *(u32*)(Pst + rk * LDP + c) = pack2(pv[0], pv[1]);
+                    *(u32*)(Pst + (rk + 8) * LDP + c) = pack2(pv[2], pv[3]);
+                    *(u32*)(dSst + rk * LDP + c) = pack2(dsv[0], dsv[1]);
+                    *(u32*)(dSst + (rk + 8) * LDP + c) = pack2(dsv[2], dsv[3]);
                 }
             }
         }
@@ -918,30 +914,7 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
                     }
                 }
             }
-#if BWD_DQ_BULK
-            // (Experiment, slower: -18 %.) Stage the scaled tile in shared memory, then one bulk f32 add-reduction per row
-            // (TMA engine) instead of D/2 vector reductions per row from the threads.
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float* row_s = dQs + (32 * wq + 16 * mi + g + 8 * r) * (D + 4) + V2_DQC * wd + 2 * t;
-#pragma unroll
-                    for (int i = 0; i < V2_DQC / 8; ++i)
-                        *(float2*)(row_s + i * 8) = make_float2(dq[mi][i][2 * r] * p.scale, dq[mi][i][2 * r + 1] * p.scale);
-                }
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            __syncthreads();
-            if (tid < BWD_BM) {
-                const int row = te.x * BWD_BM + tid;
-                if (row < p.q_len) {
-                    float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D;
-                    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                                 ::"l"(dst), "r"(smem_u32(dQs + tid * (D + 4))), "n"(D * 4) : "memory");
-                }
-                asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-            }
-#elif BWD_DQ_V4
+#if BWD_DQ_V4
             // (Experiment, slower: -3 %.) Lanes t and t^1 swap half their fragments so that each holds 4 consecutive
             // columns of one row: one 16-byte reduction instead of two 8-byte ones.
             const bool odd = t & 1;
@@ -977,12 +950,8 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
 #endif
         }
 #endif
-        __syncthreads();
     }
     cp_async_wait<0>();
-#if BWD_DQ_BULK
-    if (tid < BWD_BM) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-#endif
 
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
