@@ -4,7 +4,9 @@
 use crate::tensor::{HostTensor, TensorData};
 use distattn_core::{AttnOptions, AttnShape, Element, Error, Mask, Result, Strategy};
 use distattn_cpu::{Forward, Grads};
+use distattn_cuda::{CudaBackend, CudaElement};
 use distattn_dist::{distributed_backward, distributed_forward, RunOptions};
+use std::sync::Arc;
 
 /// Infers the attention shape from Q `[batch, q_len, heads, d]` (or packed `[tokens, heads, d]`)
 /// and K, V of the same rank with `kv_heads` heads.
@@ -45,19 +47,69 @@ fn same_dtype(q: &HostTensor, other: &HostTensor, name: &str) -> Result<()> {
 }
 
 /// Where an attention call runs.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub enum Execution {
     /// One call of the CPU kernels.
     #[default]
     Single,
-    /// `world` in-process ranks running the plan of `strategy`.
+    /// `world` in-process ranks running the plan of `strategy` on the CPU backend.
     Ranks { strategy: Strategy, world: usize, run: RunOptions },
+    /// One call of the CUDA kernels (bf16 and f16 inputs).
+    Cuda(Arc<CudaBackend>),
+}
+
+impl Execution {
+    /// A short description for logs and reports.
+    pub fn describe(&self) -> String {
+        match self {
+            Execution::Single => "cpu".into(),
+            Execution::Ranks { strategy, world, .. } => format!("cpu, {strategy} on {world} ranks"),
+            Execution::Cuda(gpu) => format!("cuda, {}", gpu.device_name()),
+        }
+    }
+}
+
+fn cuda_dtype_error(q: &HostTensor) -> Error {
+    Error::UnsupportedDType(format!("{} on the cuda backend, which takes bf16 or f16 (pass --dtype bf16)", q.dtype()))
+}
+
+fn cuda_forward<T: CudaElement>(gpu: &CudaBackend, q: &[T], k: &[T], v: &[T], shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<Forward> {
+    let out = gpu.forward_host(q, k, v, shape, mask, opts)?;
+    Ok(Forward { o: to_f32(&out.o), lse: out.lse })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cuda_backward<T: CudaElement>(
+    gpu: &CudaBackend,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[f32],
+    d_o: &[T],
+    lse: &[f32],
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+) -> Result<Grads> {
+    shape.check_len("o", o.len(), shape.q_elems())?;
+    // O came from the kernel in T, so the round trip through f32 is exact.
+    let mut o_t = vec![T::default(); o.len()];
+    T::convert_from_f32(o, &mut o_t);
+    let g = gpu.backward_host(q, k, v, &o_t, d_o, lse, shape, mask, opts)?;
+    Ok(Grads { dq: to_f32(&g.dq), dk: to_f32(&g.dk), dv: to_f32(&g.dv) })
+}
+
+fn to_f32<T: Element>(x: &[T]) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    T::convert_to_f32(x, &mut out);
+    out
 }
 
 fn forward_typed<T: Element>(q: &[T], k: &[T], v: &[T], shape: &AttnShape, mask: &Mask, opts: &AttnOptions, exec: &Execution) -> Result<Forward> {
     match exec {
         Execution::Single => distattn_cpu::forward(q, k, v, shape, mask, opts),
         Execution::Ranks { strategy, world, run } => distributed_forward(*strategy, *world, q, k, v, shape, mask, opts, run),
+        Execution::Cuda(_) => unreachable!("dispatched before"),
     }
 }
 
@@ -82,6 +134,7 @@ fn backward_typed<T: Element>(
         Execution::Ranks { strategy, world, run } => {
             distributed_backward(*strategy, *world, q, k, v, o, lse, d_o, shape, mask, opts, run)
         }
+        Execution::Cuda(_) => unreachable!("dispatched before"),
     }
 }
 
@@ -97,6 +150,13 @@ pub fn forward(
 ) -> Result<Forward> {
     same_dtype(q, k, "k")?;
     same_dtype(q, v, "v")?;
+    if let Execution::Cuda(gpu) = exec {
+        return match (&q.data, &k.data, &v.data) {
+            (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v)) => cuda_forward(gpu, q, k, v, shape, mask, opts),
+            (TensorData::F16(q), TensorData::F16(k), TensorData::F16(v)) => cuda_forward(gpu, q, k, v, shape, mask, opts),
+            _ => Err(cuda_dtype_error(q)),
+        };
+    }
     match (&q.data, &k.data, &v.data) {
         (TensorData::F32(q), TensorData::F32(k), TensorData::F32(v)) => forward_typed(q, k, v, shape, mask, opts, exec),
         (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v)) => forward_typed(q, k, v, shape, mask, opts, exec),
@@ -123,6 +183,17 @@ pub fn backward(
     same_dtype(q, v, "v")?;
     same_dtype(q, d_o, "grad-out")?;
     shape.check_len("grad-out", d_o.len(), shape.q_elems())?;
+    if let Execution::Cuda(gpu) = exec {
+        return match (&q.data, &k.data, &v.data, &d_o.data) {
+            (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v), TensorData::BF16(g)) => {
+                cuda_backward(gpu, q, k, v, o, g, lse, shape, mask, opts)
+            }
+            (TensorData::F16(q), TensorData::F16(k), TensorData::F16(v), TensorData::F16(g)) => {
+                cuda_backward(gpu, q, k, v, o, g, lse, shape, mask, opts)
+            }
+            _ => Err(cuda_dtype_error(q)),
+        };
+    }
     match (&q.data, &k.data, &v.data, &d_o.data) {
         (TensorData::F32(q), TensorData::F32(k), TensorData::F32(v), TensorData::F32(g)) => {
             backward_typed(q, k, v, o, g, lse, shape, mask, opts, exec)

@@ -23,5 +23,6 @@ pub mod tensor;
 
 pub use distattn_core::*;
 pub use distattn_cpu as cpu;
+pub use distattn_cuda as cuda;
 pub use distattn_dist as dist;
 pub use tensor::{HostTensor, TensorData};

@@ -3,7 +3,10 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
+use crate::run::BackendArg;
+use distattn::cuda::{CudaBackend, CudaElement};
 use distattn::host::{self, Execution};
+use distattn::TensorData;
 use distattn::{AttnOptions, AttnShape, DType, HostTensor, Mask, MaskSpec, Strategy};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{Rng, SeedableRng};
@@ -19,8 +22,8 @@ Masks (--mask, repeatable): any spec of `distattn run --help`, or the shorthands
 Throughput follows the FlashAttention convention: forward 4*batch*heads*area*head_dim FLOPs
 (area = kept query-key pairs: seq^2 for full, about seq^2/2 for causal), backward 2.5x that.")]
 pub struct BenchArgs {
-    /// Sequence lengths.
-    #[arg(long, value_delimiter = ',', default_values_t = [1024usize, 4096])]
+    /// Sequence lengths [CPU default: 1024,4096; CUDA: 4096,16384].
+    #[arg(long, value_delimiter = ',')]
     seqs: Vec<usize>,
     /// Masks to time (repeatable).
     #[arg(long = "mask", default_values_t = ["full".to_string(), "causal".to_string(), "window".to_string(), "docs".to_string()])]
@@ -28,12 +31,15 @@ pub struct BenchArgs {
     /// Head dimensions.
     #[arg(long, value_delimiter = ',', default_values_t = [64usize, 128])]
     head_dims: Vec<usize>,
-    /// Storage dtypes.
-    #[arg(long, value_delimiter = ',', default_values_t = [DType::F32, DType::BF16])]
+    /// Storage dtypes [CPU default: f32,bf16; CUDA: bf16].
+    #[arg(long, value_delimiter = ',')]
     dtypes: Vec<DType>,
-    /// Query heads.
-    #[arg(long, default_value_t = 4)]
-    heads: usize,
+    /// Query heads [CPU default: 4; CUDA: 16].
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Kernels to time: auto (CUDA when a GPU is present), cpu or cuda.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
     /// Key/value heads (default: as many as query heads).
     #[arg(long)]
     kv_heads: Option<usize>,
@@ -132,19 +138,24 @@ fn rel_err(x: &[f32], reference: &[f64]) -> f64 {
 }
 
 /// Forward and backward of a small GQA causal case against the f64 reference.
-fn check(seed: u64) -> Result<String> {
+fn check(seed: u64, exec: &Execution) -> Result<String> {
     let shape = AttnShape::new(1, 300, 300, 4, 2, 64)?;
     let mask = Mask::causal(300, 300)?;
     let opts = AttnOptions::default();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xC0FFEE);
     let mut worst = 0.0f64;
-    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+    // Tolerances per dtype as documented in the CPU backend's tests.
+    let cases: &[(DType, f64)] = match exec {
+        Execution::Cuda(_) => &[(DType::BF16, 1e-2), (DType::F16, 2e-3)],
+        _ => &[(DType::F32, 1e-5), (DType::BF16, 1e-2)],
+    };
+    for &(dtype, tol) in cases {
         let q = random_tensor(&mut rng, vec![1, 300, 4, 64], dtype);
         let k = random_tensor(&mut rng, vec![1, 300, 2, 64], dtype);
         let v = random_tensor(&mut rng, vec![1, 300, 2, 64], dtype);
         let g = random_tensor(&mut rng, vec![1, 300, 4, 64], dtype);
-        let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts, &Execution::Single)?;
-        let grads = host::backward(&q, &k, &v, &fwd.o, &g, &fwd.lse, &shape, &mask, &opts, &Execution::Single)?;
+        let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts, exec)?;
+        let grads = host::backward(&q, &k, &v, &fwd.o, &g, &fwd.lse, &shape, &mask, &opts, exec)?;
         let rq = q.cast(DType::F32).to_f32();
         let rk = k.cast(DType::F32).to_f32();
         let rv = v.cast(DType::F32).to_f32();
@@ -166,7 +177,9 @@ fn check(seed: u64) -> Result<String> {
         }
     }
     Ok(format!(
-        "self-check vs f64 reference (seq 300, causal, 4 q / 2 kv heads, d 64): O, LSE, dQ, dK, dV within tolerance (f32 1e-5, bf16 1e-2; worst at {:.0}% of it)",
+        "self-check on {} vs f64 reference (seq 300, causal, 4 q / 2 kv heads, d 64): O, LSE, dQ, dK, dV within tolerance ({}; worst at {:.0}% of it)",
+        exec.describe(),
+        cases.iter().map(|(d, t)| format!("{d} {t:.0e}")).collect::<Vec<_>>().join(", "),
         worst * 100.0
     ))
 }
@@ -218,10 +231,102 @@ fn print_table(rows: &[Row]) {
     }
 }
 
-pub fn bench(args: BenchArgs) -> Result<()> {
-    let kv_heads = args.kv_heads.unwrap_or(args.heads);
-    eprintln!("{}", cpu_name());
-    let check = check(args.seed)?;
+/// Forward and backward of one configuration on the GPU, on device buffers uploaded once.
+#[allow(clippy::too_many_arguments)]
+fn time_cuda<T: CudaElement>(
+    gpu: &CudaBackend,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    g: &[T],
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+    repeats: usize,
+    backward: bool,
+) -> Result<(f64, Option<f64>)> {
+    let s = gpu.stream();
+    let (dq, dk, dv, dg) = (s.clone_htod(q)?, s.clone_htod(k)?, s.clone_htod(v)?, s.clone_htod(g)?);
+    let mut o = s.alloc_zeros::<T>(shape.q_elems())?;
+    let mut lse = s.alloc_zeros::<f32>(shape.lse_elems())?;
+    let fwd = median_ms(repeats, || {
+        gpu.forward(&dq, &dk, &dv, shape, mask, opts, &mut o, &mut lse, None)?;
+        Ok(gpu.synchronize()?)
+    })?;
+    if !backward {
+        return Ok((fwd, None));
+    }
+    let mut gq = s.alloc_zeros::<T>(shape.q_elems())?;
+    let mut gk = s.alloc_zeros::<T>(shape.kv_elems())?;
+    let mut gv = s.alloc_zeros::<T>(shape.kv_elems())?;
+    let bwd = median_ms(repeats, || {
+        gpu.backward(&dq, &dk, &dv, &o, &dg, &lse, shape, mask, opts, &mut gq, &mut gk, &mut gv)?;
+        Ok(gpu.synchronize()?)
+    })?;
+    Ok((fwd, Some(bwd)))
+}
+
+/// Times forward (and backward unless `forward_only`) of one execution; milliseconds.
+#[allow(clippy::too_many_arguments)]
+fn time_exec(
+    exec: &Execution,
+    q: &HostTensor,
+    k: &HostTensor,
+    v: &HostTensor,
+    g: &HostTensor,
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+    repeats: usize,
+    forward_only: bool,
+) -> Result<(f64, Option<f64>)> {
+    if let Execution::Cuda(gpu) = exec {
+        return match (&q.data, &k.data, &v.data, &g.data) {
+            (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v), TensorData::BF16(g)) => {
+                time_cuda(gpu, q, k, v, g, shape, mask, opts, repeats, !forward_only)
+            }
+            (TensorData::F16(q), TensorData::F16(k), TensorData::F16(v), TensorData::F16(g)) => {
+                time_cuda(gpu, q, k, v, g, shape, mask, opts, repeats, !forward_only)
+            }
+            _ => bail!("the cuda backend takes bf16 or f16, not {}", q.dtype()),
+        };
+    }
+    let mut fwd = None;
+    let fwd_ms = median_ms(repeats, || {
+        fwd = Some(host::forward(q, k, v, shape, mask, opts, exec)?);
+        Ok(())
+    })?;
+    if forward_only {
+        return Ok((fwd_ms, None));
+    }
+    let fwd = fwd.expect("forward ran");
+    let bwd_ms = median_ms(repeats, || {
+        host::backward(q, k, v, &fwd.o, g, &fwd.lse, shape, mask, opts, exec)?;
+        Ok(())
+    })?;
+    Ok((fwd_ms, Some(bwd_ms)))
+}
+
+pub fn bench(mut args: BenchArgs) -> Result<()> {
+    let backend = if args.world > 1 && args.backend == BackendArg::Auto { BackendArg::Cpu } else { args.backend };
+    let single = backend.execution(DType::BF16)?;
+    let gpu = matches!(single, Execution::Cuda(_));
+    let pick = |given: &mut Vec<usize>, cpu: &[usize], cuda: &[usize]| {
+        if given.is_empty() {
+            *given = if gpu { cuda.to_vec() } else { cpu.to_vec() };
+        }
+    };
+    pick(&mut args.seqs, &[1024, 4096], &[4096, 16384]);
+    if args.dtypes.is_empty() {
+        args.dtypes = if gpu { vec![DType::BF16] } else { vec![DType::F32, DType::BF16] };
+    }
+    let heads = args.heads.unwrap_or(if gpu { 16 } else { 4 });
+    let kv_heads = args.kv_heads.unwrap_or(heads);
+    eprintln!("{}", match &single {
+        Execution::Cuda(g) => format!("cuda: {}", g.device_name()),
+        _ => cpu_name(),
+    });
+    let check = check(args.seed, &single)?;
     eprintln!("{check}");
     let mut configs = Vec::new();
     for &seq in &args.seqs {
@@ -241,14 +346,14 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     let opts = AttnOptions::default();
     for (seq, spec, d, dtype) in configs {
         bar.set_message(format!("{dtype} {spec} seq {seq} d {d}"));
-        let shape = AttnShape::new(args.batch, seq, seq, args.heads, kv_heads, d)?;
+        let shape = AttnShape::new(args.batch, seq, seq, heads, kv_heads, d)?;
         let mask = spec.build(seq, seq)?;
-        let q = random_tensor(&mut rng, vec![args.batch, seq, args.heads, d], dtype);
+        let q = random_tensor(&mut rng, vec![args.batch, seq, heads, d], dtype);
         let k = random_tensor(&mut rng, vec![args.batch, seq, kv_heads, d], dtype);
         let v = random_tensor(&mut rng, vec![args.batch, seq, kv_heads, d], dtype);
-        let flops = 4.0 * (args.batch * args.heads) as f64 * mask.area() as f64 * d as f64;
-        let g = random_tensor(&mut rng, vec![args.batch, seq, args.heads, d], dtype);
-        let mut execs = vec![Execution::Single];
+        let flops = 4.0 * (args.batch * heads) as f64 * mask.area() as f64 * d as f64;
+        let g = random_tensor(&mut rng, vec![args.batch, seq, heads, d], dtype);
+        let mut execs = vec![single.clone()];
         if args.world > 1 {
             for &strategy in &args.strategies {
                 let plan = distattn::PlanOptions { documents: spec.doc_lens(seq), ..Default::default() };
@@ -257,13 +362,25 @@ pub fn bench(args: BenchArgs) -> Result<()> {
             }
         }
         for exec in &execs {
-            let (strategy, world) = match exec {
-                Execution::Single => ("single".to_string(), 1),
-                Execution::Ranks { strategy, world, .. } => (strategy.to_string(), *world),
+            let (backend, strategy, world) = match exec {
+                Execution::Single => ("cpu", "single".to_string(), 1),
+                Execution::Cuda(_) => ("cuda", "single".to_string(), 1),
+                Execution::Ranks { strategy, world, .. } => ("cpu", strategy.to_string(), *world),
             };
-            let mut row = Row {
+            let timed = time_exec(exec, &q, &k, &v, &g, &shape, &mask, &opts, args.repeats, args.forward_only);
+            let (fwd_ms, bwd_ms) = match timed {
+                Ok(t) => t,
+                // A strategy that cannot serve this shape (e.g. Ulysses with heads not divisible
+                // by the world size) is reported and skipped; other errors end the run.
+                Err(e) if matches!(e.downcast_ref::<distattn::Error>(), Some(distattn::Error::Unsupported { .. })) => {
+                    bar.println(format!("skipped {strategy}: {e}"));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let row = Row {
                 implementation: "distattn".into(),
-                backend: "cpu".into(),
+                backend: backend.into(),
                 strategy,
                 world,
                 pass: "fwd".into(),
@@ -271,39 +388,16 @@ pub fn bench(args: BenchArgs) -> Result<()> {
                 causal: spec.is_causal(),
                 batch: args.batch,
                 seq,
-                heads: args.heads,
+                heads,
                 kv_heads,
                 head_dim: d,
                 dtype: dtype.to_string(),
-                ms: 0.0,
-                tflops: 0.0,
+                ms: fwd_ms,
+                tflops: flops / fwd_ms / 1e9,
             };
-            let mut fwd = None;
-            let timed = median_ms(args.repeats, || {
-                fwd = Some(host::forward(&q, &k, &v, &shape, &mask, &opts, exec)?);
-                Ok(())
-            });
-            row.ms = match timed {
-                Ok(ms) => ms,
-                // A strategy that cannot serve this shape (e.g. Ulysses with heads not divisible
-                // by the world size) is reported and skipped; other errors end the run.
-                Err(e) if matches!(e.downcast_ref::<distattn::Error>(), Some(distattn::Error::Unsupported { .. })) => {
-                    bar.println(format!("skipped {}: {e}", row.strategy));
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
-            row.tflops = flops / row.ms / 1e9;
             rows.push(row.clone());
-            if !args.forward_only {
-                let fwd = fwd.expect("forward ran");
-                row.pass = "bwd".into();
-                row.ms = median_ms(args.repeats, || {
-                    host::backward(&q, &k, &v, &fwd.o, &g, &fwd.lse, &shape, &mask, &opts, exec)?;
-                    Ok(())
-                })?;
-                row.tflops = 2.5 * flops / row.ms / 1e9;
-                rows.push(row);
+            if let Some(ms) = bwd_ms {
+                rows.push(Row { pass: "bwd".into(), ms, tflops: 2.5 * flops / ms / 1e9, ..row });
             }
         }
         bar.inc(1);

@@ -4,7 +4,7 @@
 use anyhow::Result;
 use clap::Args;
 use distattn::plan::{build, Pass};
-use distattn::{AttnShape, DType, MaskSpec, PlanOptions};
+use distattn::{AttnShape, DType, MaskSpec};
 
 use crate::run::DistArgs;
 
@@ -50,14 +50,11 @@ pub struct PlanArgs {
 pub fn plan(args: PlanArgs) -> Result<()> {
     let shape = AttnShape::new(args.batch, args.seq, args.seq, args.heads, args.kv_heads.unwrap_or(args.heads), args.head_dim)?;
     let mask = args.mask.build(args.seq, args.seq)?;
-    let strategy = match args.dist.ulysses_degree {
-        Some(u) => args.dist.strategy.with_ulysses_degree(u),
-        None => args.dist.strategy,
-    };
-    let mut opts = match args.dist.execution(&args.mask, args.seq)? {
-        distattn::host::Execution::Ranks { run, .. } => run.plan,
-        distattn::host::Execution::Single => PlanOptions { documents: args.mask.doc_lens(args.seq), ..PlanOptions::default() },
-    };
+    if args.dist.world == 0 {
+        anyhow::bail!("--world must be at least 1");
+    }
+    let strategy = args.dist.strategy();
+    let mut opts = args.dist.plan_options(&args.mask, args.seq);
     opts.pass = Some(if args.backward { Pass::Backward } else { Pass::Forward });
     let plan = build(strategy, args.dist.world, &shape, &mask, args.dtype, &opts)?;
     if args.json {

@@ -7,6 +7,7 @@ use distattn::host::{self, Execution};
 use distattn::plan::RingBackward;
 use distattn::{AttnOptions, DType, HostTensor, MaskSpec, PlanOptions, Strategy};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Args)]
@@ -65,6 +66,9 @@ pub struct RunArgs {
     /// Fail if any input holds NaN or infinity.
     #[arg(long)]
     check_finite: bool,
+    /// Kernels to use: auto (CUDA when a GPU is present and inputs are bf16/f16), cpu or cuda.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
     #[command(flatten)]
     dist: DistArgs,
 }
@@ -98,37 +102,73 @@ pub enum RingBackwardArg {
     Q,
 }
 
-impl DistArgs {
-    /// The execution these options ask for, with the document lengths of `mask` if it has any.
-    pub fn execution(&self, mask: &MaskSpec, seq: usize) -> Result<Execution> {
-        if self.world == 0 {
-            anyhow::bail!("--world must be at least 1");
-        }
-        if self.world == 1 {
+/// Which kernels compute.
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum BackendArg {
+    /// CUDA when a GPU is present and the inputs are bf16 or f16, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+impl BackendArg {
+    /// The execution for inputs of `dtype`: the CPU, or the first GPU.
+    pub fn execution(self, dtype: DType) -> Result<Execution> {
+        let gpu_dtype = matches!(dtype, DType::BF16 | DType::F16);
+        let use_cuda = match self {
+            BackendArg::Cpu => false,
+            BackendArg::Cuda => true,
+            BackendArg::Auto => gpu_dtype && distattn::cuda::cuda_available(),
+        };
+        if !use_cuda {
             return Ok(Execution::Single);
         }
-        let strategy = match self.ulysses_degree {
+        Ok(Execution::Cuda(Arc::new(distattn::cuda::CudaBackend::new(0)?)))
+    }
+}
+
+impl DistArgs {
+    /// The strategy with the hybrid's Ulysses degree applied.
+    pub fn strategy(&self) -> Strategy {
+        match self.ulysses_degree {
             Some(u) => self.strategy.with_ulysses_degree(u),
             None => self.strategy,
-        };
-        let plan = PlanOptions {
+        }
+    }
+
+    /// Planner options, with the document lengths of `mask` if it has any.
+    pub fn plan_options(&self, mask: &MaskSpec, seq: usize) -> PlanOptions {
+        PlanOptions {
             ring_backward: match self.ring_backward {
                 RingBackwardArg::Kv => RingBackward::KvCirculate,
                 RingBackwardArg::Q => RingBackward::QCirculate,
             },
             documents: mask.doc_lens(seq),
             ..PlanOptions::default()
-        };
-        let fail = self.fail_rank.map(|rank| InjectedFailure { rank, step: 1, kind: FailureKind::Error });
+        }
+    }
+
+    /// In-process ranks when `--world` > 1, else `single`.
+    pub fn execution(&self, mask: &MaskSpec, seq: usize, single: Execution) -> Result<Execution> {
+        if self.world == 0 {
+            anyhow::bail!("--world must be at least 1");
+        }
+        if self.world == 1 {
+            return Ok(single);
+        }
+        if matches!(single, Execution::Cuda(_)) {
+            anyhow::bail!("--world > 1 runs on in-process CPU ranks; pass --backend cpu");
+        }
         if let Some(rank) = self.fail_rank {
             if rank >= self.world {
                 anyhow::bail!("--fail-rank {rank} is not a rank of a world of {}", self.world);
             }
         }
+        let fail = self.fail_rank.map(|rank| InjectedFailure { rank, step: 1, kind: FailureKind::Error });
         Ok(Execution::Ranks {
-            strategy,
+            strategy: self.strategy(),
             world: self.world,
-            run: RunOptions { plan, timeout: Duration::from_secs(self.timeout), fail },
+            run: RunOptions { plan: self.plan_options(mask, seq), timeout: Duration::from_secs(self.timeout), fail },
         })
     }
 }
@@ -151,14 +191,17 @@ pub fn run(args: RunArgs) -> Result<()> {
     let shape = host::infer_shape(&q, &k, &v)?;
     let mask = args.mask.build(shape.q_len, shape.k_len)?;
     let opts = AttnOptions { scale: args.scale };
-    let exec = args.dist.execution(&args.mask, shape.q_len)?;
+    let backend = if args.dist.world > 1 && args.backend == BackendArg::Auto { BackendArg::Cpu } else { args.backend };
+    let exec = args.dist.execution(&args.mask, shape.q_len, backend.execution(q.dtype())?)?;
     let started = std::time::Instant::now();
     let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts, &exec)?;
-    let place = match &exec {
-        Execution::Single => String::new(),
-        Execution::Ranks { strategy, world, .. } => format!(", {strategy} on {world} ranks"),
-    };
-    eprintln!("forward: {shape}, mask {}, dtype {}{place}, {:.1} ms", args.mask, q.dtype(), started.elapsed().as_secs_f64() * 1e3);
+    eprintln!(
+        "forward: {shape}, mask {}, dtype {}, {}, {:.1} ms",
+        args.mask,
+        q.dtype(),
+        exec.describe(),
+        started.elapsed().as_secs_f64() * 1e3
+    );
     if let Some(path) = &args.out {
         HostTensor::write_npy_f32(path, &q.shape, &fwd.o)?;
     }
