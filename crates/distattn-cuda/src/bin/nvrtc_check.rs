@@ -1,0 +1,77 @@
+//! CI compile check: compiles every kernel variant with NVRTC for sm_90a and sm_80 (no GPU
+//! needed), prints ptxas' resource report and fails on any compile error, register spill or
+//! stack frame.
+//!
+//! Without NVRTC it skips (exit 0) unless `DISTATTN_REQUIRE_NVRTC=1`, which makes it fail.
+//! Extra architectures: `nvrtc-check sm_89 sm_120 ...` (replaces the default list).
+
+use distattn_cuda::compile::{self, KernelConfig};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let archs: Vec<String> = if args.is_empty() { vec!["sm_90a".into(), "sm_80".into()] } else { args };
+    if !compile::nvrtc_available() {
+        let require = std::env::var("DISTATTN_REQUIRE_NVRTC").map(|v| v == "1").unwrap_or(false);
+        eprintln!("nvrtc-check: NVRTC library not found (LD_LIBRARY_PATH={:?})", std::env::var("LD_LIBRARY_PATH").ok());
+        std::process::exit(if require { 1 } else { 0 });
+    }
+    match compile::nvrtc_version() {
+        Ok(v) => println!("NVRTC {}.{}", v.0, v.1),
+        Err(e) => {
+            eprintln!("nvrtc-check: {e}");
+            std::process::exit(1);
+        }
+    }
+    match compile::find_cuda_includes() {
+        Ok(v) => println!("CUDA include dirs: {v:?}"),
+        Err(e) => println!("note: {e} (the kernels include no header)"),
+    }
+    let mut failures = 0;
+    println!("{:<8} {:<5} {:>4} {:<16} {:>5} {:>6} {:>6} {:>6}", "arch", "dtype", "d", "kernel", "regs", "stack", "spillS", "spillL");
+    for arch in &archs {
+        let dims = std::env::var("DISTATTN_CHECK_DIMS").unwrap_or_default();
+        for cfg in KernelConfig::all() {
+            if !dims.is_empty() && !dims.split(',').any(|d| d == cfg.head_dim.to_string()) {
+                continue;
+            }
+            match compile::compile_variant(&cfg, arch, true) {
+                Err(e) => {
+                    failures += 1;
+                    println!("FAIL {arch} {} d{}: {e}", cfg.dtype, cfg.head_dim);
+                }
+                Ok(c) => {
+                    let res = compile::parse_ptxas(&c.log);
+                    if res.is_empty() {
+                        failures += 1;
+                        println!("FAIL {arch} {} d{}: no ptxas report in the NVRTC log:\n{}", cfg.dtype, cfg.head_dim, c.log);
+                    }
+                    for r in res {
+                        // The dK/dV kernel exists for every head dim but is only used up to 128.
+                        let used = cfg.has_backward() || r.name != "flash_bwd_dkdv";
+                        let bad = used && (r.spill_stores > 0 || r.spill_loads > 0 || r.stack_frame > 0);
+                        if bad {
+                            failures += 1;
+                        }
+                        println!(
+                            "{:<8} {:<5} {:>4} {:<16} {:>5} {:>6} {:>6} {:>6}{}",
+                            arch,
+                            cfg.dtype.to_string(),
+                            cfg.head_dim,
+                            r.name,
+                            r.registers,
+                            r.stack_frame,
+                            r.spill_stores,
+                            r.spill_loads,
+                            if bad { "  <-- SPILL" } else if !used { "  (unused)" } else { "" }
+                        );
+                    }
+                }
+            }
+        }
+    }
+    if failures > 0 {
+        println!("nvrtc-check: {failures} failure(s)");
+        std::process::exit(1);
+    }
+    println!("nvrtc-check: all variants compiled with no spills");
+}

@@ -1,0 +1,426 @@
+//! Run-time compilation of the kernels with NVRTC, with a disk cache of CUBINs.
+//!
+//! The kernel source (`kernels/flash.cu`) is embedded in the binary. Each (dtype, head dim)
+//! variant is compiled with its parameters as `-D` defines for the architecture of the GPU
+//! found (`sm_90a` on Hopper). CUBINs are cached on disk under `DISTATTN_CACHE_DIR` (default
+//! `~/.cache/distattn`), keyed by a hash of (source, options, arch, NVRTC version), so a second
+//! run starts without compiling.
+
+use distattn_core::{DType, Error, Result};
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+
+/// The kernel source, embedded.
+pub const FLASH_SRC: &str = include_str!("kernels/flash.cu");
+
+pub(crate) fn backend_err(reason: impl Into<String>) -> Error {
+    Error::Backend { backend: "cuda", reason: reason.into() }
+}
+
+/// Head dimensions the kernels support (forward; backward: all but 256).
+pub const HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
+
+/// Compile-time parameters of one module (one dtype, one head dim).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KernelConfig {
+    pub dtype: DType,
+    pub head_dim: usize,
+    pub fwd_warps: usize,
+    /// 16-row MMA tiles per warp in the forward.
+    pub fwd_mr: usize,
+    pub fwd_bn: usize,
+    pub bwd_warps: usize,
+    pub bwd_bm: usize,
+}
+
+impl KernelConfig {
+    /// The tuned configuration for a dtype and head dim.
+    pub fn new(dtype: DType, head_dim: usize) -> Result<Self> {
+        if !matches!(dtype, DType::BF16 | DType::F16) {
+            return Err(Error::UnsupportedDType(format!("{dtype} (the CUDA backend takes bf16 and f16)")));
+        }
+        let (fwd_warps, fwd_mr, fwd_bn) = match head_dim {
+            64 | 128 => (4, 2, 64),
+            96 => (4, 2, 32),
+            256 => (4, 1, 32),
+            _ => {
+                return Err(Error::UnsupportedHeadDim {
+                    head_dim,
+                    backend: "cuda",
+                    supported: "64, 96, 128, 256".into(),
+                })
+            }
+        };
+        let bwd_bm = if head_dim == 96 { 64 } else { 32 };
+        let mut c = KernelConfig { dtype, head_dim, fwd_warps, fwd_mr, fwd_bn, bwd_warps: 8, bwd_bm };
+        // Tuning experiments: DISTATTN_KCFG="fwd_warps=8,fwd_mr=1,fwd_bn=64,bwd_bm=64".
+        if let Ok(spec) = std::env::var("DISTATTN_KCFG") {
+            for kv in spec.split(',') {
+                let mut it = kv.splitn(2, '=');
+                if let (Some(k), Some(Ok(v))) = (it.next(), it.next().map(|v| v.trim().parse::<usize>())) {
+                    match k.trim() {
+                        "fwd_warps" => c.fwd_warps = v,
+                        "fwd_mr" => c.fwd_mr = v,
+                        "fwd_bn" => c.fwd_bn = v,
+                        "bwd_warps" => c.bwd_warps = v,
+                        "bwd_bm" => c.bwd_bm = v,
+                        _ => {}
+                    }
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    pub fn fwd_bm(&self) -> usize {
+        16 * self.fwd_mr * self.fwd_warps
+    }
+    pub fn bwd_bn(&self) -> usize {
+        16 * self.bwd_warps
+    }
+    pub fn has_backward(&self) -> bool {
+        self.head_dim <= 128
+    }
+    fn lds(&self) -> usize {
+        self.head_dim + 8
+    }
+    /// Dynamic shared memory of the forward kernel, bytes.
+    pub fn fwd_smem(&self) -> usize {
+        (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2 + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
+    }
+    /// Dynamic shared memory of the dK/dV kernel, bytes.
+    pub fn bwd_smem(&self) -> usize {
+        (2 * self.bwd_bn() + 4 * self.bwd_bm) * self.lds() * 2
+            + self.bwd_bn() * (self.bwd_bm + 8) * 2
+            + 4 * self.bwd_bm * 4
+    }
+    /// The `-D` options of this variant.
+    pub fn defines(&self) -> Vec<String> {
+        vec![
+            format!("-DDA_BF16={}", (self.dtype == DType::BF16) as u8),
+            format!("-DHEAD_DIM={}", self.head_dim),
+            format!("-DFWD_WARPS={}", self.fwd_warps),
+            format!("-DFWD_MR={}", self.fwd_mr),
+            format!("-DFWD_BN={}", self.fwd_bn),
+            format!("-DBWD_WARPS={}", self.bwd_warps),
+            format!("-DBWD_BM={}", self.bwd_bm),
+        ]
+    }
+    /// Every variant the library may compile.
+    pub fn all() -> Vec<KernelConfig> {
+        let mut v = Vec::new();
+        for dt in [DType::BF16, DType::F16] {
+            for d in HEAD_DIMS {
+                v.push(KernelConfig::new(dt, d).expect("listed head dims are supported"));
+            }
+        }
+        v
+    }
+}
+
+/// Whether the NVRTC shared library can be loaded.
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to dlopen the library by its usual names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// NVRTC's (major, minor) version.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    if !nvrtc_available() {
+        return Err(no_nvrtc());
+    }
+    let (mut a, mut b) = (0, 0);
+    // SAFETY: plain out-parameters.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) };
+    if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(backend_err(format!("nvrtcVersion failed: {r:?}")));
+    }
+    Ok((a, b))
+}
+
+fn no_nvrtc() -> Error {
+    backend_err(
+        "NVRTC not found: libnvrtc.so (CUDA 13) could not be loaded; install the CUDA toolkit or the \
+         `nvidia-cuda-nvrtc` wheel and put its lib directory on LD_LIBRARY_PATH",
+    )
+}
+
+/// The NVRTC target for a compute capability: `sm_90a` on Hopper (wgmma/setmaxnreg available),
+/// `sm_XY` elsewhere.
+pub fn arch_for(cc: (i32, i32)) -> String {
+    match cc {
+        (9, 0) => "sm_90a".into(),
+        (10, 0) => "sm_100a".into(),
+        (a, b) => format!("sm_{a}{b}"),
+    }
+}
+
+/// Include directories of a CUDA 13 toolkit (`include` and `include/cccl`), searched in
+/// `DISTATTN_CUDA_INCLUDE` (colon-separated), `CUDA_HOME`, `CUDA_PATH`, the `include` beside each
+/// `LD_LIBRARY_PATH` entry (pip wheels: `nvidia/cu13/{lib,include}`), `/usr/local/cuda` and
+/// `/opt/cuda`. The kernels themselves need no header; the directories are passed to NVRTC
+/// when found, and a compile failure reports what was missing.
+pub fn find_cuda_includes() -> Result<Vec<PathBuf>> {
+    let mut bases: Vec<PathBuf> = Vec::new();
+    if let Ok(v) = std::env::var("DISTATTN_CUDA_INCLUDE") {
+        bases.extend(v.split(':').filter(|s| !s.is_empty()).map(PathBuf::from));
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(v) = std::env::var(var) {
+            bases.push(Path::new(&v).join("include"));
+        }
+    }
+    if let Ok(v) = std::env::var("LD_LIBRARY_PATH") {
+        for d in v.split(':').filter(|s| !s.is_empty()) {
+            if let Some(parent) = Path::new(d).parent() {
+                bases.push(parent.join("include"));
+            }
+        }
+    }
+    bases.push("/usr/local/cuda/include".into());
+    bases.push("/opt/cuda/include".into());
+    let mut looked = Vec::new();
+    let mut found: Option<PathBuf> = None;
+    let mut found_cccl: Option<PathBuf> = None;
+    for b in &bases {
+        looked.push(b.display().to_string());
+        if found.is_none() && b.join("cuda_fp16.h").is_file() {
+            found = Some(b.clone());
+        }
+        if found_cccl.is_none() {
+            for c in [b.join("cccl"), b.clone()] {
+                if c.join("nv").join("target").is_file() {
+                    found_cccl = Some(c);
+                    break;
+                }
+            }
+        }
+    }
+    match (found, found_cccl) {
+        (Some(inc), Some(cccl)) => {
+            let mut v = vec![inc];
+            if !v.contains(&cccl) {
+                v.push(cccl);
+            }
+            Ok(v)
+        }
+        (inc, cccl) => {
+            let mut missing = Vec::new();
+            if inc.is_none() {
+                missing.push("CUDA headers (cuda_fp16.h: toolkit `include` or the nvidia-cuda-runtime wheel)");
+            }
+            if cccl.is_none() {
+                missing.push("CCCL headers (nv/target: toolkit `include/cccl` or the nvidia-cuda-cccl wheel)");
+            }
+            Err(backend_err(format!(
+                "missing {}; looked in: {}; set CUDA_HOME or DISTATTN_CUDA_INCLUDE",
+                missing.join(" and "),
+                looked.join(", ")
+            )))
+        }
+    }
+}
+
+/// A compiled module and NVRTC's log (which holds ptxas' resource report when asked for).
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    pub cubin: Vec<u8>,
+    pub log: String,
+    pub from_cache: bool,
+}
+
+fn fnv64(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for p in parts {
+        for &b in *p {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// Cache directory: `DISTATTN_CACHE_DIR`, else `~/.cache/distattn`.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Ok(d) = std::env::var("DISTATTN_CACHE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    std::env::var("HOME").ok().map(|h| Path::new(&h).join(".cache").join("distattn"))
+}
+
+/// Options passed to NVRTC for a variant.
+pub fn nvrtc_options(cfg: &KernelConfig, arch: &str, includes: &[PathBuf], verbose: bool) -> Vec<String> {
+    let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "--use_fast_math".into()];
+    o.extend(cfg.defines());
+    for i in includes {
+        o.push(format!("--include-path={}", i.display()));
+    }
+    if verbose {
+        o.push("--ptxas-options=-v".into());
+    }
+    // Extra defines for experiments (part of the cache key through the options).
+    if let Ok(extra) = std::env::var("DISTATTN_EXTRA_DEFINES") {
+        o.extend(extra.split_whitespace().map(String::from));
+    }
+    o
+}
+
+/// Compiles one variant to a CUBIN for `arch`, using the disk cache unless `verbose` (a
+/// verbose compile always runs NVRTC, to get the ptxas report).
+pub fn compile_variant(cfg: &KernelConfig, arch: &str, verbose: bool) -> Result<Compiled> {
+    let includes = find_cuda_includes();
+    let inc = includes.as_ref().map(|v| v.as_slice()).unwrap_or(&[]);
+    let opts = nvrtc_options(cfg, arch, inc, verbose);
+    let ver = nvrtc_version()?;
+    // The include paths are not part of the key: the kernels include no header.
+    let key_opts = nvrtc_options(cfg, arch, &[], false).join(" ");
+    let key = fnv64(&[FLASH_SRC.as_bytes(), key_opts.as_bytes(), format!("{ver:?}").as_bytes()]);
+    let cache_file = cache_dir().map(|d| {
+        d.join(format!("flash-{}-d{}-{arch}-{key:016x}.cubin", cfg.dtype, cfg.head_dim))
+    });
+    if !verbose {
+        if let Some(f) = &cache_file {
+            if let Ok(bytes) = std::fs::read(f) {
+                if !bytes.is_empty() {
+                    return Ok(Compiled { cubin: bytes, log: String::new(), from_cache: true });
+                }
+            }
+        }
+    }
+    let out = nvrtc_compile(FLASH_SRC, "flash.cu", &opts).map_err(|e| match &includes {
+        Err(inc_err) => backend_err(format!("{e}; note: {inc_err}")),
+        Ok(_) => e,
+    })?;
+    if let Some(f) = &cache_file {
+        // A cache that cannot be written only costs a recompile next time.
+        if let Some(dir) = f.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let tmp = f.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &out.cubin).is_ok() {
+            let _ = std::fs::rename(&tmp, f);
+        }
+    }
+    Ok(out)
+}
+
+/// Runs NVRTC on `src` and returns the CUBIN (options must name a real `sm_` architecture).
+pub fn nvrtc_compile(src: &str, name: &str, opts: &[String]) -> Result<Compiled> {
+    use cudarc::nvrtc::{result, sys};
+    if !nvrtc_available() {
+        return Err(no_nvrtc());
+    }
+    let c_src = CString::new(src).map_err(|_| backend_err("kernel source contains a NUL byte"))?;
+    let c_name = CString::new(name).map_err(|_| backend_err("bad program name"))?;
+    let prog = result::create_program(&c_src, Some(&c_name)).map_err(|e| backend_err(format!("nvrtcCreateProgram: {e:?}")))?;
+    // SAFETY: `prog` is a live program until destroyed below.
+    let res = unsafe { result::compile_program(prog, opts) };
+    let log = unsafe { result::get_program_log(prog) }
+        .map(|v| {
+            let bytes: Vec<u8> = v.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .unwrap_or_default();
+    let out = match res {
+        Err(e) => Err(backend_err(format!("NVRTC compile of {name} failed ({e:?}) with {}:\n{log}", opts.join(" ")))),
+        Ok(()) => {
+            let mut size = 0usize;
+            // SAFETY: size query then a buffer of that size.
+            let r = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) };
+            if r != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+                Err(backend_err(format!("nvrtcGetCUBINSize failed ({r:?}); options must name an sm_ architecture")))
+            } else {
+                let mut buf = vec![0u8; size];
+                let r = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut _) };
+                if r != sys::nvrtcResult::NVRTC_SUCCESS {
+                    Err(backend_err(format!("nvrtcGetCUBIN failed ({r:?})")))
+                } else {
+                    Ok(Compiled { cubin: buf, log, from_cache: false })
+                }
+            }
+        }
+    };
+    // SAFETY: destroyed once.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
+
+/// Resource usage of one kernel from ptxas' verbose report.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct KernelResources {
+    pub name: String,
+    pub registers: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+    pub stack_frame: u32,
+    pub smem_static: u32,
+}
+
+/// Parses ptxas `-v` output ("Compiling entry function 'X'", "N bytes stack frame, N bytes
+/// spill stores, N bytes spill loads", "Used N registers").
+pub fn parse_ptxas(log: &str) -> Vec<KernelResources> {
+    let mut out: Vec<KernelResources> = Vec::new();
+    let num_before = |line: &str, word: &str| -> Option<u32> {
+        let idx = line.find(word)?;
+        line[..idx].split_whitespace().last()?.parse().ok()
+    };
+    for line in log.lines() {
+        if let Some(i) = line.find("Compiling entry function '") {
+            let rest = &line[i + "Compiling entry function '".len()..];
+            let name = rest.split('\'').next().unwrap_or("").to_string();
+            out.push(KernelResources { name, ..Default::default() });
+        } else if let Some(k) = out.last_mut() {
+            if line.contains("stack frame") {
+                k.stack_frame = num_before(line, "bytes stack frame").unwrap_or(0);
+                k.spill_stores = num_before(line, "bytes spill stores").unwrap_or(0);
+                k.spill_loads = num_before(line, "bytes spill loads").unwrap_or(0);
+            }
+            if line.contains("Used") && line.contains("registers") {
+                k.registers = num_before(line, "registers").unwrap_or(0);
+                k.smem_static = num_before(line, "bytes smem").unwrap_or(0);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_and_smem_fit_sm80() {
+        for c in KernelConfig::all() {
+            assert!(c.fwd_smem() <= 163 * 1024, "{c:?} fwd smem {}", c.fwd_smem());
+            if c.has_backward() {
+                assert!(c.bwd_smem() <= 163 * 1024, "{c:?} bwd smem {}", c.bwd_smem());
+            }
+            assert_eq!(c.fwd_bn % 32, 0);
+        }
+        assert!(matches!(KernelConfig::new(DType::BF16, 80), Err(Error::UnsupportedHeadDim { .. })));
+        assert!(matches!(KernelConfig::new(DType::F32, 64), Err(Error::UnsupportedDType(_))));
+    }
+
+    #[test]
+    fn ptxas_report_parses() {
+        let log = "ptxas info    : Compiling entry function 'flash_fwd' for 'sm_90a'\n\
+                   ptxas info    : Function properties for flash_fwd\n\
+                   ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n\
+                   ptxas info    : Used 255 registers, used 1 barriers, 400 bytes cmem[0]\n";
+        let r = parse_ptxas(log);
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].name, "flash_fwd");
+        assert_eq!(r[0].registers, 255);
+        assert_eq!(r[0].spill_stores, 4);
+        assert_eq!(r[0].stack_frame, 8);
+    }
+
+    #[test]
+    fn arch_names() {
+        assert_eq!(arch_for((9, 0)), "sm_90a");
+        assert_eq!(arch_for((8, 0)), "sm_80");
+        assert_eq!(arch_for((8, 9)), "sm_89");
+    }
+}

@@ -1,0 +1,728 @@
+// distattn CUDA kernels: flash attention forward, backward (delta, dK/dV + dQ accumulation,
+// dQ conversion) and the LSE merge of partial results.
+//
+// Compiled at run time by NVRTC, one module per (dtype, head dim). The host prepends the
+// compile-time parameters as defines:
+//   DA_BF16 (1 for bf16, 0 for f16), HEAD_DIM, FWD_WARPS, FWD_BN, BWD_WARPS, BWD_BM.
+// No headers are needed: conversions and tensor-core instructions are inline PTX (sm_80+).
+//
+// Layouts (elements): Q/O/dO/dQ [b, nq, h, d], K/V/dK/dV [b, nk, hkv, d], LSE/delta [b, h, nq]
+// in f32 (natural log for LSE). Masks arrive as per-tile lists built on the host:
+// tile_ptr[t]..tile_ptr[t+1] index into `tiles` (x = other-axis tile, y = offset in u32 words
+// of the tile's bitmask in `bits`, or -1 for a full tile). Bitmask rows are query rows of the
+// tile, BN bits per row (bit = key column), so full tiles need no mask arithmetic at all.
+
+typedef unsigned short elem_t;
+typedef unsigned int u32;
+
+#ifndef HEAD_DIM
+#error "HEAD_DIM must be defined"
+#endif
+#define D HEAD_DIM
+#define LDS (D + 8) // smem row stride in elements (16-byte pad: conflict-free ldmatrix)
+
+#define NEG_INF (__int_as_float(0xff800000))
+#define POS_INF (__int_as_float(0x7f800000))
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+// ---------------------------------------------------------------- small helpers
+
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if DA_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ float to_f32(elem_t x) {
+#if DA_BF16
+    return __uint_as_float(((u32)x) << 16);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+#endif
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16-byte async copy global -> shared; src_bytes = 0 zero-fills the destination.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_u32(p)));
+}
+
+// dst[0] += a, dst[1] += b (8-byte aligned): one vector reduction on sm_90, two otherwise.
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+}
+
+__device__ __forceinline__ void ldsm_x4a(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4a_t(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// C += A(16x16, row) * B(16x8, col), f32 accumulators.
+__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+#if DA_BF16
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Loads ROWS x D elements (rows r0.. of a strided tensor) into smem (row stride LDS) with
+// cp.async; rows at or past `limit` are zero-filled.
+template <int ROWS, int NT>
+__device__ __forceinline__ void load_rows(elem_t* s, const elem_t* base, size_t row_stride, int r0,
+                                          int limit, int tid) {
+    constexpr int CPR = D / 8; // 16-byte chunks per row
+    if constexpr (NT % CPR == 0) {
+        // Each thread keeps one chunk column and walks rows: one pointer, no divisions.
+        constexpr int RPP = NT / CPR; // rows per pass
+        const int ch = tid % CPR, rr = tid / CPR;
+        const elem_t* src = base + (size_t)(r0 + rr) * row_stride + ch * 8;
+        elem_t* dst = s + rr * LDS + ch * 8;
+#pragma unroll
+        for (int i = 0; i < ROWS / RPP; ++i) {
+            const bool ok = r0 + rr + i * RPP < limit;
+            cp_async16(dst + i * RPP * LDS, ok ? src + (size_t)i * RPP * row_stride : base, ok ? 16 : 0);
+        }
+    } else {
+#pragma unroll
+        for (int c = tid; c < ROWS * CPR; c += NT) {
+            int r = c / CPR, ch = c % CPR;
+            int gr = r0 + r;
+            bool ok = gr < limit;
+            const elem_t* src = base + (size_t)(ok ? gr : 0) * row_stride + ch * 8;
+            cp_async16(s + r * LDS + ch * 8, src, ok ? 16 : 0);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- forward
+
+struct FwdParams {
+    const elem_t* q;
+    const elem_t* k;
+    const elem_t* v;
+    elem_t* o;
+    float* o_f32; // optional (null)
+    float* lse;
+    const int* tile_ptr;
+    const int2* tiles;
+    const u32* bits;
+    int batch, q_len, k_len, heads, kv_heads, n_tiles;
+    float scale_log2;
+    int pad_;
+};
+
+#ifndef FWD_MR
+#define FWD_MR 1 // 16-row MMA tiles per warp: K/V fragments read from smem are reused MR times
+#endif
+#define FWD_WM (16 * FWD_MR)
+#define FWD_BM (FWD_WM * FWD_WARPS)
+#define FWD_NT (32 * FWD_WARPS)
+#define Q_IN_REGS (D * FWD_MR <= 128)
+
+extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t* Qs = (elem_t*)smem_raw;
+    elem_t* Ks = Qs + FWD_BM * LDS;
+    elem_t* Vs = Ks + 2 * FWD_BN * LDS;
+
+    const int qt = p.n_tiles - 1 - blockIdx.x; // heavy (late causal) tiles first
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (p.heads / p.kv_heads);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int q0 = qt * FWD_BM;
+    const int wr0 = warp * FWD_WM; // this warp's first row in the tile
+    const size_t qs = (size_t)p.heads * D, ks = (size_t)p.kv_heads * D;
+    const elem_t* qbase = p.q + ((size_t)b * p.q_len * p.heads + h) * D;
+    const elem_t* kbase = p.k + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
+    const elem_t* vbase = p.v + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
+    const int e0 = p.tile_ptr[qt], e1 = p.tile_ptr[qt + 1];
+
+    load_rows<FWD_BM, FWD_NT>(Qs, qbase, qs, q0, p.q_len, tid);
+    cp_async_commit();
+    if (e0 < e1) {
+        int kt = p.tiles[e0].x;
+        load_rows<FWD_BN, FWD_NT>(Ks, kbase, ks, kt * FWD_BN, p.k_len, tid);
+        load_rows<FWD_BN, FWD_NT>(Vs, vbase, ks, kt * FWD_BN, p.k_len, tid);
+    }
+    cp_async_commit();
+
+    float o[FWD_MR][D / 8][4];
+    // Running row max (log2 units) and partial row sums live in shared memory, one slot per
+    // thread: 8 registers fewer in the hottest loop (the difference between spilling or not).
+    float* mls = (float*)(Vs + 2 * FWD_BN * LDS);
+#define MROW(mi, r) mls[((mi) * 2 + (r)) * FWD_NT + tid]
+#define LROW(mi, r) mls[(2 * FWD_MR + (mi) * 2 + (r)) * FWD_NT + tid]
+#pragma unroll
+    for (int mi = 0; mi < FWD_MR; ++mi) {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) o[mi][i][0] = o[mi][i][1] = o[mi][i][2] = o[mi][i][3] = 0.f;
+        MROW(mi, 0) = MROW(mi, 1) = NEG_INF;
+        LROW(mi, 0) = LROW(mi, 1) = 0.f;
+    }
+
+    const elem_t* qrow_ptr = Qs + (wr0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
+#if Q_IN_REGS
+    u32 qf[FWD_MR][D / 16][4];
+    cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < FWD_MR; ++mi)
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            ldsm_x4(qf[mi][kk][0], qf[mi][kk][1], qf[mi][kk][2], qf[mi][kk][3], qrow_ptr + mi * 16 * LDS + kk * 16);
+#endif
+
+    for (int e = e0; e < e1; ++e) {
+        const int stage = (e - e0) & 1;
+        if (e + 1 < e1) {
+            int kt = p.tiles[e + 1].x;
+            load_rows<FWD_BN, FWD_NT>(Ks + (stage ^ 1) * FWD_BN * LDS, kbase, ks, kt * FWD_BN, p.k_len, tid);
+            load_rows<FWD_BN, FWD_NT>(Vs + (stage ^ 1) * FWD_BN * LDS, vbase, ks, kt * FWD_BN, p.k_len, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        // Per-lane ldmatrix addresses of this stage (bytes, shared window).
+        const u32 kaddr = smem_u32(Ks) + 2 * (stage * FWD_BN * LDS + ((lane & 7) + (lane >> 4) * 8) * LDS + ((lane >> 3) & 1) * 8);
+        const u32 vaddr = smem_u32(Vs) + 2 * (stage * FWD_BN * LDS + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
+
+        // S = Q K^T for this warp's rows.
+        float s[FWD_MR][FWD_BN / 8][4];
+#pragma unroll
+        for (int mi = 0; mi < FWD_MR; ++mi)
+#pragma unroll
+            for (int j = 0; j < FWD_BN / 8; ++j) s[mi][j][0] = s[mi][j][1] = s[mi][j][2] = s[mi][j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a[FWD_MR][4];
+#pragma unroll
+            for (int mi = 0; mi < FWD_MR; ++mi) {
+#if Q_IN_REGS
+                a[mi][0] = qf[mi][kk][0]; a[mi][1] = qf[mi][kk][1]; a[mi][2] = qf[mi][kk][2]; a[mi][3] = qf[mi][kk][3];
+#else
+                ldsm_x4(a[mi][0], a[mi][1], a[mi][2], a[mi][3], qrow_ptr + mi * 16 * LDS + kk * 16);
+#endif
+            }
+#pragma unroll
+            for (int nj = 0; nj < FWD_BN / 16; ++nj) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4a(b0, b1, b2, b3, kaddr + 2 * (nj * 16 * LDS + kk * 16));
+#pragma unroll
+                for (int mi = 0; mi < FWD_MR; ++mi) {
+                    mma16816(s[mi][2 * nj], a[mi], b0, b1);
+                    mma16816(s[mi][2 * nj + 1], a[mi], b2, b3);
+                }
+            }
+        }
+        const int moff = p.tiles[e].y;
+        const float sl2 = p.scale_log2;
+#pragma unroll
+        for (int mi = 0; mi < FWD_MR; ++mi) {
+            if (moff >= 0) { // partial tile: apply the bitmask
+                constexpr int W = FWD_BN / 32;
+                const u32* r0w = p.bits + moff + (wr0 + mi * 16 + g) * W;
+                const u32* r1w = r0w + 8 * W;
+#pragma unroll
+                for (int j = 0; j < FWD_BN / 8; ++j) {
+                    int c = 8 * j + 2 * t;
+                    u32 w0 = r0w[c >> 5] >> (c & 31), w1 = r1w[c >> 5] >> (c & 31);
+                    if (!(w0 & 1)) s[mi][j][0] = NEG_INF;
+                    if (!(w0 & 2)) s[mi][j][1] = NEG_INF;
+                    if (!(w1 & 1)) s[mi][j][2] = NEG_INF;
+                    if (!(w1 & 2)) s[mi][j][3] = NEG_INF;
+                }
+            }
+            // Online softmax (log2 domain).
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = NEG_INF;
+#pragma unroll
+                for (int j = 0; j < FWD_BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * r], s[mi][j][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+                // m is kept in scaled (log2) units; scores are scaled inside the exponent.
+                const float mo = MROW(mi, r);
+                const float mn = fmaxf(mo, mx * sl2);
+                const float mu = mn == NEG_INF ? 0.f : mn;
+                const float alpha = fast_exp2(mo - mu);
+                MROW(mi, r) = mn;
+                float rs = 0.f;
+#pragma unroll
+                for (int j = 0; j < FWD_BN / 8; ++j) {
+                    s[mi][j][2 * r] = fast_exp2(fmaf(s[mi][j][2 * r], sl2, -mu));
+                    s[mi][j][2 * r + 1] = fast_exp2(fmaf(s[mi][j][2 * r + 1], sl2, -mu));
+                    rs += s[mi][j][2 * r] + s[mi][j][2 * r + 1];
+                }
+                LROW(mi, r) = LROW(mi, r) * alpha + rs;
+#pragma unroll
+                for (int i = 0; i < D / 8; ++i) { o[mi][i][2 * r] *= alpha; o[mi][i][2 * r + 1] *= alpha; }
+            }
+        }
+        // O += P V
+#pragma unroll
+        for (int kk = 0; kk < FWD_BN / 16; ++kk) {
+            u32 a[FWD_MR][4];
+#pragma unroll
+            for (int mi = 0; mi < FWD_MR; ++mi) {
+                a[mi][0] = pack2(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+                a[mi][1] = pack2(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+                a[mi][2] = pack2(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+                a[mi][3] = pack2(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dj = 0; dj < D / 16; ++dj) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4a_t(b0, b1, b2, b3, vaddr + 2 * (kk * 16 * LDS + dj * 16));
+#pragma unroll
+                for (int mi = 0; mi < FWD_MR; ++mi) {
+                    mma16816(o[mi][2 * dj], a[mi], b0, b1);
+                    mma16816(o[mi][2 * dj + 1], a[mi], b2, b3);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // Finalize: normalise, write O (staged through this warp's rows of Qs), LSE.
+    cp_async_wait<0>();
+    __syncwarp();
+    elem_t* wrows = Qs + wr0 * LDS;
+#pragma unroll
+    for (int mi = 0; mi < FWD_MR; ++mi) {
+        float inv[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float lt = LROW(mi, r);
+            lt += __shfl_xor_sync(0xffffffff, lt, 1);
+            lt += __shfl_xor_sync(0xffffffff, lt, 2);
+            inv[r] = lt > 0.f ? 1.f / lt : 0.f;
+            const int row = q0 + wr0 + mi * 16 + g + 8 * r;
+            if (t == 0 && row < p.q_len)
+                p.lse[((size_t)b * p.heads + h) * p.q_len + row] = lt > 0.f ? (MROW(mi, r) + __log2f(lt)) * LN2 : NEG_INF;
+            if (p.o_f32 && row < p.q_len) {
+                float* dst = p.o_f32 + (((size_t)b * p.q_len + row) * p.heads + h) * D;
+#pragma unroll
+                for (int i = 0; i < D / 8; ++i)
+                    *(float2*)(dst + i * 8 + 2 * t) = make_float2(o[mi][i][2 * r] * inv[r], o[mi][i][2 * r + 1] * inv[r]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            *(u32*)(wrows + (mi * 16 + g) * LDS + i * 8 + 2 * t) = pack2(o[mi][i][0] * inv[0], o[mi][i][1] * inv[0]);
+            *(u32*)(wrows + (mi * 16 + g + 8) * LDS + i * 8 + 2 * t) = pack2(o[mi][i][2] * inv[1], o[mi][i][3] * inv[1]);
+        }
+    }
+    __syncwarp();
+    constexpr int CPR = D / 8;
+    for (int c = lane; c < FWD_WM * CPR; c += 32) {
+        int r = c / CPR, ch = c % CPR;
+        int row = q0 + wr0 + r;
+        if (row < p.q_len)
+            *(uint4*)(p.o + (((size_t)b * p.q_len + row) * p.heads + h) * D + ch * 8) = *(const uint4*)(wrows + r * LDS + ch * 8);
+    }
+}
+
+// ---------------------------------------------------------------- backward: delta = rowsum(dO * O)
+
+struct DeltaParams {
+    const elem_t* o;
+    const elem_t* dout;
+    float* delta;
+    long long rows; // batch * q_len * heads
+    int q_len, heads;
+};
+
+extern "C" __global__ void __launch_bounds__(256) bwd_delta(const DeltaParams p) {
+    const long long row = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= p.rows) return;
+    const elem_t* o = p.o + row * D;
+    const elem_t* d = p.dout + row * D;
+    float acc = 0.f;
+    for (int c = lane * 2; c < D; c += 64) {
+        u32 a = *(const u32*)(o + c), bb = *(const u32*)(d + c);
+        acc += to_f32((elem_t)(a & 0xffff)) * to_f32((elem_t)(bb & 0xffff)) +
+               to_f32((elem_t)(a >> 16)) * to_f32((elem_t)(bb >> 16));
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, s);
+    if (lane == 0) {
+        const int h = (int)(row % p.heads);
+        const long long bi = row / p.heads; // b * q_len + i
+        const int i = (int)(bi % p.q_len);
+        const long long bb = bi / p.q_len;
+        p.delta[(bb * p.heads + h) * p.q_len + i] = acc;
+    }
+}
+
+// ---------------------------------------------------------------- backward: dK, dV (+ dQ atomics)
+
+struct BwdParams {
+    const elem_t* q;
+    const elem_t* k;
+    const elem_t* v;
+    const elem_t* dout;
+    const float* lse;
+    const float* delta;
+    float* dq_acc;
+    elem_t* dk;
+    elem_t* dv;
+    const int* tile_ptr; // per key tile
+    const int2* tiles;   // x = query tile, y = bitmask offset or -1
+    const u32* bits;     // rows = BWD_BM query rows, BWD_BN key bits per row
+    int batch, q_len, k_len, heads, kv_heads, n_tiles;
+    float scale_log2, scale;
+};
+
+#define BWD_BN (16 * BWD_WARPS)
+#define BWD_NT (32 * BWD_WARPS)
+#define LDSS (BWD_BM + 8)
+#define DQ_RG (BWD_BM / 16)          // dQ row groups of 16
+#define DQ_CP (BWD_WARPS / DQ_RG)    // dQ column parts
+#define DQ_DC (D / DQ_CP)            // dQ columns per warp
+#define DQ_PASSES (DQ_DC % 32 == 0 ? DQ_DC / 32 : 1)
+#define DQ_PC (DQ_DC / DQ_PASSES)     // columns per pass
+
+#if D <= 128 // the dK/dV kernel holds dK and dV in registers: head dims up to 128
+
+extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t* Ks = (elem_t*)smem_raw;
+    elem_t* Vs = Ks + BWD_BN * LDS;
+    elem_t* Qs = Vs + BWD_BN * LDS;          // 2 stages
+    elem_t* dOs = Qs + 2 * BWD_BM * LDS;     // 2 stages
+    elem_t* dSs = dOs + 2 * BWD_BM * LDS;    // [BWD_BN][LDSS], dS^T
+    float* lse_s = (float*)(dSs + BWD_BN * LDSS); // 2 stages
+    float* del_s = lse_s + 2 * BWD_BM;            // 2 stages
+
+    const int kt = p.n_tiles - 1 - blockIdx.x;
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int G = p.heads / p.kv_heads;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int k0 = kt * BWD_BN;
+    const size_t qstr = (size_t)p.heads * D, kstr = (size_t)p.kv_heads * D;
+    const int e0 = p.tile_ptr[kt], ne = p.tile_ptr[kt + 1] - e0;
+    const int total = G * ne;
+
+    const elem_t* kbase = p.k + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
+    const elem_t* vbase = p.v + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
+    load_rows<BWD_BN, BWD_NT>(Ks, kbase, kstr, k0, p.k_len, tid);
+    load_rows<BWD_BN, BWD_NT>(Vs, vbase, kstr, k0, p.k_len, tid);
+    cp_async_commit();
+
+    auto load_item = [&](int it, int st) {
+        const int hh = it / ne, e = e0 + it % ne;
+        const int h = kvh * G + hh;
+        const int qt = p.tiles[e].x;
+        const elem_t* qb = p.q + ((size_t)b * p.q_len * p.heads + h) * D;
+        const elem_t* db = p.dout + ((size_t)b * p.q_len * p.heads + h) * D;
+        load_rows<BWD_BM, BWD_NT>(Qs + st * BWD_BM * LDS, qb, qstr, qt * BWD_BM, p.q_len, tid);
+        load_rows<BWD_BM, BWD_NT>(dOs + st * BWD_BM * LDS, db, qstr, qt * BWD_BM, p.q_len, tid);
+        if (tid < 2 * BWD_BM) {
+            const int i = tid % BWD_BM;
+            const int row = qt * BWD_BM + i;
+            const bool ok = row < p.q_len;
+            const size_t off = ((size_t)b * p.heads + h) * p.q_len + (ok ? row : 0);
+            if (tid < BWD_BM) cp_async4(lse_s + st * BWD_BM + i, p.lse + off, ok ? 4 : 0);
+            else cp_async4(del_s + st * BWD_BM + i, p.delta + off, ok ? 4 : 0);
+        }
+    };
+    if (total > 0) load_item(0, 0);
+    cp_async_commit();
+
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+        dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
+        dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
+    }
+    // Per-lane ldmatrix byte offsets: "A" = rows (lane&7)+8*bit3, col 8*bit4 (A operands and
+    // transposed B operands); "B" = rows (lane&7)+8*bit4, col 8*bit3 (plain B operands).
+    const u32 laneA = 2 * (((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8);
+    const u32 laneB = 2 * (((lane & 7) + (lane >> 4) * 8) * LDS + ((lane >> 3) & 1) * 8);
+    const u32 krow = smem_u32(Ks) + 2 * warp * 16 * LDS + laneA;
+    const u32 vrow = smem_u32(Vs) + 2 * warp * 16 * LDS + laneA;
+    const u32 kbase_s = smem_u32(Ks) + laneA;
+
+    for (int it = 0; it < total; ++it) {
+        const int st = it & 1;
+        if (it + 1 < total) load_item(it + 1, st ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const int hh = it / ne, e = e0 + it % ne;
+        const int h = kvh * G + hh;
+        const int2 te = p.tiles[e];
+        const u32 qst = smem_u32(Qs) + 2 * st * BWD_BM * LDS;
+        const u32 dost = smem_u32(dOs) + 2 * st * BWD_BM * LDS;
+        const float* lse_st = lse_s + st * BWD_BM;
+        const float* del_st = del_s + st * BWD_BM;
+
+        // S^T = K Q^T (this warp's 16 keys x BWD_BM queries)
+        float sp[BWD_BM / 8][4];
+#pragma unroll
+        for (int j = 0; j < BWD_BM / 8; ++j) sp[j][0] = sp[j][1] = sp[j][2] = sp[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a[4];
+            ldsm_x4a(a[0], a[1], a[2], a[3], krow + 2 * kk * 16);
+#pragma unroll
+            for (int nj = 0; nj < BWD_BM / 16; ++nj) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4a(b0, b1, b2, b3, qst + laneB + 2 * (nj * 16 * LDS + kk * 16));
+                mma16816(sp[2 * nj], a, b0, b1);
+                mma16816(sp[2 * nj + 1], a, b2, b3);
+            }
+        }
+        // P^T = exp2(S^T * scale_log2 - lse2), masked entries 0.
+        {
+            constexpr int W = BWD_BN / 32;
+            const int rk = warp * 16 + g; // key row within the tile (and rk + 8)
+#pragma unroll
+            for (int j = 0; j < BWD_BM / 8; ++j) {
+#pragma unroll
+                for (int c2 = 0; c2 < 2; ++c2) {
+                    const int c = 8 * j + 2 * t + c2;
+                    const float lv = lse_st[c];
+                    const float l2 = lv == NEG_INF ? POS_INF : lv * LOG2E;
+                    float p0 = fast_exp2(sp[j][c2] * p.scale_log2 - l2);
+                    float p1 = fast_exp2(sp[j][2 + c2] * p.scale_log2 - l2);
+                    if (te.y >= 0) {
+                        u32 w = p.bits[te.y + c * W + (rk >> 5)] >> (rk & 31);
+                        if (!(w & 1)) p0 = 0.f;
+                        if (!(w & 0x100)) p1 = 0.f;
+                    }
+                    sp[j][c2] = p0;
+                    sp[j][2 + c2] = p1;
+                }
+            }
+        }
+        // dV += P^T dO
+#pragma unroll
+        for (int kk = 0; kk < BWD_BM / 16; ++kk) {
+            u32 a[4];
+            a[0] = pack2(sp[2 * kk][0], sp[2 * kk][1]);
+            a[1] = pack2(sp[2 * kk][2], sp[2 * kk][3]);
+            a[2] = pack2(sp[2 * kk + 1][0], sp[2 * kk + 1][1]);
+            a[3] = pack2(sp[2 * kk + 1][2], sp[2 * kk + 1][3]);
+#pragma unroll
+            for (int dj = 0; dj < D / 16; ++dj) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4a_t(b0, b1, b2, b3, dost + laneA + 2 * (kk * 16 * LDS + dj * 16));
+                mma16816(dv[2 * dj], a, b0, b1);
+                mma16816(dv[2 * dj + 1], a, b2, b3);
+            }
+        }
+        // dP^T = V dO^T
+        float dp[BWD_BM / 8][4];
+#pragma unroll
+        for (int j = 0; j < BWD_BM / 8; ++j) dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 a[4];
+            ldsm_x4a(a[0], a[1], a[2], a[3], vrow + 2 * kk * 16);
+#pragma unroll
+            for (int nj = 0; nj < BWD_BM / 16; ++nj) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4a(b0, b1, b2, b3, dost + laneB + 2 * (nj * 16 * LDS + kk * 16));
+                mma16816(dp[2 * nj], a, b0, b1);
+                mma16816(dp[2 * nj + 1], a, b2, b3);
+            }
+        }
+        // dS^T = P^T * (dP^T - delta); stage it (bf16/f16) for dQ.
+#pragma unroll
+        for (int j = 0; j < BWD_BM / 8; ++j) {
+            const int c = 8 * j + 2 * t;
+            const float d0 = del_st[c], d1 = del_st[c + 1];
+            sp[j][0] = sp[j][0] * (dp[j][0] - d0);
+            sp[j][1] = sp[j][1] * (dp[j][1] - d1);
+            sp[j][2] = sp[j][2] * (dp[j][2] - d0);
+            sp[j][3] = sp[j][3] * (dp[j][3] - d1);
+            *(u32*)(dSs + (warp * 16 + g) * LDSS + c) = pack2(sp[j][0], sp[j][1]);
+            *(u32*)(dSs + (warp * 16 + g + 8) * LDSS + c) = pack2(sp[j][2], sp[j][3]);
+        }
+        // dK += dS^T Q
+#pragma unroll
+        for (int kk = 0; kk < BWD_BM / 16; ++kk) {
+            u32 a[4];
+            a[0] = pack2(sp[2 * kk][0], sp[2 * kk][1]);
+            a[1] = pack2(sp[2 * kk][2], sp[2 * kk][3]);
+            a[2] = pack2(sp[2 * kk + 1][0], sp[2 * kk + 1][1]);
+            a[3] = pack2(sp[2 * kk + 1][2], sp[2 * kk + 1][3]);
+#pragma unroll
+            for (int dj = 0; dj < D / 16; ++dj) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4a_t(b0, b1, b2, b3, qst + laneA + 2 * (kk * 16 * LDS + dj * 16));
+                mma16816(dk[2 * dj], a, b0, b1);
+                mma16816(dk[2 * dj + 1], a, b2, b3);
+            }
+        }
+        __syncthreads();
+#ifndef BWD_NO_DQ // (timing experiment only: leaves dQ out)
+        // dQ (BWD_BM x D) += scale * dS K, split over warps, accumulated with f32 atomics;
+        // each warp's DQ_DC columns in DQ_PASSES passes to bound register pressure.
+        {
+            const int rg = warp % DQ_RG, cp = warp / DQ_RG;
+            const int qrow0 = te.x * BWD_BM + rg * 16 + g;
+#pragma unroll 1
+            for (int pass = 0; pass < DQ_PASSES; ++pass) {
+                const int c0 = cp * DQ_DC + pass * DQ_PC;
+                float dq[DQ_PC / 8][4];
+#pragma unroll
+                for (int i = 0; i < DQ_PC / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < BWD_BN / 16; ++kk) {
+                    u32 a[4];
+                    ldsm_x4_t(a[0], a[1], a[2], a[3],
+                              dSs + (kk * 16 + (lane & 7) + (lane >> 4) * 8) * LDSS + rg * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                    for (int dj = 0; dj < DQ_PC / 16; ++dj) {
+                        u32 b0, b1, b2, b3;
+                        ldsm_x4a_t(b0, b1, b2, b3, kbase_s + 2 * (kk * 16 * LDS + c0 + dj * 16));
+                        mma16816(dq[2 * dj], a, b0, b1);
+                        mma16816(dq[2 * dj + 1], a, b2, b3);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = qrow0 + 8 * r;
+                    if (row < p.q_len) {
+                        float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + c0 + 2 * t;
+#pragma unroll
+                        for (int i = 0; i < DQ_PC / 8; ++i) red_add2(dst + i * 8, dq[i][2 * r] * p.scale, dq[i][2 * r + 1] * p.scale);
+                    }
+                }
+            }
+        }
+#endif
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+
+    // Write dK (scaled) and dV for this warp's 16 keys.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = k0 + warp * 16 + g + 8 * r;
+        if (key < p.k_len) {
+            const size_t off = (((size_t)b * p.k_len + key) * p.kv_heads + kvh) * D + 2 * t;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                *(u32*)(p.dk + off + i * 8) = pack2(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
+                *(u32*)(p.dv + off + i * 8) = pack2(dv[i][2 * r], dv[i][2 * r + 1]);
+            }
+        }
+    }
+}
+#endif
+
+// ---------------------------------------------------------------- backward: dQ f32 -> dtype
+
+extern "C" __global__ void __launch_bounds__(256) convert_f32(const float* src, elem_t* dst, long long n2) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n2) {
+        float2 v = ((const float2*)src)[i];
+        ((u32*)dst)[i] = pack2(v.x, v.y);
+    }
+}
+
+// ---------------------------------------------------------------- merge of partial (O, LSE)
+
+struct MergeParams {
+    const float* o_parts;   // [n_parts][b, nq, h, d]
+    const float* lse_parts; // [n_parts][b, h, nq]
+    float* o_out;           // f32 [b, nq, h, d]
+    elem_t* o_out_t;        // optional dtype copy (null)
+    float* lse_out;         // [b, h, nq]
+    long long rows;         // b * nq * h
+    int n_parts, q_len, heads, pad_;
+};
+
+extern "C" __global__ void __launch_bounds__(256) lse_merge(const MergeParams p) {
+    const long long row = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= p.rows) return;
+    const int h = (int)(row % p.heads);
+    const long long bi = row / p.heads;
+    const int i = (int)(bi % p.q_len);
+    const long long bb = bi / p.q_len;
+    const long long li = (bb * p.heads + h) * p.q_len + i;
+    const long long lse_stride = p.rows, o_stride = p.rows * D;
+    float mx = NEG_INF;
+    for (int s = 0; s < p.n_parts; ++s) mx = fmaxf(mx, p.lse_parts[s * lse_stride + li]);
+    float sum = 0.f;
+    if (mx != NEG_INF)
+        for (int s = 0; s < p.n_parts; ++s) sum += __expf(p.lse_parts[s * lse_stride + li] - mx);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int c = lane * 2; c < D; c += 64) {
+        float a0 = 0.f, a1 = 0.f;
+        if (mx != NEG_INF)
+            for (int s = 0; s < p.n_parts; ++s) {
+                const float w = __expf(p.lse_parts[s * lse_stride + li] - mx) * inv;
+                const float2 v = *(const float2*)(p.o_parts + s * o_stride + row * D + c);
+                a0 += w * v.x;
+                a1 += w * v.y;
+            }
+        *(float2*)(p.o_out + row * D + c) = make_float2(a0, a1);
+        if (p.o_out_t) *(u32*)(p.o_out_t + row * D + c) = pack2(a0, a1);
+    }
+    if (lane == 0) p.lse_out[li] = mx == NEG_INF ? NEG_INF : mx + __logf(sum);
+}

@@ -1,0 +1,165 @@
+//! Host-side tile lists handed to the kernels.
+//!
+//! For a tiling of the score matrix into `bm × bn` tiles, [`TilePlan::by_query`] lists, for each
+//! query tile, its non-empty key tiles (from [`Mask::key_tiles`]) with a bitmask offset for
+//! partial tiles and `-1` for full ones; [`TilePlan::by_key`] is the same set of tiles listed per
+//! key tile (for the dK/dV kernel). Tiles that stick out of the matrix (the last query or key
+//! tile of an awkward length) are always partial, so the kernels never test bounds in the
+//! softmax: out-of-range rows and columns are masked by their zero bits.
+
+use distattn_core::{Error, Mask, Result, TileClass};
+
+/// Tile lists in CSR form plus the bitmasks of partial tiles.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TilePlan {
+    pub bm: usize,
+    pub bn: usize,
+    /// Number of tiles along the listed axis (query tiles for `by_query`, key tiles for `by_key`).
+    pub n_major: usize,
+    /// `ptr[i]..ptr[i+1]` are the entries of major tile `i`.
+    pub ptr: Vec<i32>,
+    /// Per entry: `[other-axis tile, bitmask offset in u32 words or -1]`.
+    pub tiles: Vec<[i32; 2]>,
+    /// Bitmasks, `bm` rows (query rows) of `bn / 32` words each (bit = key column).
+    pub bits: Vec<u32>,
+    /// Number of full and partial tiles.
+    pub n_full: usize,
+    pub n_partial: usize,
+}
+
+impl TilePlan {
+    /// Per query tile: the key tiles it meets.
+    pub fn by_query(mask: &Mask, bm: usize, bn: usize) -> Result<TilePlan> {
+        if bm == 0 || bn == 0 || bn % 32 != 0 {
+            return Err(Error::Backend { backend: "cuda", reason: format!("bad tile {bm}x{bn}") });
+        }
+        let q_len = mask.q_len();
+        let n_qt = q_len.div_ceil(bm);
+        let words = bn / 32;
+        let mut ptr = Vec::with_capacity(n_qt + 1);
+        let mut tiles = Vec::new();
+        let mut bits = Vec::new();
+        let mut buf = vec![false; bm * bn];
+        let (mut n_full, mut n_partial) = (0, 0);
+        ptr.push(0i32);
+        for qt in 0..n_qt {
+            let q = qt * bm..((qt + 1) * bm).min(q_len);
+            for (k, info) in mask.key_tiles(q.clone(), bn) {
+                let kt = k.start / bn;
+                let partial = info.class == TileClass::Partial || q.len() < bm || k.len() < bn;
+                if !partial {
+                    tiles.push([kt as i32, -1]);
+                    n_full += 1;
+                    continue;
+                }
+                n_partial += 1;
+                let kw = k.len();
+                mask.fill_tile(q.clone(), k.clone(), &mut buf[..q.len() * kw]);
+                let off = bits.len();
+                bits.resize(off + bm * words, 0u32);
+                for r in 0..q.len() {
+                    for c in 0..kw {
+                        if buf[r * kw + c] {
+                            bits[off + r * words + c / 32] |= 1 << (c % 32);
+                        }
+                    }
+                }
+                let off = i32::try_from(off).map_err(|_| Error::Backend {
+                    backend: "cuda",
+                    reason: "mask has too many partial tiles for 32-bit offsets".into(),
+                })?;
+                tiles.push([kt as i32, off]);
+            }
+            ptr.push(tiles.len() as i32);
+        }
+        Ok(TilePlan { bm, bn, n_major: n_qt, ptr, tiles, bits, n_full, n_partial })
+    }
+
+    /// Per key tile: the query tiles it meets (same tiles and bitmasks as `by_query`).
+    pub fn by_key(mask: &Mask, bm: usize, bn: usize) -> Result<TilePlan> {
+        let q = Self::by_query(mask, bm, bn)?;
+        let n_kt = mask.k_len().div_ceil(bn);
+        let mut count = vec![0i32; n_kt + 1];
+        for e in &q.tiles {
+            count[e[0] as usize + 1] += 1;
+        }
+        for i in 0..n_kt {
+            count[i + 1] += count[i];
+        }
+        let ptr = count.clone();
+        let mut fill = count;
+        let mut tiles = vec![[0i32; 2]; q.tiles.len()];
+        for qt in 0..q.n_major {
+            for e in &q.tiles[q.ptr[qt] as usize..q.ptr[qt + 1] as usize] {
+                let kt = e[0] as usize;
+                tiles[fill[kt] as usize] = [qt as i32, e[1]];
+                fill[kt] += 1;
+            }
+        }
+        Ok(TilePlan { bm, bn, n_major: n_kt, ptr, tiles, bits: q.bits, n_full: q.n_full, n_partial: q.n_partial })
+    }
+
+    /// Whether (row, col) of the `other`-indexed tile of major tile `major` is kept, by the
+    /// plan (for tests). `by_query` plans: row = query in tile, col = key in tile.
+    pub fn kept(&self, major: usize, other: usize, row: usize, col: usize) -> bool {
+        let words = self.bn / 32;
+        for e in &self.tiles[self.ptr[major] as usize..self.ptr[major + 1] as usize] {
+            if e[0] as usize == other {
+                return e[1] < 0 || self.bits[e[1] as usize + row * words + col / 32] >> (col % 32) & 1 == 1;
+            }
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distattn_core::mask::DocKind;
+
+    fn check_plan(mask: &Mask, bm: usize, bn: usize) {
+        let p = TilePlan::by_query(mask, bm, bn).unwrap();
+        let kp = TilePlan::by_key(mask, bm, bn).unwrap();
+        assert_eq!(p.tiles.len(), kp.tiles.len());
+        for i in 0..mask.q_len() {
+            let mut row = vec![false; mask.k_len()];
+            for (lo, hi) in mask.row_intervals(i) {
+                row[lo..hi].fill(true);
+            }
+            for j in 0..mask.k_len() {
+                let got = p.kept(i / bm, j / bn, i % bm, j % bn);
+                assert_eq!(got, row[j], "q={i} k={j}");
+                // The key-major plan holds the same tile with the same bits.
+                let words = bn / 32;
+                let e = kp.tiles[kp.ptr[j / bn] as usize..kp.ptr[j / bn + 1] as usize]
+                    .iter()
+                    .find(|e| e[0] as usize == i / bm);
+                let got_k = e.is_some_and(|e| {
+                    e[1] < 0 || kp.bits[e[1] as usize + (i % bm) * words + (j % bn) / 32] >> (j % 32) & 1 == 1
+                });
+                assert_eq!(got_k, row[j], "by_key q={i} k={j}");
+            }
+        }
+    }
+
+    #[test]
+    fn plans_reproduce_masks() {
+        check_plan(&Mask::full(100, 77).unwrap(), 32, 32);
+        check_plan(&Mask::causal(130, 130).unwrap(), 64, 64);
+        check_plan(&Mask::causal(50, 170).unwrap(), 16, 32);
+        check_plan(&Mask::causal(170, 50).unwrap(), 16, 32);
+        check_plan(&Mask::sliding_window(200, 200, Some(37), Some(0)).unwrap(), 32, 64);
+        check_plan(&Mask::documents(&[30, 70, 5, 95], DocKind::Causal).unwrap(), 64, 32);
+        check_plan(&Mask::prefix_lm(150, 40).unwrap(), 64, 64);
+    }
+
+    #[test]
+    fn full_tiles_have_no_bits() {
+        let p = TilePlan::by_query(&Mask::full(256, 256).unwrap(), 128, 64).unwrap();
+        assert_eq!(p.n_partial, 0);
+        assert!(p.bits.is_empty());
+        let c = TilePlan::by_query(&Mask::causal(256, 256).unwrap(), 128, 64).unwrap();
+        assert_eq!(c.n_partial, 4);
+        assert_eq!(c.n_full, 2);
+    }
+}
