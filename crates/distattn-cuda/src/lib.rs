@@ -17,6 +17,7 @@
 
 pub mod compile;
 pub mod plan;
+mod multi;
 
 use compile::{backend_err, KernelConfig};
 pub use cudarc;
