@@ -309,7 +309,7 @@ impl CudaBackend {
         };
         let dp = Arc::new(DevicePlan { ptr: up_i(&tp.ptr)?, tiles: up_i(&flat)?, bits, n_major: tp.n_major });
         let mut cache = self.plans.lock().map_err(|_| backend_err("plan cache poisoned"))?;
-        if cache.len() >= 32 {
+        if cache.len() >= 512 {
             cache.clear();
         }
         cache.insert(key, dp.clone());

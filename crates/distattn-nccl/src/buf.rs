@@ -348,10 +348,14 @@ pub struct Aux {
     rand_bf16: CudaFunction,
 }
 
+/// Compiles the auxiliary kernels to PTX (no GPU needed; NVRTC must load).
+pub fn compile_aux() -> Result<cudarc::nvrtc::Ptx> {
+    cudarc::nvrtc::compile_ptx(AUX_SRC).map_err(|e| Error::Backend { backend: "cuda", reason: format!("compiling the auxiliary kernels: {e}") })
+}
+
 impl Aux {
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Aux> {
-        let ptx = cudarc::nvrtc::compile_ptx(AUX_SRC)
-            .map_err(|e| Error::Backend { backend: "cuda", reason: format!("compiling the auxiliary kernels: {e:?}") })?;
+        let ptx = compile_aux()?;
         let m = ctx.load_module(ptx).map_err(gpu_err("loading the auxiliary kernels"))?;
         let f = |n: &str| m.load_function(n).map_err(gpu_err("loading an auxiliary kernel"));
         Ok(Aux {
@@ -467,6 +471,19 @@ mod tests {
     use super::*;
     use distattn_core::plan::{BufDesc, Tensor, TokenSet};
     use distattn_core::AttnShape;
+
+    #[test]
+    fn aux_kernels_compile_when_nvrtc_is_present() {
+        if !distattn_cuda::compile::nvrtc_available() {
+            eprintln!("NVRTC not found: skipped");
+            return;
+        }
+        let ptx = compile_aux().unwrap();
+        let src = ptx.to_src();
+        for k in ["copy_u16", "add_bf16", "merge_pieces", "merge_list", "rand_bf16"] {
+            assert!(src.contains(k), "{k} missing from the PTX");
+        }
+    }
 
     #[test]
     fn merge_spec_matches_the_executor_rows() {

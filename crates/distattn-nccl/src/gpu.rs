@@ -213,11 +213,17 @@ impl GpuRank {
     /// intervals are measured with events. Returns when the run has completed on the GPU.
     #[allow(clippy::too_many_arguments)]
     pub fn execute(&self, plan: &Plan, sched: Option<&Schedule>, mask: &Mask, opts: &AttnOptions, inputs: Vec<GpuBuf>, timeline: bool, fail: Option<InjectedFailure>) -> Result<RunOutput> {
-        match plan.dtype {
+        // The whole run counts for stall detection: a rank stuck anywhere is aborted.
+        let began = self.comm.busy_begin();
+        let r = match plan.dtype {
             DType::BF16 => self.execute_t::<bf16>(plan, sched, mask, opts, inputs, timeline, fail),
             DType::F16 => self.execute_t::<f16>(plan, sched, mask, opts, inputs, timeline, fail),
             d => Err(Error::UnsupportedDType(format!("{d} (the GPU executor takes bf16 and f16)"))),
+        };
+        if began {
+            self.comm.busy_end();
         }
+        r
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -296,7 +296,14 @@ impl NcclComm {
         let stream = ctx.new_stream().map_err(gpu_err("creating the comm stream"))?;
         let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
         let mut cfg = config();
-        let r = unsafe { nsys::ncclCommInitRankConfig(&mut comm, world as i32, id.0, rank as i32, &mut cfg) };
+        let mut r = unsafe { nsys::ncclCommInitRankConfig(&mut comm, world as i32, id.0, rank as i32, &mut cfg) };
+        if r == nsys::ncclResult_t::ncclInvalidArgument || r == nsys::ncclResult_t::ncclInvalidUsage {
+            // A library that rejects this config layout: a blocking communicator still works
+            // (calls only enqueue; the watchdog aborts it from its own thread).
+            eprintln!("rank {rank}: ncclCommInitRankConfig rejected the non-blocking config ({}); using ncclCommInitRank", nccl_str(r));
+            comm = std::ptr::null_mut();
+            r = unsafe { nsys::ncclCommInitRank(&mut comm, world as i32, id.0, rank as i32) };
+        }
         if r != nsys::ncclResult_t::ncclSuccess && r != nsys::ncclResult_t::ncclInProgress {
             return Err(Error::Comm(format!("rank {rank}: ncclCommInitRankConfig: {}", nccl_str(r))));
         }
@@ -453,7 +460,7 @@ impl NcclComm {
     /// Waits until `ev` has completed, polling for failures and stalls (never blocks in CUDA
     /// or NCCL, so an abort always ends the wait).
     pub fn wait_event(&self, ev: &CudaEvent) -> Result<()> {
-        *self.inner.busy_since.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        let began = self.busy_begin();
         let r = loop {
             match ev.try_is_complete() {
                 Ok(true) => break Ok(()),
@@ -465,8 +472,27 @@ impl NcclComm {
             }
             std::thread::sleep(Duration::from_micros(20));
         };
-        *self.inner.busy_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        if began {
+            self.busy_end();
+        }
         r
+    }
+
+    /// Starts the stall clock unless it runs already (then returns false). While it runs, the
+    /// watchdog aborts the communicator once it passes the timeout, even if this thread is
+    /// stuck inside a CUDA call.
+    pub fn busy_begin(&self) -> bool {
+        let mut b = self.inner.busy_since.lock().unwrap_or_else(|e| e.into_inner());
+        if b.is_some() {
+            return false;
+        }
+        *b = Some(Instant::now());
+        true
+    }
+
+    /// Stops the stall clock.
+    pub fn busy_end(&self) {
+        *self.inner.busy_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// Waits for everything enqueued so far on `s`.
