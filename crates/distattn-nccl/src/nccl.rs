@@ -293,7 +293,14 @@ impl NcclComm {
         nccl_env_defaults();
         check_lib()?;
         ctx.bind_to_thread().map_err(gpu_err("binding the context"))?;
-        let stream = ctx.new_stream().map_err(gpu_err("creating the comm stream"))?;
+        // The comm stream gets the highest priority: NCCL's few blocks are scheduled as soon as
+        // SMs free up instead of queueing behind a whole attention grid.
+        let stream = match cudarc::driver::result::stream::get_priority_range() {
+            Ok((_, greatest)) => ctx.new_stream_with_priority(greatest),
+            Err(_) => ctx.new_stream(),
+        }
+        .or_else(|_| ctx.new_stream())
+        .map_err(gpu_err("creating the comm stream"))?;
         let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
         let mut cfg = config();
         let mut r = unsafe { nsys::ncclCommInitRankConfig(&mut comm, world as i32, id.0, rank as i32, &mut cfg) };
