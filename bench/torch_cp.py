@@ -73,14 +73,19 @@ class _A2A(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
+        x = x.contiguous()
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous())
+        dist.all_to_all_single(out, x)
         return out
 
     @staticmethod
     def backward(ctx, g):
+        # Gradients may arrive non-contiguous (permuted views); empty_like would keep their
+        # strides and all_to_all_single needs contiguous buffers ("Tensors must be contiguous",
+        # seen on the 2026-11-22 H200 run).
+        g = g.contiguous()
         out = torch.empty_like(g)
-        dist.all_to_all_single(out, g.contiguous())
+        dist.all_to_all_single(out, g)
         return out
 
 
