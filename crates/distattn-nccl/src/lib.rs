@@ -14,7 +14,7 @@
 //!
 //! NCCL is loaded at run time as `libnccl.so` (link `libnccl.so.2` under that name on
 //! `LD_LIBRARY_PATH`); `NCCL_NVLS_ENABLE=0` is set unless the caller set it.
-#![allow(clippy::too_many_arguments, clippy::type_complexity)]
+#![allow(clippy::too_many_arguments, clippy::type_complexity, clippy::needless_range_loop)]
 
 pub mod buf;
 pub mod gpu;

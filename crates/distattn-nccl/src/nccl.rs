@@ -570,7 +570,7 @@ impl Drop for NcclComm {
 }
 
 fn slots(len: usize, w: usize, what: &str) -> Result<usize> {
-    if len % w != 0 {
+    if !len.is_multiple_of(w) {
         return Err(Error::Comm(format!("{what}: {len} bytes do not split into {w} equal slots")));
     }
     Ok(len / w)
