@@ -17,6 +17,7 @@
 
 pub mod compile;
 pub mod plan;
+mod multi;
 
 use compile::{backend_err, KernelConfig};
 pub use cudarc;
@@ -363,7 +364,7 @@ impl CudaBackend {
             .plans
             .lock()
             .map_err(|_| backend_err("plan cache poisoned"))?;
-        if cache.len() >= 32 {
+        if cache.len() >= 512 {
             cache.clear();
         }
         cache.insert(key, dp.clone());

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Multi-GPU check + benchmark of distattn against PyTorch context parallel and an all-to-all
+# (Ulysses) SDPA baseline, all in one call on one machine:
+#   bench/multigpu.sh OUTDIR
+# Env: DISTATTN_MULTIGPU_BIN (default target/release/distattn-multigpu-bench, built with
+# `cargo build --release -p distattn-nccl`), GPUS (default: all), SEQS (default 32768,131072),
+# STRATEGIES (default zigzag,balanced,ulysses,allgather), BUDGET_S (default 400: later stages are
+# skipped or shortened to end within it), PROBE_SEQS (default 524288; empty = no probe),
+# DISTATTN_COMMIT.
+# Writes OUTDIR/check.json, distattn.json, timelines.json, torch.json, probe.json,
+# multigpu.json ({device, date, commit, rows}: distattn + torch rows) and prints a summary last.
+set -uo pipefail
+OUT=${1:?usage: multigpu.sh OUTDIR}
+mkdir -p "$OUT"
+HERE=$(cd "$(dirname "$0")" && pwd)
+BIN=${DISTATTN_MULTIGPU_BIN:-target/release/distattn-multigpu-bench}
+SEQS=${SEQS:-32768,131072}
+STRATEGIES=${STRATEGIES:-zigzag,balanced,ulysses,allgather}
+BUDGET=${BUDGET_S:-400}
+PROBE_SEQS=${PROBE_SEQS-524288}
+export DISTATTN_COMMIT=${DISTATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# NVLink multicast stays off on shared machines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export DISTATTN_CACHE_DIR=${DISTATTN_CACHE_DIR:-/tmp/distattn-cache}
+export PYTHONUNBUFFERED=1
+GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
+left() { echo $((BUDGET - SECONDS)); }
+stage() { echo; echo "=== [$SECONDS s] $*"; }
+
+# NVRTC (libnvrtc.so.13): the toolkit's lib64, else the pip wheel beside PyTorch.
+NV=$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 "$NV/cu13/lib"; do
+  if [ -n "$d" ] && ls "$d"/libnvrtc.so* >/dev/null 2>&1; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; fi
+done
+# NCCL is loaded as libnccl.so: link the versioned library found (system, toolkit or PyTorch's wheel).
+NCCL_LIB=$( (ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 /{print $NF}'; \
+             ls /usr/lib/x86_64-linux-gnu/libnccl.so.2 /usr/local/cuda/lib64/libnccl.so.2 2>/dev/null; \
+             [ -n "$NV" ] && find "$NV" -name 'libnccl.so.2' 2>/dev/null) | head -1)
+mkdir -p /tmp/distattn-nccl-link
+if [ -n "$NCCL_LIB" ]; then ln -sf "$NCCL_LIB" /tmp/distattn-nccl-link/libnccl.so; fi
+export LD_LIBRARY_PATH="/tmp/distattn-nccl-link:${LD_LIBRARY_PATH:-}"
+echo "$(date -u) GPUs: $GPUS; NCCL: ${NCCL_LIB:-not found}; commit $DISTATTN_COMMIT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -8
+nvidia-smi topo -m 2>/dev/null | head -8
+python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), "nccl", torch.cuda.nccl.version())'
+
+rc=0
+stage "exactness: every strategy on $GPUS GPUs vs the single-GPU kernels"
+timeout 100 "$BIN" check --gpus "$GPUS" --out "$OUT/check.json" || rc=1
+
+stage "distattn benchmark"
+timeout $(( $(left) > 300 ? 150 : 100 )) "$BIN" bench --gpus "$GPUS" --seqs "$SEQS" --strategies "$STRATEGIES" \
+  --passes fwd,fwdbwd --heads 32 --kv-heads 8 --mask causal --iters 4 \
+  --out "$OUT/distattn.json" --timelines "$OUT/timelines.json" || rc=1
+
+stage "kill one rank (process mode, NCCL_COMM_ID bootstrap)"
+timeout 60 "$BIN" kill-test --gpus "$GPUS" --timeout-s 10 --kill-after-s 6 || rc=1
+
+if [ "$(left)" -gt 60 ]; then
+  stage "PyTorch context parallel + Ulysses (budget $(left) s)"
+  CONFIGS="allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash"
+  [ "$(left)" -lt 150 ] && CONFIGS="allgather-flash,alltoall-flash,ulysses-flash"
+  TPROBE=""
+  [ "$(left)" -gt 200 ] && TPROBE="$PROBE_SEQS"
+  # Own process group, so that the spawned ranks end with it (killed by its id on overrun).
+  setsid python3 "$HERE/torch_cp.py" --world "$GPUS" --seqs "$SEQS" --passes fwd,fwdbwd \
+    --heads 32 --kv-heads 8 --iters 3 --configs "$CONFIGS" --probe-seqs "$TPROBE" --out "$OUT/torch.json" &
+  TP=$!; TEND=$(( SECONDS + $(left) - 25 ))
+  while kill -0 $TP 2>/dev/null && [ $SECONDS -lt $TEND ]; do sleep 1; done
+  if kill -0 $TP 2>/dev/null; then echo "torch stage over budget: ending its process group $TP"; kill -- -$TP 2>/dev/null; sleep 2; kill -9 -- -$TP 2>/dev/null; rc=1; fi
+  wait $TP || rc=1
+fi
+
+if [ -n "$PROBE_SEQS" ] && [ "$(left)" -gt 45 ]; then
+  stage "longest sequence probe (distattn, fwd+bwd, one cold iteration)"
+  timeout $(( $(left) - 15 )) "$BIN" probe --gpus "$GPUS" --seqs "$PROBE_SEQS" --strategy zigzag --out "$OUT/probe.json" || true
+fi
+
+stage "summary"
+python3 - "$OUT" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+def load(n):
+    try:
+        return json.load(open(os.path.join(out, n)))
+    except Exception:
+        return None
+d, t, c, p = load("distattn.json"), load("torch.json"), load("check.json"), load("probe.json")
+rows = (d or {}).get("rows", []) + [r for r in (t or {}).get("rows", []) if r.get("tflops")]
+merged = {"device": (d or t or {}).get("device"), "date": (d or t or {}).get("date"), "commit": (d or {}).get("commit"),
+          "torch": (t or {}).get("torch"), "rows": rows, "torch_errors": [r for r in (t or {}).get("rows", []) if not r.get("tflops")],
+          "probe": p}
+json.dump(merged, open(os.path.join(out, "multigpu.json"), "w"), indent=1)
+if c:
+    res = [r["result"] for r in c["rows"]]
+    print(f"exactness on {c['gpus']} GPUs: {res.count('PASS')} pass, {sum(x in ('FAIL','MISSING') for x in res)} fail, "
+          f"{sum(x.startswith('unsupported') for x in res)} unsupported")
+print(f"{'impl':15s} {'strategy':17s} {'seq':>7s} {'pass':8s} {'TFLOP/s/GPU':>11s} {'ms':>9s} {'GB/GPU':>7s} {'eff':>5s} {'hidden':>6s}")
+for r in sorted(rows, key=lambda r: (r["pass"], r["seq"], -(r.get("tflops_per_gpu") or 0))):
+    eff = r.get("scaling_eff"); hid = r.get("comm_hidden_frac"); mem = r.get("mem_gb_per_gpu")
+    print(f"{r['impl']:15s} {r['strategy']:17s} {r['seq']:>7d} {r['pass']:8s} {r['tflops_per_gpu']:11.1f} {r['ms']:9.2f} "
+          f"{(f'{mem:.1f}' if mem is not None else '-'):>7s} {(f'{100*eff:.0f}%' if eff else '-'):>5s} {(f'{100*hid:.0f}%' if hid is not None else '-'):>6s}")
+for seq in sorted({r["seq"] for r in rows}):
+    for ps in ("fwd", "fwd+bwd"):
+        dd = [r for r in rows if r["impl"] == "distattn" and r["seq"] == seq and r["pass"] == ps]
+        tt = [r for r in rows if r["impl"] == "torch-cp" and r["seq"] == seq and r["pass"] == ps]
+        uu = [r for r in rows if r["impl"] == "torch-ulysses" and r["seq"] == seq and r["pass"] == ps]
+        if dd and (tt or uu):
+            bd = max(dd, key=lambda r: r["tflops"])
+            s = f"seq {seq:>7d} {ps:8s}: best distattn {bd['strategy']} {bd['tflops_per_gpu']:.1f}/GPU"
+            if tt:
+                bt = max(tt, key=lambda r: r["tflops"]); s += f" | best torch-cp {bt['strategy']} {bt['tflops_per_gpu']:.1f}/GPU ratio {bd['tflops']/bt['tflops']:.2f}x"
+            if uu:
+                s += f" | torch-ulysses {uu[0]['tflops_per_gpu']:.1f}/GPU ratio {bd['tflops']/uu[0]['tflops']:.2f}x"
+            if bd.get("scaling_eff"):
+                s += f" | distattn vs own 1-GPU kernel {100*bd['scaling_eff']:.0f}%"
+            print(s)
+for e in merged["torch_errors"]:
+    print(f"torch {e['strategy']} seq {e['seq']} {e['pass']}: {e.get('error')}")
+if p:
+    for r in p:
+        print(f"probe distattn {r['strategy']} seq {r['seq']}: " + (f"ok {r['ms']:.0f} ms, {r['mem_gb_per_gpu']:.1f} GB/GPU" if r.get("ok") else f"failed: {r.get('error')}"))
+EOF
+echo "done in $SECONDS s, rc=$rc"
+exit $rc

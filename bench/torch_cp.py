@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""PyTorch peers of the distattn multi-GPU benchmark, same shapes, same machine.
+
+* torch-cp: PyTorch's context parallel (torch.distributed.tensor.experimental.context_parallel)
+  with each rotate method (set_rotate_method: "allgather", "alltoall") and SDPA backend (flash,
+  cuDNN); causal load balancing is PyTorch's default.
+* torch-ulysses: all-to-all from sequence to head sharding, SDPA (flash) on the full sequence,
+  all-to-all back (autograd through both).
+
+usage: torch_cp.py --world 4 --seqs 32768,131072 --passes fwd,fwdbwd --heads 32 --kv-heads 8
+                   --out FILE [--iters 3] [--probe-seqs 524288] [--configs ...]
+Rows: impl, pass, causal, batch, seq, heads, head_dim, dtype, tflops, gpus, strategy, mask,
+kv_heads, tflops_per_gpu, ms, mem_gb_per_gpu, gqa (native / expanded K,V heads).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def cp_api():
+    from torch.distributed.tensor.experimental import context_parallel
+    try:
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+    except ImportError:  # newer layouts
+        from torch.distributed.tensor.experimental._context_parallel._attention import set_rotate_method
+    return context_parallel, set_rotate_method
+
+
+WARM = 1  # warm-up iterations (0 for the longest-sequence probe)
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def flops(seq, heads, d, fwdbwd):
+    area = seq * (seq + 1) / 2
+    f = 4.0 * area * d * heads
+    return f * (3.5 if fwdbwd else 1.0)
+
+
+def timed(fn, iters, warm=None):
+    warm = WARM if warm is None else warm
+    ts = []
+    for i in range(warm + iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        t = torch.tensor([time.perf_counter() - t0], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if i >= warm:
+            ts.append(t.item() * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2], ts
+
+
+class _A2A(torch.autograd.Function):
+    """all_to_all_single over dim 0 chunks; backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        # Gradients may arrive non-contiguous (permuted views); empty_like would keep their
+        # strides and all_to_all_single needs contiguous buffers ("Tensors must be contiguous",
+        # seen on the 2026-11-22 H200 run).
+        g = g.contiguous()
+        out = torch.empty_like(g)
+        dist.all_to_all_single(out, g)
+        return out
+
+
+def seq_to_head(x, P):
+    # [B, S/P, H, D] -> [B, H/P, S, D]
+    B, s, H, D = x.shape
+    y = x.reshape(B, s, P, H // P, D).permute(2, 0, 1, 3, 4).contiguous()
+    y = _A2A.apply(y)  # [P (seq chunk), B, s, H/P, D]
+    return y.permute(1, 3, 0, 2, 4).reshape(B, H // P, P * s, D)
+
+
+def head_to_seq(o, P):
+    # [B, H/P, S, D] -> [B, S/P, H, D]
+    B, h, S, D = o.shape
+    s = S // P
+    y = o.reshape(B, h, P, s, D).permute(2, 0, 3, 1, 4).contiguous()  # [P (seq chunk), B, s, h, D]
+    y = _A2A.apply(y)  # [P (head group), B, s, h, D]
+    return y.permute(1, 2, 0, 3, 4).reshape(B, s, P * h, D)
+
+
+def sdpa(q, k, v, gqa):
+    if gqa == "native":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if k.shape[1] != q.shape[1]:
+        r = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(r, dim=1)
+        v = v.repeat_interleave(r, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def run_ulysses(args, seq, fwdbwd, P, rank):
+    B, H, Hkv, D = 1, args.heads, args.kv_heads, 128
+    s = seq // P
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    mk = lambda h: torch.randn(B, s, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v, do = mk(H), mk(Hkv), mk(Hkv), mk(H)
+    res = {}
+    for gqa in ("native", "expanded"):
+        def step():
+            with sdpa_kernel([BACKENDS["flash"]]):
+                if fwdbwd:
+                    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                    o = head_to_seq(sdpa(seq_to_head(qq, P), seq_to_head(kk, P), seq_to_head(vv, P), gqa), P)
+                    o.backward(do)
+                else:
+                    with torch.no_grad():
+                        head_to_seq(sdpa(seq_to_head(q, P), seq_to_head(k, P), seq_to_head(v, P), gqa), P)
+        try:
+            ms, ts = timed(step, args.iters)
+            res = {"ms": ms, "iters_ms": ts, "gqa": gqa}
+            break
+        except Exception as e:  # noqa: BLE001
+            res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            torch.cuda.synchronize()
+    return res
+
+
+def run_cp(args, seq, fwdbwd, P, rank, rotate, backend, mesh):
+    context_parallel, set_rotate_method = cp_api()
+    B, H, Hkv, D = 1, args.heads, args.kv_heads, 128
+    g = torch.Generator(device="cuda").manual_seed(0)  # same full tensors on every rank
+    res = {}
+    for gqa in ("native", "expanded"):
+        q = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        hk = Hkv if gqa == "native" else H
+        k = torch.randn(B, hk, seq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(B, hk, seq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        do = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        try:
+            set_rotate_method(rotate)
+            with sdpa_kernel([BACKENDS[backend]]):
+                with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers={q, k, v, do}):
+                    def step():
+                        if fwdbwd:
+                            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                            o = sdpa(qq, kk, vv, gqa)
+                            o.backward(do)
+                        else:
+                            with torch.no_grad():
+                                sdpa(q, k, v, gqa)
+                    ms, ts = timed(step, args.iters)
+            res = {"ms": ms, "iters_ms": ts, "gqa": gqa}
+            break
+        except Exception as e:  # noqa: BLE001
+            res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            if rank == 0 and os.environ.get("TORCH_CP_TRACE"):
+                traceback.print_exc()
+            torch.cuda.synchronize()
+        finally:
+            del q, k, v, do
+            torch.cuda.empty_cache()
+    return res
+
+
+def write(path, rows):
+    out = {"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+           "cudnn": torch.backends.cudnn.version(), "rows": rows}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def worker(rank, args, port, out_q):
+    P = args.world
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
+                            timeout=timedelta(seconds=120), device_id=torch.device("cuda", rank))
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cuda", (P,))
+    rows = []
+    configs = args.configs.split(",")
+    seqs = [int(s) for s in args.seqs.split(",") if s]
+    passes = args.passes.split(",")
+    jobs = [(seq, p, c) for seq in seqs for p in passes for c in configs]
+    jobs += [(int(s), "fwdbwd", configs[0]) for s in args.probe_seqs.split(",") if s]
+    global WARM
+    n_main = len(jobs) - len([s for s in args.probe_seqs.split(",") if s])
+    for ji, (seq, p, c) in enumerate(jobs):
+        fwdbwd = p == "fwdbwd"
+        probe = ji >= n_main
+        if probe:  # one cold iteration
+            WARM, args.iters = 0, 1
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.time()
+        if c == "ulysses-flash":
+            r = run_ulysses(args, seq, fwdbwd, P, rank)
+            imp = "torch-ulysses"
+        else:
+            rot, be = c.split("-")
+            r = run_cp(args, seq, fwdbwd, P, rank, rot, be, mesh)
+            imp = "torch-cp"
+        mem = torch.cuda.max_memory_allocated() / 1e9
+        memt = torch.tensor([mem], device="cuda")
+        dist.all_reduce(memt, op=dist.ReduceOp.MAX)
+        row = {"impl": imp, "pass": "fwd+bwd" if fwdbwd else "fwd", "causal": True, "batch": 1, "seq": seq,
+               "heads": args.heads, "head_dim": 128, "dtype": "bf16", "gpus": P, "strategy": c, "mask": "causal",
+               "kv_heads": args.kv_heads, "mem_gb_per_gpu": memt.item(), "probe": probe}
+        if "ms" in r:
+            tf = flops(seq, args.heads, 128, fwdbwd) / r["ms"] / 1e9
+            row.update({"tflops": tf, "tflops_per_gpu": tf / P, "ms": r["ms"], "iters_ms": r["iters_ms"], "gqa": r["gqa"]})
+        else:
+            row.update({"tflops": None, "tflops_per_gpu": None, "error": r.get("error")})
+        if rank == 0:
+            msg = f"{row['tflops_per_gpu']:.1f} TFLOP/s/GPU {row['ms']:.2f} ms gqa={row['gqa']}" if "ms" in r else f"ERROR {row['error']}"
+            print(f"[torch] {imp:14s} {c:16s} seq {seq:>7} {row['pass']:8s} {msg} mem {row['mem_gb_per_gpu']:.1f} GB ({time.time() - t0:.0f} s)", flush=True)
+            rows.append(row)
+            write(args.out, rows)  # partial results survive a later failure
+    if rank == 0:
+        out_q.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--seqs", default="32768,131072")
+    ap.add_argument("--passes", default="fwd,fwdbwd")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--configs", default="allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash")
+    ap.add_argument("--probe-seqs", default="")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    port = 29400 + os.getpid() % 500
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    mp.spawn(worker, args=(args, port, q), nprocs=args.world, join=True)
+    write(args.out, q.get())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,755 @@
+//! Multi-GPU checks and benchmark of distattn (run on a machine with several GPUs).
+//!
+//! ```text
+//! distattn-multigpu-bench check  --gpus N [--seq 4096] [--heads 8] [--kv-heads 4] [--masks 'causal;full;…'] [--out FILE]
+//! distattn-multigpu-bench bench  --gpus N [--seqs 32768,131072] [--strategies zigzag,balanced,dispatch]
+//!                                [--passes fwd,fwdbwd] [--heads 32] [--kv-heads 8] [--mask causal]
+//!                                [--iters 4] [--out FILE] [--timelines FILE] [--single]
+//! distattn-multigpu-bench probe  --gpus N --seqs 262144,524288 [--strategy zigzag] [--out FILE]
+//! distattn-multigpu-bench kill-test --gpus N [--timeout-s 10] [--kill-after-s 4]
+//! distattn-multigpu-bench worker   (one rank, from RANK/WORLD_SIZE/LOCAL_RANK/NCCL_COMM_ID)
+//! ```
+
+#![allow(clippy::type_complexity, clippy::too_many_arguments)]
+
+use distattn_core::plan::{build, BufDesc, Pass, Plan, PlanOptions, RingBackward, Tensor};
+use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, MaskSpec, Result, Strategy};
+use distattn_cuda::CudaBackend;
+use distattn_dist::unshard_into;
+use distattn_nccl::buf::{Aux, GpuBuf};
+use distattn_nccl::gpu::{pool_peak_bytes, GpuRank};
+use distattn_nccl::launch::LaunchEnv;
+use distattn_nccl::runner::{row_delta, upload_inputs, with_gpu_ranks};
+use distattn_nccl::{gpu_rank_from_env, schedule, Timeline};
+use half::bf16;
+use serde_json::json;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+struct Args(HashMap<String, String>);
+
+impl Args {
+    fn parse(v: &[String]) -> Args {
+        let mut m = HashMap::new();
+        let mut i = 0;
+        while i < v.len() {
+            if let Some(k) = v[i].strip_prefix("--") {
+                if i + 1 < v.len() && !v[i + 1].starts_with("--") {
+                    m.insert(k.to_string(), v[i + 1].clone());
+                    i += 2;
+                } else {
+                    m.insert(k.to_string(), "1".into());
+                    i += 1;
+                }
+            } else {
+                i += 1;
+            }
+        }
+        Args(m)
+    }
+    fn get(&self, k: &str, d: &str) -> String {
+        self.0.get(k).cloned().unwrap_or_else(|| d.to_string())
+    }
+    fn num(&self, k: &str, d: usize) -> usize {
+        self.0.get(k).and_then(|v| v.parse().ok()).unwrap_or(d)
+    }
+    fn list(&self, k: &str, d: &str) -> Vec<String> {
+        self.get(k, d).split(',').filter(|s| !s.is_empty()).map(|s| s.to_string()).collect()
+    }
+    fn has(&self, k: &str) -> bool {
+        self.0.contains_key(k)
+    }
+}
+
+fn rel_err(x: &[f32], r: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (a, b) in x.iter().zip(r) {
+        if b.is_finite() {
+            if !a.is_finite() {
+                return f64::INFINITY;
+            }
+            num += (*a as f64 - *b as f64).powi(2);
+            den += (*b as f64).powi(2);
+        } else if a != b {
+            return f64::INFINITY;
+        }
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+fn randn(seed: u64, n: usize) -> Vec<bf16> {
+    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = (x >> 40) as f32 / (1u64 << 24) as f32;
+            bf16::from_f32((u - 0.5) * 3.4641)
+        })
+        .collect()
+}
+
+fn device_name() -> String {
+    CudaBackend::new(0).map(|b| b.device_name()).unwrap_or_else(|_| "unknown".into())
+}
+
+fn plan_opts(spec: &MaskSpec, n: usize, pass: Pass, rb: RingBackward) -> PlanOptions {
+    PlanOptions { pass: Some(pass), ring_backward: rb, documents: spec.doc_lens(n), ..Default::default() }
+}
+
+// ------------------------------------------------------------------------------------ cases
+
+/// Runs `f(rank, case)` for every case on thread ranks. A case that fails ends that group of
+/// ranks (its communicators are aborted); the remaining cases continue on fresh ranks. Returns,
+/// per case, every rank's result in rank order or the error.
+fn run_cases<R: Send>(world: usize, timeout: Duration, n: usize, f: impl Fn(&GpuRank, usize) -> Result<R> + Sync) -> Vec<std::result::Result<Vec<R>, String>> {
+    let done: std::sync::Mutex<HashMap<usize, Vec<(usize, R)>>> = Default::default();
+    let mut failed: HashMap<usize, String> = HashMap::new();
+    let mut start = 0;
+    while start < n {
+        let r = with_gpu_ranks(world, 0, timeout, |g| {
+            for ci in start..n {
+                let r = f(g, ci)?;
+                done.lock().unwrap().entry(ci).or_default().push((g.rank(), r));
+            }
+            Ok(())
+        });
+        match r {
+            Ok(_) => break,
+            Err(e) => {
+                let d = done.lock().unwrap();
+                let bad = (start..n).find(|ci| d.get(ci).map_or(0, |v| v.len()) < world).unwrap_or(n);
+                drop(d);
+                eprintln!("case {bad} failed: {e}; continuing with the next cases on fresh ranks");
+                failed.insert(bad, e.to_string());
+                start = bad + 1;
+            }
+        }
+    }
+    let mut d = done.into_inner().unwrap();
+    (0..n)
+        .map(|ci| match (failed.remove(&ci), d.remove(&ci)) {
+            (Some(e), _) => Err(e),
+            (None, Some(mut v)) if v.len() == world => {
+                v.sort_by_key(|x| x.0);
+                Ok(v.into_iter().map(|x| x.1).collect())
+            }
+            _ => Err("not run".into()),
+        })
+        .collect()
+}
+
+// ------------------------------------------------------------------------------------ check
+
+struct Case {
+    mask: usize,
+    strategy: Strategy,
+    pass: Pass,
+    rb: RingBackward,
+    overlap: bool,
+}
+
+fn check(a: &Args) -> Res<bool> {
+    let world = a.num("gpus", 4);
+    let n = a.num("seq", 4096);
+    let (h, kvh, d) = (a.num("heads", 8), a.num("kv-heads", 4), 128);
+    let shape = AttnShape::new(1, n, n, h, kvh, d)?;
+    let opts = AttnOptions::default();
+    // Masks separated by ';' (specs contain commas).
+    let specs: Vec<MaskSpec> =
+        a.get("masks", "causal;full;window:512,0;docs-random-causal:7").split(';').map(|s| s.parse()).collect::<Result<_>>()?;
+    let masks: Vec<Mask> = specs.iter().map(|s| s.build(n, n)).collect::<Result<_>>()?;
+    let q = randn(1, shape.q_elems());
+    let k = randn(2, shape.kv_elems());
+    let v = randn(3, shape.kv_elems());
+    let dout = randn(4, shape.q_elems());
+    // Single-GPU references (same machine, same kernels).
+    let be = CudaBackend::new(0)?;
+    let t0 = Instant::now();
+    let mut refs = Vec::new();
+    for m in &masks {
+        let f = be.forward_host(&q, &k, &v, &shape, m, &opts)?;
+        let g = be.backward_host(&q, &k, &v, &f.o, &dout, &f.lse, &shape, m, &opts)?;
+        let o32: Vec<f32> = f.o.iter().map(|x| x.to_f32()).collect();
+        let delta = row_delta(&o32, &dout, &shape);
+        refs.push((o32, f.lse, g, delta));
+    }
+    drop(be);
+    println!("single-GPU references: {} masks in {:.1} s", masks.len(), t0.elapsed().as_secs_f64());
+    let mut cases = Vec::new();
+    for mi in 0..masks.len() {
+        for st in Strategy::ALL {
+            cases.push(Case { mask: mi, strategy: st, pass: Pass::Forward, rb: RingBackward::KvCirculate, overlap: true });
+            cases.push(Case { mask: mi, strategy: st, pass: Pass::Backward, rb: RingBackward::KvCirculate, overlap: true });
+            if st.is_ring() {
+                cases.push(Case { mask: mi, strategy: st, pass: Pass::Backward, rb: RingBackward::QCirculate, overlap: true });
+            }
+        }
+    }
+    // The generic executor through the Backend trait (blocking transfers), on one mask.
+    for st in [Strategy::Zigzag, Strategy::Dispatch, Strategy::Ulysses] {
+        cases.push(Case { mask: 0, strategy: st, pass: Pass::Forward, rb: RingBackward::KvCirculate, overlap: false });
+        cases.push(Case { mask: 0, strategy: st, pass: Pass::Backward, rb: RingBackward::KvCirculate, overlap: false });
+    }
+    let plans: Vec<std::result::Result<Plan, String>> = cases
+        .iter()
+        .map(|c| build(c.strategy, world, &shape, &masks[c.mask], DType::BF16, &plan_opts(&specs[c.mask], n, c.pass, c.rb)).map_err(|e| e.to_string()))
+        .collect();
+    let t0 = Instant::now();
+    let results = run_cases(world, Duration::from_secs(60), cases.len(), |g, ci| {
+        let c = &cases[ci];
+        let Ok(plan) = &plans[ci] else { return Ok(Vec::new()) };
+        let (_, lse, _, delta) = &refs[c.mask];
+        let full_in = |t: Tensor| match t {
+            Tensor::Q => Some(&q[..]),
+            Tensor::K => Some(&k[..]),
+            Tensor::V => Some(&v[..]),
+            Tensor::DO => Some(&dout[..]),
+            _ => None,
+        };
+        let full_f = |t: Tensor| match t {
+            Tensor::Lse => Some(&lse[..]),
+            Tensor::Delta => Some(&delta[..]),
+            _ => None,
+        };
+        let inputs = upload_inputs::<bf16>(g, plan, &full_in, &full_f)?;
+        let prog = &plan.ranks[g.rank()];
+        let outs = if c.overlap {
+            g.execute(plan, None, &masks[c.mask], &opts, inputs, false, None)?.outputs
+        } else {
+            distattn_dist::execute_rank(plan, g, &g.comm, &masks[c.mask], &opts, inputs, None)?
+        };
+        let mut res = Vec::new();
+        for (&(t, id), b) in prog.outputs.iter().zip(&outs) {
+            res.push((t, prog.bufs[id].clone(), b.download_f32(g.compute_stream())?));
+        }
+        Ok(res)
+    });
+    println!("{} cases on {world} GPUs in {:.1} s", cases.len(), t0.elapsed().as_secs_f64());
+    let mut by_case: HashMap<usize, std::result::Result<Vec<(Tensor, BufDesc, Vec<f32>)>, String>> = HashMap::new();
+    for (ci, r) in results.into_iter().enumerate() {
+        by_case.insert(ci, r.map(|v| v.into_iter().flatten().collect()));
+    }
+    let mut ok = true;
+    let mut rows = Vec::new();
+    println!("{:<28} {:<10} {:<13} {:<8} {:>10} {:>10} {:>10}  result", "mask", "strategy", "pass", "executor", "err O/dQ", "err L/dK", "err dV");
+    for (ci, c) in cases.iter().enumerate() {
+        let pass = match (c.pass, c.rb) {
+            (Pass::Forward, _) => "fwd",
+            (Pass::Backward, RingBackward::KvCirculate) => "bwd",
+            (Pass::Backward, RingBackward::QCirculate) => "bwd-qcirc",
+        };
+        let exec = if c.overlap { "overlap" } else { "generic" };
+        let (o_ref, lse_ref, g_ref, _) = &refs[c.mask];
+        let (errs, verdict) = match (&plans[ci], by_case.get(&ci)) {
+            (Err(e), _) => (vec![], format!("unsupported: {e}")),
+            (Ok(_), None) => {
+                ok = false;
+                (vec![], "MISSING".into())
+            }
+            (Ok(_), Some(Err(e))) => {
+                ok = false;
+                (vec![], format!("FAIL: {e}"))
+            }
+            (Ok(_), Some(Ok(res))) => {
+                let errs = if c.pass == Pass::Forward {
+                    let (mut o, mut l) = (vec![0f32; shape.q_elems()], vec![f32::NEG_INFINITY; shape.lse_elems()]);
+                    for (t, d, data) in res {
+                        match t {
+                            Tensor::O => unshard_into(data, d, &shape, &mut o),
+                            Tensor::Lse => unshard_into(data, d, &shape, &mut l),
+                            _ => {}
+                        }
+                    }
+                    vec![rel_err(&o, o_ref), rel_err(&l, lse_ref)]
+                } else {
+                    let (mut dq, mut dk, mut dv) = (vec![0f32; shape.q_elems()], vec![0f32; shape.kv_elems()], vec![0f32; shape.kv_elems()]);
+                    for (t, d, data) in res {
+                        match t {
+                            Tensor::DQ => unshard_into(data, d, &shape, &mut dq),
+                            Tensor::DK => unshard_into(data, d, &shape, &mut dk),
+                            Tensor::DV => unshard_into(data, d, &shape, &mut dv),
+                            _ => {}
+                        }
+                    }
+                    let f = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+                    vec![rel_err(&dq, &f(&g_ref.dq)), rel_err(&dk, &f(&g_ref.dk)), rel_err(&dv, &f(&g_ref.dv))]
+                };
+                let pass_ok = errs.iter().all(|e| *e <= 1e-2);
+                ok &= pass_ok;
+                (errs, if pass_ok { "PASS".into() } else { "FAIL".into() })
+            }
+        };
+        let e = |i: usize| errs.get(i).map_or("-".to_string(), |x| format!("{x:.2e}"));
+        println!("{:<28} {:<10} {:<13} {:<8} {:>10} {:>10} {:>10}  {}", specs[c.mask].to_string(), c.strategy.to_string(), pass, exec, e(0), e(1), e(2), verdict);
+        rows.push(json!({"mask": specs[c.mask].to_string(), "strategy": c.strategy.to_string(), "pass": pass, "executor": exec,
+            "gpus": world, "seq": n, "heads": h, "kv_heads": kvh, "head_dim": d, "errors": errs, "result": verdict}));
+    }
+    let passed = rows.iter().filter(|r| r["result"] == "PASS").count();
+    let failed = rows.iter().filter(|r| r["result"].as_str().is_some_and(|x| x.starts_with("FAIL") || x == "MISSING")).count();
+    println!("GPU exactness vs single GPU: {passed} pass, {failed} fail, {} unsupported (tolerance rel err <= 1e-2)", rows.len() - passed - failed);
+    if let Some(p) = a.0.get("out") {
+        std::fs::write(p, serde_json::to_string_pretty(&json!({"device": device_name(), "gpus": world, "rows": rows}))?)?;
+    }
+    Ok(ok)
+}
+
+// ------------------------------------------------------------------------------------ bench
+
+fn flops_fwd(mask: &Mask, shape: &AttnShape) -> f64 {
+    4.0 * mask.area() as f64 * shape.batch as f64 * shape.head_dim as f64 * shape.heads as f64
+}
+
+/// Random inputs of a plan's rank on the device: Q/K/V/dO uniform, LSE = 12, D = 0.
+fn device_inputs(g: &GpuRank, plan: &Plan, seed: u64) -> Result<Vec<GpuBuf>> {
+    let prog = &plan.ranks[g.rank()];
+    let s = g.compute_stream();
+    let mut out = Vec::new();
+    for (i, &(t, id)) in prog.inputs.iter().enumerate() {
+        let n = prog.bufs[id].elems(&plan.shape);
+        let b = match t {
+            Tensor::Lse => GpuBuf::filled(s, DType::F32, n, 12.0)?,
+            Tensor::Delta => GpuBuf::filled(s, DType::F32, n, 0.0)?,
+            _ => {
+                let b = GpuBuf::alloc(s, DType::BF16, n)?;
+                g.aux.rand_bf16(s, &b, seed * 131 + (g.rank() * 17 + i) as u64, 1.7)?;
+                b
+            }
+        };
+        out.push(b);
+    }
+    Ok(out)
+}
+
+/// Times single-GPU kernels (forward, backward) on GPU 0, ms (median).
+fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)> {
+    let be = CudaBackend::new(0)?;
+    let aux = Aux::new(be.context())?;
+    let s = be.stream().clone();
+    let opts = AttnOptions::default();
+    let mk = |n: usize, seed: u64| -> Result<GpuBuf> {
+        let b = GpuBuf::alloc(&s, DType::BF16, n)?;
+        aux.rand_bf16(&s, &b, seed, 1.7)?;
+        Ok(b)
+    };
+    use distattn_nccl::buf::GpuElem;
+    let (q, k, v, dout) = (mk(shape.q_elems(), 1)?, mk(shape.kv_elems(), 2)?, mk(shape.kv_elems(), 3)?, mk(shape.q_elems(), 4)?);
+    let mut o = GpuBuf::alloc(&s, DType::BF16, shape.q_elems())?;
+    let mut lse = GpuBuf::alloc(&s, DType::F32, shape.lse_elems())?;
+    let mut dq = GpuBuf::alloc(&s, DType::BF16, shape.q_elems())?;
+    let mut dk = GpuBuf::alloc(&s, DType::BF16, shape.kv_elems())?;
+    let mut dv = GpuBuf::alloc(&s, DType::BF16, shape.kv_elems())?;
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        f()?;
+        be.synchronize()?;
+        let mut ts = Vec::new();
+        for _ in 0..iters {
+            let t0 = Instant::now();
+            f()?;
+            be.synchronize()?;
+            ts.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        Ok(ts[ts.len() / 2])
+    };
+    let fwd = time(&mut || be.forward::<bf16>(bf16::of(&q)?, bf16::of(&k)?, bf16::of(&v)?, shape, mask, &opts, bf16::of_mut(&mut o)?, f32::of_mut(&mut lse)?, None))?;
+    let bwd = time(&mut || {
+        be.backward::<bf16>(
+            bf16::of(&q)?,
+            bf16::of(&k)?,
+            bf16::of(&v)?,
+            bf16::of(&o)?,
+            bf16::of(&dout)?,
+            f32::of(&lse)?,
+            shape,
+            mask,
+            &opts,
+            bf16::of_mut(&mut dq)?,
+            bf16::of_mut(&mut dk)?,
+            bf16::of_mut(&mut dv)?,
+        )
+    })?;
+    Ok((fwd, bwd))
+}
+
+struct BenchCase {
+    seq: usize,
+    strategy: Strategy,
+    fwdbwd: bool,
+}
+
+fn bench(a: &Args) -> Res<()> {
+    let world = a.num("gpus", 4);
+    let seqs: Vec<usize> = a.list("seqs", "32768,131072").iter().map(|s| s.parse().unwrap_or(32768)).collect();
+    let strategies: Vec<Strategy> = a.list("strategies", "zigzag,balanced,dispatch").iter().map(|s| s.parse()).collect::<Result<_>>()?;
+    let passes = a.list("passes", "fwd,fwdbwd");
+    let (h, kvh, d) = (a.num("heads", 32), a.num("kv-heads", 8), 128);
+    let spec: MaskSpec = a.get("mask", "causal").parse()?;
+    let iters = a.num("iters", 4);
+    let opts = AttnOptions::default();
+    let dev = device_name();
+    let mut rows = Vec::new();
+    let row = |imp: &str, pass: &str, seq: usize, gpus: usize, strategy: &str, tflops: f64, ms: f64, extra: serde_json::Value| {
+        let mut r = json!({"impl": imp, "pass": pass, "causal": spec.is_causal(), "batch": 1, "seq": seq, "heads": h,
+            "head_dim": d, "dtype": "bf16", "tflops": tflops, "gpus": gpus, "strategy": strategy, "mask": spec.to_string(),
+            "kv_heads": kvh, "tflops_per_gpu": tflops / gpus as f64, "ms": ms});
+        if let (Some(o), Some(e)) = (r.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                o.insert(k.clone(), v.clone());
+            }
+        }
+        r
+    };
+    // Single-GPU kernel throughput (the scaling reference).
+    let mut single: HashMap<(usize, bool), f64> = HashMap::new();
+    if !a.has("no-single") {
+        for &n in &seqs {
+            let shape = AttnShape::new(1, n, n, h, kvh, d)?;
+            let mask = spec.build(n, n)?;
+            let (f, b) = single_gpu(&shape, &mask, 2)?;
+            let fl = flops_fwd(&mask, &shape);
+            println!("single GPU  seq {n:>7}: fwd {f:8.2} ms {:6.1} TFLOP/s | fwd+bwd {:8.2} ms {:6.1} TFLOP/s", fl / f / 1e9, f + b, 3.5 * fl / (f + b) / 1e9);
+            single.insert((n, false), fl / f / 1e9);
+            single.insert((n, true), 3.5 * fl / (f + b) / 1e9);
+            rows.push(row("distattn-1gpu", "fwd", n, 1, "single", fl / f / 1e9, f, json!({})));
+            rows.push(row("distattn-1gpu", "fwd+bwd", n, 1, "single", 3.5 * fl / (f + b) / 1e9, f + b, json!({})));
+        }
+    }
+    let mut cases = Vec::new();
+    for &n in &seqs {
+        for &st in &strategies {
+            for p in &passes {
+                cases.push(BenchCase { seq: n, strategy: st, fwdbwd: p == "fwdbwd" });
+            }
+        }
+    }
+    // Plans (host) once.
+    let mut plans: HashMap<(usize, Strategy), std::result::Result<(Plan, Plan, Mask), String>> = HashMap::new();
+    for &n in &seqs {
+        for &st in &strategies {
+            let shape = AttnShape::new(1, n, n, h, kvh, d)?;
+            let mask = spec.build(n, n)?;
+            let t0 = Instant::now();
+            let r = (|| -> Result<(Plan, Plan, Mask)> {
+                let f = build(st, world, &shape, &mask, DType::BF16, &plan_opts(&spec, n, Pass::Forward, RingBackward::KvCirculate))?;
+                let b = build(st, world, &shape, &mask, DType::BF16, &plan_opts(&spec, n, Pass::Backward, RingBackward::KvCirculate))?;
+                Ok((f, b, mask.clone()))
+            })();
+            println!("plan {st} seq {n}: {:.0} ms{}", t0.elapsed().as_secs_f64() * 1e3, r.as_ref().err().map(|e| format!(" ({e})")).unwrap_or_default());
+            plans.insert((n, st), r.map_err(|e| e.to_string()));
+        }
+    }
+    let t0 = Instant::now();
+    // Per case and rank: (times ms per iteration, peak bytes, timelines).
+    let results = run_cases(world, Duration::from_secs(120), cases.len(), |g, ci| {
+        let c = &cases[ci];
+        let Some(Ok((pf, pb, mask))) = plans.get(&(c.seq, c.strategy)) else { return Ok(None) };
+        let (sf, sb) = (schedule(&pf.ranks[g.rank()]), schedule(&pb.ranks[g.rank()]));
+        let run = |timeline: bool| -> Result<(f64, Vec<Timeline>)> {
+            let fin = device_inputs(g, pf, 1)?;
+            let bin = if c.fwdbwd { Some(device_inputs(g, pb, 2)?) } else { None };
+            g.comm.wait_stream(g.compute_stream())?;
+            distattn_core::Communicator::barrier(&g.comm)?;
+            let t0 = Instant::now();
+            let r = g.execute(pf, Some(&sf), mask, &opts, fin, timeline, None)?;
+            let mut tls: Vec<Timeline> = r.timeline.into_iter().collect();
+            drop(r.outputs);
+            if let Some(bin) = bin {
+                let r = g.execute(pb, Some(&sb), mask, &opts, bin, timeline, None)?;
+                tls.extend(r.timeline);
+            }
+            Ok((t0.elapsed().as_secs_f64() * 1e3, tls))
+        };
+        pool_peak_bytes(&g.be, true)?;
+        run(false)?; // warm-up (uploads index lists and tile plans, opens NCCL connections)
+        let mut times = Vec::new();
+        for _ in 0..iters {
+            times.push(run(false)?.0);
+        }
+        let peak = pool_peak_bytes(&g.be, true)?;
+        let (_, tls) = run(true)?;
+        Ok(Some((times, peak, tls)))
+    });
+    println!("distattn cases on {world} GPUs in {:.1} s", t0.elapsed().as_secs_f64());
+    let mut timelines = Vec::new();
+    let mut agg: HashMap<usize, (Vec<f64>, u64, Vec<Timeline>)> = HashMap::new();
+    let mut errors: HashMap<usize, String> = HashMap::new();
+    for (ci, r) in results.into_iter().enumerate() {
+        match r {
+            Err(e) => {
+                errors.insert(ci, e);
+            }
+            Ok(v) => {
+                for (times, peak, tls) in v.into_iter().flatten() {
+                    let e = agg.entry(ci).or_insert_with(|| (vec![0.0; times.len()], 0, Vec::new()));
+                    for (a, t) in e.0.iter_mut().zip(&times) {
+                        *a = a.max(*t);
+                    }
+                    e.1 = e.1.max(peak);
+                    e.2.extend(tls);
+                }
+            }
+        }
+    }
+    println!(
+        "{:<10} {:>8} {:<8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}",
+        "strategy", "seq", "pass", "ms", "TFLOP/s", "/GPU", "eff", "GB/GPU", "hidden"
+    );
+    for (ci, c) in cases.iter().enumerate() {
+        let pass = if c.fwdbwd { "fwd+bwd" } else { "fwd" };
+        let Some((times, peak, tls)) = agg.get_mut(&ci) else {
+            let why = plans.get(&(c.seq, c.strategy)).and_then(|p| p.as_ref().err().cloned()).or_else(|| errors.get(&ci).cloned()).unwrap_or_default();
+            println!("{:<10} {:>8} {:<8} skipped: {why}", c.strategy.to_string(), c.seq, pass);
+            continue;
+        };
+        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let ms = times[times.len() / 2];
+        let shape = AttnShape::new(1, c.seq, c.seq, h, kvh, d)?;
+        let mask = spec.build(c.seq, c.seq)?;
+        let fl = flops_fwd(&mask, &shape) * if c.fwdbwd { 3.5 } else { 1.0 };
+        let tf = fl / ms / 1e9;
+        let eff = single.get(&(c.seq, c.fwdbwd)).map(|s| tf / world as f64 / s);
+        let ov: Vec<_> = tls.iter().map(|t| t.overlap()).collect();
+        let (cm, hid): (f64, f64) = ov.iter().fold((0.0, 0.0), |a, o| (a.0 + o.comm_ms, a.1 + o.hidden_ms));
+        let hidden = if cm > 0.0 { hid / cm } else { 1.0 };
+        let exposed_ms = ov.iter().map(|o| o.exposed_ms).fold(0.0, f64::max);
+        println!(
+            "{:<10} {:>8} {:<8} {:>9.2} {:>9.1} {:>9.1} {:>8} {:>8.2} {:>7.0}%",
+            c.strategy.to_string(),
+            c.seq,
+            pass,
+            ms,
+            tf,
+            tf / world as f64,
+            eff.map_or("-".into(), |e| format!("{:.0}%", 100.0 * e)),
+            *peak as f64 / 1e9,
+            100.0 * hidden
+        );
+        rows.push(row(
+            "distattn",
+            pass,
+            c.seq,
+            world,
+            &c.strategy.to_string(),
+            tf,
+            ms,
+            json!({"mem_gb_per_gpu": *peak as f64 / 1e9, "scaling_eff": eff, "comm_hidden_frac": hidden,
+                   "max_exposed_comm_ms": exposed_ms, "iters_ms": times}),
+        ));
+        tls.sort_by_key(|t| t.rank);
+        timelines.push(json!({"strategy": c.strategy.to_string(), "seq": c.seq, "pass": pass, "mask": spec.to_string(),
+            "note": "fwd+bwd: forward timelines first, then backward, per rank", "ranks": tls}));
+    }
+    // Show one timeline so overlap is seen.
+    if let Some(t) = timelines.iter().rev().find(|t| t["pass"] == "fwd") {
+        if let Some(r) = t["ranks"].as_array().and_then(|v| v.first()) {
+            let tl: Timeline = Timeline {
+                rank: r["rank"].as_u64().unwrap_or(0) as usize,
+                total_ms: r["total_ms"].as_f64().unwrap_or(0.0),
+                steps: serde_json::from_value::<Vec<serde_json::Value>>(r["steps"].clone())
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|s| distattn_nccl::timeline::StepTimes {
+                        step: s["step"].as_u64().unwrap_or(0) as usize,
+                        compute: s["compute"].as_array().map(|v| (v[0].as_f64().unwrap_or(0.0), v[1].as_f64().unwrap_or(0.0))),
+                        comm: s["comm"].as_array().map(|v| (v[0].as_f64().unwrap_or(0.0), v[1].as_f64().unwrap_or(0.0))),
+                    })
+                    .collect(),
+            };
+            println!("timeline of {} seq {} fwd:\n{}", t["strategy"], t["seq"], tl.render());
+        }
+    }
+    let out = json!({"device": dev, "date": today(), "commit": std::env::var("DISTATTN_COMMIT").unwrap_or_else(|_| "unknown".into()), "rows": rows});
+    if let Some(p) = a.0.get("out") {
+        std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
+    }
+    if let Some(p) = a.0.get("timelines") {
+        std::fs::write(p, serde_json::to_string(&timelines)?)?;
+    }
+    Ok(())
+}
+
+fn today() -> String {
+    std::process::Command::new("date")
+        .arg("+%Y-%m-%d")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Longest sequence that runs fwd+bwd: one iteration per size, stops at the first failure.
+fn probe(a: &Args) -> Res<()> {
+    let world = a.num("gpus", 4);
+    let seqs: Vec<usize> = a.list("seqs", "262144,524288").iter().map(|s| s.parse().unwrap_or(0)).collect();
+    let st: Strategy = a.get("strategy", "zigzag").parse()?;
+    let (h, kvh, d) = (a.num("heads", 32), a.num("kv-heads", 8), 128);
+    let opts = AttnOptions::default();
+    let mut rows = Vec::new();
+    for n in seqs {
+        let shape = AttnShape::new(1, n, n, h, kvh, d)?;
+        let mask = Mask::causal(n, n)?;
+        let spec = MaskSpec::Causal;
+        let pf = build(st, world, &shape, &mask, DType::BF16, &plan_opts(&spec, n, Pass::Forward, RingBackward::KvCirculate))?;
+        let pb = build(st, world, &shape, &mask, DType::BF16, &plan_opts(&spec, n, Pass::Backward, RingBackward::KvCirculate))?;
+        let t0 = Instant::now();
+        let r = with_gpu_ranks(world, 0, Duration::from_secs(120), |g| {
+            let fin = device_inputs(g, &pf, 1)?;
+            let bin = device_inputs(g, &pb, 2)?;
+            pool_peak_bytes(&g.be, true)?;
+            let t = Instant::now();
+            drop(g.execute(&pf, None, &mask, &opts, fin, false, None)?);
+            drop(g.execute(&pb, None, &mask, &opts, bin, false, None)?);
+            Ok((t.elapsed().as_secs_f64() * 1e3, pool_peak_bytes(&g.be, true)?))
+        });
+        match r {
+            Ok(v) => {
+                let ms = v.iter().map(|x| x.0).fold(0.0, f64::max);
+                let gb = v.iter().map(|x| x.1).max().unwrap_or(0) as f64 / 1e9;
+                let tf = 3.5 * flops_fwd(&mask, &shape) / ms / 1e9;
+                println!("probe {st} seq {n}: fwd+bwd {ms:.0} ms (first run, cold), {tf:.0} TFLOP/s, peak {gb:.1} GB/GPU ({:.0} s)", t0.elapsed().as_secs_f64());
+                rows.push(json!({"impl": "distattn", "strategy": st.to_string(), "seq": n, "gpus": world, "ok": true, "ms": ms, "mem_gb_per_gpu": gb, "tflops": tf}));
+            }
+            Err(e) => {
+                println!("probe {st} seq {n}: failed: {e}");
+                rows.push(json!({"impl": "distattn", "strategy": st.to_string(), "seq": n, "gpus": world, "ok": false, "error": e.to_string()}));
+                break;
+            }
+        }
+    }
+    if let Some(p) = a.0.get("out") {
+        std::fs::write(p, serde_json::to_string_pretty(&rows)?)?;
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------- kill test, worker
+
+fn worker() -> Res<()> {
+    let timeout = Duration::from_secs(std::env::var("DISTATTN_TIMEOUT_S").ok().and_then(|v| v.parse().ok()).unwrap_or(10));
+    let env = LaunchEnv::from_env()?.ok_or("worker needs RANK, WORLD_SIZE, LOCAL_RANK and NCCL_COMM_ID")?;
+    let r = (|| -> Result<()> {
+        let g = gpu_rank_from_env(timeout)?.ok_or_else(|| Error::Comm("not launched".into()))?;
+        let n = 32768;
+        let shape = AttnShape::new(1, n, n, 32, 8, 128)?;
+        let mask = Mask::causal(n, n)?;
+        let plan = build(Strategy::Zigzag, env.world, &shape, &mask, DType::BF16, &PlanOptions::forward())?;
+        let opts = AttnOptions::default();
+        eprintln!("rank {} (pid {}): communicator up, running", env.rank, std::process::id());
+        for it in 0..100000 {
+            let inputs = device_inputs(&g, &plan, it as u64)?;
+            drop(g.execute(&plan, None, &mask, &opts, inputs, false, None)?);
+            if it % 50 == 0 {
+                eprintln!("rank {} iteration {it}", env.rank);
+            }
+        }
+        Ok(())
+    })();
+    match r {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            eprintln!("rank {} ERROR: {e}", env.rank);
+            std::process::exit(3);
+        }
+    }
+}
+
+fn kill_test(a: &Args) -> Res<bool> {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let world = a.num("gpus", 4);
+    let timeout = a.num("timeout-s", 10);
+    let kill_after = a.num("kill-after-s", 6);
+    let victim = a.num("victim", 1);
+    let exe = std::env::current_exe()?;
+    let port = 29000 + (std::process::id() % 1000) as u16;
+    let id = format!("127.0.0.1:{port}");
+    let mut children = Vec::new();
+    for r in 0..world {
+        let mut c = Command::new(&exe);
+        c.arg("worker").env("DISTATTN_TIMEOUT_S", timeout.to_string()).stderr(Stdio::piped()).stdout(Stdio::null());
+        for (k, v) in LaunchEnv::for_rank(r, world, &id) {
+            c.env(k, v);
+        }
+        children.push(c.spawn()?);
+    }
+    // Collect each child's stderr lines in a thread.
+    let logs: Vec<std::sync::Arc<std::sync::Mutex<Vec<String>>>> = (0..world).map(|_| Default::default()).collect();
+    for (r, ch) in children.iter_mut().enumerate() {
+        let err = ch.stderr.take().unwrap();
+        let log = logs[r].clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(|l| l.ok()) {
+                log.lock().unwrap().push(l);
+            }
+        });
+    }
+    std::thread::sleep(Duration::from_secs(kill_after as u64));
+    let running = logs.iter().all(|l| l.lock().unwrap().iter().any(|x| x.contains("iteration")));
+    println!("kill test: {world} processes, all iterating before the kill: {running}; killing rank {victim} (pid {})", children[victim].id());
+    children[victim].kill()?;
+    let t_kill = Instant::now();
+    let _ = children[victim].wait();
+    let deadline = Duration::from_secs(timeout as u64 + 30);
+    let mut ok = running;
+    for (r, ch) in children.iter_mut().enumerate() {
+        if r == victim {
+            continue;
+        }
+        let status = loop {
+            if let Some(s) = ch.try_wait()? {
+                break Some(s);
+            }
+            if t_kill.elapsed() > deadline {
+                let _ = ch.kill();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        let last = logs[r].lock().unwrap().iter().rev().find(|l| l.contains("ERROR")).cloned().unwrap_or_else(|| "(no error line)".into());
+        let named = last.contains(&format!("rank {victim} failed"));
+        println!(
+            "  rank {r}: {} after {:.1} s; {last}; names rank {victim}: {named}",
+            status.map_or("HUNG (killed by the test)".to_string(), |s| format!("exit {s}")),
+            t_kill.elapsed().as_secs_f64()
+        );
+        ok &= status.is_some_and(|s| !s.success()) && last.contains("ERROR");
+    }
+    println!("kill test: {}", if ok { "PASS (every surviving rank ended with an error within the timeout)" } else { "FAIL" });
+    Ok(ok)
+}
+
+fn main() {
+    distattn_nccl::nccl::nccl_env_defaults();
+    let argv: Vec<String> = std::env::args().collect();
+    let cmd = argv.get(1).cloned().unwrap_or_default();
+    let a = Args::parse(&argv[1.min(argv.len())..]);
+    let r: Res<bool> = match cmd.as_str() {
+        "check" => check(&a),
+        "bench" => bench(&a).map(|_| true),
+        "probe" => probe(&a).map(|_| true),
+        "kill-test" => kill_test(&a),
+        "worker" => worker().map(|_| true),
+        _ => {
+            eprintln!("usage: distattn-multigpu-bench check|bench|probe|kill-test|worker [--gpus N] ... (see the source header)");
+            std::process::exit(2);
+        }
+    };
+    match r {
+        Ok(true) => {}
+        Ok(false) => std::process::exit(1),
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    }
+}

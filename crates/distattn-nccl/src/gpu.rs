@@ -1,0 +1,484 @@
+//! One rank on one GPU: the CUDA kernels, an NCCL communicator, and two executors of plans —
+//! the overlapped one ([`GpuRank::execute`]: compute and transfers on their own streams,
+//! ordered by events per the [`schedule`](crate::schedule), with an optional per-step timeline)
+//! and the generic one of `distattn-dist` through the [`Backend`] trait ([`GpuRank`] implements
+//! it; transfers then block).
+
+use crate::buf::{gpu_err, Aux, GpuBuf, GpuElem, MergeSpec};
+use crate::nccl::NcclComm;
+use crate::schedule::{schedule, Lane, Schedule};
+use crate::timeline::{StepTimes, Timeline};
+use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream};
+use distattn_core::plan::{sub_mask, BufDesc, Op, Plan, Tensor};
+use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Mask, Result};
+use distattn_cuda::{CudaBackend, CudaElement};
+use distattn_dist::backend::{Backend, MergeRow, Piece};
+use distattn_dist::exec::{pieces, FailureKind, InjectedFailure};
+use half::{bf16, f16};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// One rank: a GPU, its kernels and its communicator.
+pub struct GpuRank {
+    pub be: CudaBackend,
+    pub comm: NcclComm,
+    pub aux: Aux,
+    /// Uploaded index lists, by content and stream.
+    cache: Mutex<HashMap<(u64, usize), Arc<CudaSlice<i64>>>>,
+}
+
+/// Result of one overlapped run.
+pub struct RunOutput {
+    /// This rank's outputs in the order of its program's `outputs`.
+    pub outputs: Vec<GpuBuf>,
+    pub timeline: Option<Timeline>,
+}
+
+fn fnv(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for p in parts {
+        for &b in *p {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+fn ev_err(e: cudarc::driver::DriverError) -> Error {
+    gpu_err("events")(e)
+}
+
+/// Sets the device memory pool so that freed blocks are reused only when already free (no
+/// hidden cross-stream waits) and memory is kept between runs.
+pub fn tune_mem_pool(be: &CudaBackend) -> Result<()> {
+    unsafe {
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        sys::cuDeviceGetDefaultMemPool(&mut pool, be.context().cu_device()).result().map_err(gpu_err("memory pool"))?;
+        let mut zero: i32 = 0;
+        sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, &mut zero as *mut i32 as *mut _)
+            .result()
+            .map_err(gpu_err("memory pool"))?;
+        let mut max: u64 = u64::MAX;
+        sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut max as *mut u64 as *mut _)
+            .result()
+            .map_err(gpu_err("memory pool"))?;
+    }
+    Ok(())
+}
+
+/// Peak bytes in use in the device's memory pool since the last reset (and resets it).
+pub fn pool_peak_bytes(be: &CudaBackend, reset: bool) -> Result<u64> {
+    unsafe {
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        sys::cuDeviceGetDefaultMemPool(&mut pool, be.context().cu_device()).result().map_err(gpu_err("memory pool"))?;
+        let mut v: u64 = 0;
+        sys::cuMemPoolGetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut v as *mut u64 as *mut _)
+            .result()
+            .map_err(gpu_err("memory pool"))?;
+        if reset {
+            let mut z: u64 = 0;
+            sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut z as *mut u64 as *mut _)
+                .result()
+                .map_err(gpu_err("memory pool"))?;
+        }
+        Ok(v)
+    }
+}
+
+impl GpuRank {
+    pub fn new(be: CudaBackend, comm: NcclComm) -> Result<GpuRank> {
+        tune_mem_pool(&be)?;
+        let aux = Aux::new(be.context())?;
+        comm.set_producer(be.stream().clone());
+        Ok(GpuRank { be, comm, aux, cache: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn rank(&self) -> usize {
+        use distattn_core::Communicator;
+        self.comm.rank()
+    }
+
+    pub fn compute_stream(&self) -> &Arc<CudaStream> {
+        self.be.stream()
+    }
+
+    fn stream(&self, lane: Lane) -> &Arc<CudaStream> {
+        match lane {
+            Lane::Compute => self.be.stream(),
+            Lane::Comm => self.comm.stream(),
+        }
+    }
+
+    /// An index list uploaded on `s` (cached by content).
+    fn indices(&self, s: &Arc<CudaStream>, lane: usize, v: &[i64]) -> Result<Arc<CudaSlice<i64>>> {
+        let bytes = distattn_core::comm::as_bytes(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u64, v.len()) });
+        let key = (fnv(&[bytes]), lane);
+        if let Some(x) = self.cache.lock().map_err(|_| Error::Comm("cache poisoned".into()))?.get(&key) {
+            return Ok(x.clone());
+        }
+        let one = [0i64];
+        let up = s.clone_htod(if v.is_empty() { &one[..] } else { v }).map_err(gpu_err("uploading indices"))?;
+        let up = Arc::new(up);
+        let mut c = self.cache.lock().map_err(|_| Error::Comm("cache poisoned".into()))?;
+        if c.len() > 4096 {
+            c.clear();
+        }
+        c.insert(key, up.clone());
+        Ok(up)
+    }
+
+    fn run_pieces(&self, lane: Lane, src: &GpuBuf, dst: &GpuBuf, p: &[Piece], add: bool) -> Result<()> {
+        if p.is_empty() {
+            return Ok(());
+        }
+        let s = self.stream(lane);
+        let flat: Vec<i64> = p.iter().flat_map(|&(a, b, n)| [a as i64, b as i64, n as i64]).collect();
+        let max = p.iter().map(|x| x.2).max().unwrap_or(0);
+        let dev = self.indices(s, lane.index(), &flat)?;
+        self.aux.pieces(s, src, dst, &dev, p.len(), max, add)
+    }
+
+    fn run_merge(&self, o: &GpuBuf, lse: &GpuBuf, oacc: &GpuBuf, lacc: &GpuBuf, src: &BufDesc, dst: &BufDesc, shape: &AttnShape) -> Result<()> {
+        let spec = MergeSpec::new(src, dst, shape);
+        if spec.quads.is_empty() {
+            return Ok(());
+        }
+        let s = self.be.stream();
+        let dev = self.indices(s, 0, &spec.quads)?;
+        self.aux.merge(s, o, lse, oacc, lacc, &spec, &dev)
+    }
+
+    /// Forward of one block into fresh f32 (O, LSE).
+    fn block_fwd<T: CudaElement + GpuElem>(&self, q: &GpuBuf, k: &GpuBuf, v: &GpuBuf, shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<(GpuBuf, GpuBuf)> {
+        let s = self.be.stream();
+        let mut ot = GpuBuf::alloc(s, T::DTYPE, shape.q_elems())?;
+        let mut of = GpuBuf::alloc(s, DType::F32, shape.q_elems())?;
+        let mut l = GpuBuf::alloc(s, DType::F32, shape.lse_elems())?;
+        self.be.forward::<T>(
+            T::of(q)?,
+            T::of(k)?,
+            T::of(v)?,
+            shape,
+            mask,
+            opts,
+            T::of_mut(&mut ot)?,
+            f32::of_mut(&mut l)?,
+            Some(f32::of_mut(&mut of)?),
+        )?;
+        ot.free_on(s);
+        Ok((of, l))
+    }
+
+    /// Backward of one block: dQ added into `dq_acc` (f32, the block's query layout) and fresh
+    /// dK, dV in the input dtype.
+    #[allow(clippy::too_many_arguments)]
+    fn block_bwd<T: CudaElement + GpuElem>(
+        &self,
+        q: &GpuBuf,
+        k: &GpuBuf,
+        v: &GpuBuf,
+        d_o: &GpuBuf,
+        lse: &GpuBuf,
+        delta: &GpuBuf,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+        dq_acc: &mut GpuBuf,
+    ) -> Result<(GpuBuf, GpuBuf)> {
+        let s = self.be.stream();
+        let mut gk = GpuBuf::filled(s, T::DTYPE, shape.kv_elems(), 0.0)?;
+        let mut gv = GpuBuf::filled(s, T::DTYPE, shape.kv_elems(), 0.0)?;
+        self.be.backward_with_delta::<T>(
+            T::of(q)?,
+            T::of(k)?,
+            T::of(v)?,
+            T::of(d_o)?,
+            f32::of(lse)?,
+            f32::of(delta)?,
+            shape,
+            mask,
+            opts,
+            f32::of_mut(dq_acc)?,
+            T::of_mut(&mut gk)?,
+            T::of_mut(&mut gv)?,
+        )?;
+        Ok((gk, gv))
+    }
+
+    /// Runs this rank's program of `plan` with transfers overlapped with compute. `inputs` are
+    /// this rank's shards (program order), on the compute stream. With `timeline`, per-step
+    /// intervals are measured with events. Returns when the run has completed on the GPU.
+    #[allow(clippy::too_many_arguments)]
+    pub fn execute(&self, plan: &Plan, sched: Option<&Schedule>, mask: &Mask, opts: &AttnOptions, inputs: Vec<GpuBuf>, timeline: bool, fail: Option<InjectedFailure>) -> Result<RunOutput> {
+        // The whole run counts for stall detection: a rank stuck anywhere is aborted.
+        let began = self.comm.busy_begin();
+        let r = match plan.dtype {
+            DType::BF16 => self.execute_t::<bf16>(plan, sched, mask, opts, inputs, timeline, fail),
+            DType::F16 => self.execute_t::<f16>(plan, sched, mask, opts, inputs, timeline, fail),
+            d => Err(Error::UnsupportedDType(format!("{d} (the GPU executor takes bf16 and f16)"))),
+        };
+        if began {
+            self.comm.busy_end();
+        }
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn execute_t<T: CudaElement + GpuElem>(&self, plan: &Plan, sched: Option<&Schedule>, mask: &Mask, opts: &AttnOptions, inputs: Vec<GpuBuf>, timeline: bool, fail: Option<InjectedFailure>) -> Result<RunOutput> {
+        let rank = self.rank();
+        let prog = plan.ranks.get(rank).ok_or_else(|| Error::Comm(format!("plan has no rank {rank}")))?;
+        if inputs.len() != prog.inputs.len() {
+            return Err(Error::Comm(format!("rank {rank}: {} inputs given, plan needs {}", inputs.len(), prog.inputs.len())));
+        }
+        let own;
+        let sched = match sched {
+            Some(s) => s,
+            None => {
+                own = schedule(prog);
+                &own
+            }
+        };
+        let shape = plan.shape;
+        let (sc, sm) = (self.be.stream().clone(), self.comm.stream().clone());
+        self.be.context().bind_to_thread().map_err(gpu_err("binding the context"))?;
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let t_start = if timeline { Some(sc.record_event(timing).map_err(ev_err)?) } else { None };
+        // Inputs were written on the compute stream.
+        sm.wait(&sc.record_event(None).map_err(ev_err)?).map_err(ev_err)?;
+
+        let mut store: Vec<Option<GpuBuf>> = (0..prog.bufs.len()).map(|_| None).collect();
+        for ((_, id), b) in prog.inputs.iter().zip(inputs) {
+            store[*id] = Some(b);
+        }
+        let desc = |b: usize| &prog.bufs[b];
+        let dtype = |b: usize| desc(b).tensor.dtype(plan.dtype);
+        let missing = |b: usize| Error::Comm(format!("rank {rank}: buffer {b} used before it was allocated or after it was freed"));
+        let mut events: Vec<Option<CudaEvent>> = (0..sched.ops.len()).map(|_| None).collect();
+        // Timeline events per step: [lane][first/last].
+        let nsteps = prog.steps.len();
+        let mut tl: Vec<[[Option<CudaEvent>; 2]; 2]> = (0..nsteps).map(|_| Default::default()).collect();
+        let flat: Vec<&Op> = prog.steps.iter().flatten().collect();
+        for so in &sched.ops {
+            if let Some(f) = fail.filter(|f| f.rank == rank && f.step == so.step) {
+                match f.kind {
+                    FailureKind::Error => return Err(Error::Backend { backend: "test", reason: format!("injected failure at step {}", so.step) }),
+                    FailureKind::Panic => panic!("injected panic at step {}", so.step),
+                }
+            }
+            let op = flat[so.id];
+            let s = self.stream(so.lane).clone();
+            if let Some(w) = so.wait {
+                let ev = events[w].as_ref().ok_or_else(|| Error::Comm("schedule waits for an unrecorded op".into()))?;
+                s.wait(ev).map_err(ev_err)?;
+            }
+            let timed = timeline && matches!((op, so.lane), (Op::Comm { .. }, Lane::Comm) | (Op::Fwd { .. } | Op::Bwd { .. } | Op::Merge { .. } | Op::Add { .. } | Op::Copy { .. }, Lane::Compute));
+            if timed && tl[so.step][so.lane.index()][0].is_none() {
+                tl[so.step][so.lane.index()][0] = Some(s.record_event(timing).map_err(ev_err)?);
+            }
+            match op {
+                Op::Alloc { buf, fill } => {
+                    store[*buf] = Some(GpuBuf::filled(&s, dtype(*buf), desc(*buf).elems(&shape), fill.value())?);
+                }
+                Op::Free { buf } => {
+                    if let Some(b) = store[*buf].take() {
+                        b.free_on(&s);
+                    }
+                }
+                Op::Comm { sends, recvs, .. } => {
+                    let mut got = Vec::with_capacity(recvs.len());
+                    for &(_, b) in recvs {
+                        got.push(GpuBuf::alloc(&s, dtype(b), desc(b).elems(&shape))?);
+                    }
+                    let sv = sends.iter().map(|&(to, b)| Ok((to, store[b].as_ref().ok_or_else(|| missing(b))?))).collect::<Result<Vec<_>>>()?;
+                    let rv: Vec<(usize, &GpuBuf)> = recvs.iter().zip(&got).map(|(&(from, _), g)| (from, g)).collect();
+                    self.comm.group_async(&sv, &rv)?;
+                    for (&(_, b), g) in recvs.iter().zip(got) {
+                        store[b] = Some(g);
+                    }
+                }
+                Op::Copy { src, dst } | Op::Add { src, dst } => {
+                    let p = pieces(desc(*src), desc(*dst), &shape);
+                    let (a, b) = (store[*src].as_ref().ok_or_else(|| missing(*src))?, store[*dst].as_ref().ok_or_else(|| missing(*dst))?);
+                    self.run_pieces(so.lane, a, b, &p, matches!(op, Op::Add { .. }))?;
+                }
+                Op::Merge { o, lse, o_acc, lse_acc } => {
+                    let g = |b: usize| store[b].as_ref().ok_or_else(|| missing(b));
+                    self.run_merge(g(*o)?, g(*lse)?, g(*o_acc)?, g(*lse_acc)?, desc(*o), desc(*o_acc), &shape)?;
+                }
+                Op::Fwd { q, k, v, o, lse, .. } => {
+                    let (qd, kd) = (desc(*q), desc(*k));
+                    let bshape = BufDesc::block_shape(qd, kd, &shape);
+                    let m = sub_mask(mask, &qd.tokens, &kd.tokens)?;
+                    let g = |b: usize| store[b].as_ref().ok_or_else(|| missing(b));
+                    let (po, pl) = self.block_fwd::<T>(g(*q)?, g(*k)?, g(*v)?, &bshape, &m, opts)?;
+                    let part = BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone());
+                    self.run_merge(&po, &pl, g(*o)?, g(*lse)?, &part, desc(*o), &shape)?;
+                    po.free_on(&sc);
+                    pl.free_on(&sc);
+                }
+                Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, .. } => {
+                    let (qd, kd) = (desc(*q), desc(*k));
+                    let bshape = BufDesc::block_shape(qd, kd, &shape);
+                    let m = sub_mask(mask, &qd.tokens, &kd.tokens)?;
+                    let same_q = desc(*dq).tokens == qd.tokens && desc(*dq).heads == qd.heads;
+                    let mut acc = if same_q {
+                        store[*dq].take().ok_or_else(|| missing(*dq))?
+                    } else {
+                        GpuBuf::filled(&sc, DType::F32, bshape.q_elems(), 0.0)?
+                    };
+                    let r = {
+                        let g = |b: usize| store[b].as_ref().ok_or_else(|| missing(b));
+                        match (g(*q), g(*k), g(*v), g(*d_o), g(*lse), g(*delta)) {
+                            (Ok(a), Ok(b), Ok(c), Ok(d), Ok(e), Ok(f)) => self.block_bwd::<T>(a, b, c, d, e, f, &bshape, &m, opts, &mut acc),
+                            _ => Err(Error::Comm(format!("rank {rank}: a backward input is missing"))),
+                        }
+                    };
+                    let (gk, gv) = match r {
+                        Ok(x) => x,
+                        Err(e) => {
+                            if same_q {
+                                store[*dq] = Some(acc);
+                            }
+                            return Err(e);
+                        }
+                    };
+                    if same_q {
+                        store[*dq] = Some(acc);
+                    } else {
+                        let part = BufDesc::new(Tensor::DQ, qd.tokens.clone(), qd.heads.clone());
+                        let p = pieces(&part, desc(*dq), &shape);
+                        self.run_pieces(Lane::Compute, &acc, store[*dq].as_ref().ok_or_else(|| missing(*dq))?, &p, true)?;
+                        acc.free_on(&sc);
+                    }
+                    for (g, acc_id, t) in [(gk, *dk, Tensor::DK), (gv, *dv, Tensor::DV)] {
+                        let part = BufDesc::new(t, kd.tokens.clone(), kd.heads.clone());
+                        let p = pieces(&part, desc(acc_id), &shape);
+                        self.run_pieces(Lane::Compute, &g, store[acc_id].as_ref().ok_or_else(|| missing(acc_id))?, &p, true)?;
+                        g.free_on(&sc);
+                    }
+                }
+            }
+            if timed {
+                tl[so.step][so.lane.index()][1] = Some(s.record_event(timing).map_err(ev_err)?);
+            }
+            if so.signals {
+                events[so.id] = Some(s.record_event(None).map_err(ev_err)?);
+            }
+        }
+        // Join the comm stream into compute and wait for the end, polling for failures.
+        sc.wait(&sm.record_event(None).map_err(ev_err)?).map_err(ev_err)?;
+        let end = sc.record_event(if timeline { timing } else { None }).map_err(ev_err)?;
+        self.comm.wait_event(&end)?;
+        let timeline = match t_start {
+            Some(t0) => {
+                let ms = |e: &Option<CudaEvent>| -> Result<Option<f64>> {
+                    match e {
+                        Some(e) => Ok(Some(t0.elapsed_ms(e).map_err(ev_err)? as f64)),
+                        None => Ok(None),
+                    }
+                };
+                let mut steps = Vec::new();
+                for (t, lanes) in tl.iter().enumerate() {
+                    let iv = |l: usize| -> Result<Option<(f64, f64)>> {
+                        Ok(match (ms(&lanes[l][0])?, ms(&lanes[l][1])?) {
+                            (Some(a), Some(b)) => Some((a, b)),
+                            _ => None,
+                        })
+                    };
+                    steps.push(StepTimes { step: t, compute: iv(Lane::Compute.index())?, comm: iv(Lane::Comm.index())? });
+                }
+                Some(Timeline { rank, total_ms: t0.elapsed_ms(&end).map_err(ev_err)? as f64, steps })
+            }
+            None => None,
+        };
+        let outputs = prog.outputs.iter().map(|&(_, b)| store[b].take().ok_or_else(|| missing(b))).collect::<Result<Vec<_>>>()?;
+        // Remaining buffers (inputs) are freed on the compute stream when dropped.
+        Ok(RunOutput { outputs, timeline })
+    }
+}
+
+/// The generic executor's view: every op on the compute stream, transfers blocking.
+impl Backend for GpuRank {
+    type Buf = GpuBuf;
+    type CommBuf = GpuBuf;
+
+    fn name(&self) -> &'static str {
+        "cuda+nccl"
+    }
+
+    fn upload<T: Element>(&self, data: &[T]) -> Result<GpuBuf> {
+        GpuBuf::upload(self.be.stream(), data)
+    }
+
+    fn alloc(&self, dtype: DType, elems: usize, fill: f32) -> Result<GpuBuf> {
+        GpuBuf::filled(self.be.stream(), dtype, elems, fill)
+    }
+
+    fn download_f32(&self, buf: &GpuBuf) -> Result<Vec<f32>> {
+        buf.download_f32(self.be.stream())
+    }
+
+    fn comm_view<'a>(&self, buf: &'a GpuBuf) -> &'a GpuBuf {
+        buf
+    }
+
+    fn comm_view_mut<'a>(&self, buf: &'a mut GpuBuf) -> &'a mut GpuBuf {
+        buf
+    }
+
+    fn copy(&self, src: &GpuBuf, dst: &mut GpuBuf, p: &[Piece]) -> Result<()> {
+        self.run_pieces(Lane::Compute, src, dst, p, false)
+    }
+
+    fn add(&self, src: &GpuBuf, dst: &mut GpuBuf, p: &[Piece]) -> Result<()> {
+        self.run_pieces(Lane::Compute, src, dst, p, true)
+    }
+
+    fn merge(&self, o: &GpuBuf, lse: &GpuBuf, o_acc: &mut GpuBuf, lse_acc: &mut GpuBuf, rows: &[MergeRow], head_dim: usize) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let s = self.be.stream();
+        let flat: Vec<i64> = rows.iter().flat_map(|&(a, b, c, d)| [a as i64, b as i64, c as i64, d as i64]).collect();
+        let dev = self.indices(s, 0, &flat)?;
+        self.aux.merge_rows(s, o, lse, o_acc, lse_acc, &dev, rows.len(), head_dim)
+    }
+
+    fn forward(&self, q: &GpuBuf, k: &GpuBuf, v: &GpuBuf, shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<(GpuBuf, GpuBuf)> {
+        match q.dtype() {
+            DType::BF16 => self.block_fwd::<bf16>(q, k, v, shape, mask, opts),
+            DType::F16 => self.block_fwd::<f16>(q, k, v, shape, mask, opts),
+            d => Err(Error::UnsupportedDType(d.to_string())),
+        }
+    }
+
+    fn backward(
+        &self,
+        q: &GpuBuf,
+        k: &GpuBuf,
+        v: &GpuBuf,
+        d_o: &GpuBuf,
+        lse: &GpuBuf,
+        delta: &GpuBuf,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+    ) -> Result<(GpuBuf, GpuBuf, GpuBuf)> {
+        let s = self.be.stream();
+        let mut dq = GpuBuf::filled(s, DType::F32, shape.q_elems(), 0.0)?;
+        let (gk, gv) = match q.dtype() {
+            DType::BF16 => self.block_bwd::<bf16>(q, k, v, d_o, lse, delta, shape, mask, opts, &mut dq)?,
+            DType::F16 => self.block_bwd::<f16>(q, k, v, d_o, lse, delta, shape, mask, opts, &mut dq)?,
+            d => return Err(Error::UnsupportedDType(d.to_string())),
+        };
+        let whole = [(0usize, 0usize, shape.kv_elems())];
+        let dk = GpuBuf::filled(s, DType::F32, shape.kv_elems(), 0.0)?;
+        let dv = GpuBuf::filled(s, DType::F32, shape.kv_elems(), 0.0)?;
+        self.run_pieces(Lane::Compute, &gk, &dk, &whole, true)?;
+        self.run_pieces(Lane::Compute, &gv, &dv, &whole, true)?;
+        Ok((dq, dk, dv))
+    }
+}

@@ -1,0 +1,667 @@
+//! The NCCL communicator: [`NcclComm`] implements [`Communicator`] over device buffers.
+//!
+//! Communicators are created **non-blocking** (`ncclConfig_t.blocking = 0`): every NCCL call
+//! returns at once and its completion is polled (`ncclCommGetAsyncError`), so no host thread
+//! ever sits inside NCCL. A watchdog thread per rank polls the communicator's asynchronous
+//! error, the in-process group's failure flag (thread ranks) and a stall deadline; on any of
+//! them it calls `ncclCommAbort`, which also ends NCCL kernels spinning on a dead peer, and
+//! every later or pending call of that rank returns an error naming the failed rank. In
+//! process mode the peers' process ids are exchanged at start-up through NCCL itself, so a rank
+//! that finds a stall can tell which peer process is gone.
+//!
+//! All-to-all is a group of sends and receives. Point-to-point groups, collectives and barriers
+//! are enqueued on the communicator's own stream ([`NcclComm::stream`]).
+
+use crate::buf::{gpu_err, GpuBuf};
+use crate::launch::LaunchEnv;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::nccl::sys as nsys;
+use distattn_core::{Communicator, Error, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Failure shared by the thread-ranks of one process (first one wins).
+#[derive(Default, Debug)]
+pub struct GroupState {
+    failed: Mutex<Option<(usize, String)>>,
+}
+
+impl GroupState {
+    pub fn fail(&self, rank: usize, reason: &str) {
+        let mut f = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        if f.is_none() {
+            *f = Some((rank, reason.to_string()));
+        }
+    }
+    pub fn failure(&self) -> Option<(usize, String)> {
+        self.failed.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// NCCL's unique id, shareable between threads.
+#[derive(Clone, Copy)]
+pub struct UniqueId(pub nsys::ncclUniqueId);
+unsafe impl Send for UniqueId {}
+unsafe impl Sync for UniqueId {}
+
+struct Handle {
+    comm: nsys::ncclComm_t,
+    aborted: bool,
+}
+unsafe impl Send for Handle {}
+
+struct Inner {
+    rank: usize,
+    world: usize,
+    handle: Mutex<Handle>,
+    group: Option<Arc<GroupState>>,
+    /// Process ids of every rank (process mode).
+    pids: Mutex<Vec<u32>>,
+    timeout: Duration,
+    /// Start of the wait in progress (stall detection).
+    busy_since: Mutex<Option<Instant>>,
+    failure: Mutex<Option<Error>>,
+    stop: AtomicBool,
+}
+
+fn nccl_str(r: nsys::ncclResult_t) -> String {
+    unsafe {
+        let p = nsys::ncclGetErrorString(r);
+        if p.is_null() {
+            format!("{r:?}")
+        } else {
+            format!("{r:?} ({})", std::ffi::CStr::from_ptr(p).to_string_lossy())
+        }
+    }
+}
+
+/// Whether process `pid` has exited (or is a zombie).
+pub fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(s) => s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])).unwrap_or(false),
+    }
+}
+
+impl Inner {
+    fn failure(&self) -> Option<Error> {
+        self.failure.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Aborts the communicator (once) and records `err` as this rank's failure.
+    fn abort_with(&self, err: Error) -> Error {
+        {
+            let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+            if f.is_none() {
+                *f = Some(err.clone());
+            }
+        }
+        let mut h = self.handle.lock().unwrap_or_else(|e| e.into_inner());
+        if !h.aborted && !h.comm.is_null() {
+            h.aborted = true;
+            unsafe {
+                let _ = nsys::ncclCommAbort(h.comm);
+            }
+        }
+        h.aborted = true;
+        self.failure().unwrap_or(err)
+    }
+
+    /// Peers whose process is gone (process mode).
+    fn dead_peers(&self) -> Vec<usize> {
+        let pids = self.pids.lock().unwrap_or_else(|e| e.into_inner());
+        (0..pids.len()).filter(|&r| r != self.rank && pids[r] != 0 && process_gone(pids[r])).collect()
+    }
+
+    fn peer_failure(&self, what: String) -> Error {
+        let dead = self.dead_peers();
+        if let Some(&d) = dead.first() {
+            let pid = self.pids.lock().map(|p| p[d]).unwrap_or(0);
+            Error::RankFailed { rank: d, reason: format!("process {pid} is gone ({what}; seen by rank {})", self.rank) }
+        } else {
+            Error::Comm(format!("rank {}: {what}", self.rank))
+        }
+    }
+
+    /// Checks every failure source; aborts on the first found.
+    fn check(&self) -> Result<()> {
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        if let Some((r, reason)) = self.group.as_ref().and_then(|g| g.failure()) {
+            if r != self.rank {
+                return Err(self.abort_with(Error::RankFailed { rank: r, reason }));
+            }
+        }
+        let async_err = {
+            let h = self.handle.lock().unwrap_or_else(|e| e.into_inner());
+            if h.aborted {
+                None
+            } else {
+                let mut st = nsys::ncclResult_t::ncclSuccess;
+                let r = unsafe { nsys::ncclCommGetAsyncError(h.comm, &mut st) };
+                if r != nsys::ncclResult_t::ncclSuccess {
+                    Some(r)
+                } else if st != nsys::ncclResult_t::ncclSuccess && st != nsys::ncclResult_t::ncclInProgress {
+                    Some(st)
+                } else {
+                    None
+                }
+            }
+        };
+        if let Some(e) = async_err {
+            let err = self.peer_failure(format!("NCCL reported {}", nccl_str(e)));
+            if let Some(g) = &self.group {
+                g.fail(self.rank, &err.to_string());
+            }
+            return Err(self.abort_with(err));
+        }
+        let since = *self.busy_since.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t0) = since {
+            if t0.elapsed() > self.timeout {
+                let err = self.peer_failure(format!("communication stalled for more than {:?}; communicator aborted", self.timeout));
+                if let Some(g) = &self.group {
+                    g.fail(self.rank, &err.to_string());
+                }
+                return Err(self.abort_with(err));
+            }
+        }
+        Ok(())
+    }
+
+    /// Polls until the communicator's pending operation is no longer in progress.
+    fn settle(&self, what: &str) -> Result<()> {
+        let t0 = Instant::now();
+        loop {
+            let st = {
+                let h = self.handle.lock().unwrap_or_else(|e| e.into_inner());
+                if h.aborted {
+                    drop(h);
+                    return Err(self.failure().unwrap_or_else(|| Error::Comm("communicator aborted".into())));
+                }
+                let mut st = nsys::ncclResult_t::ncclSuccess;
+                let r = unsafe { nsys::ncclCommGetAsyncError(h.comm, &mut st) };
+                if r != nsys::ncclResult_t::ncclSuccess {
+                    r
+                } else {
+                    st
+                }
+            };
+            match st {
+                nsys::ncclResult_t::ncclSuccess => return Ok(()),
+                nsys::ncclResult_t::ncclInProgress => {
+                    if t0.elapsed() > self.timeout {
+                        let err = self.peer_failure(format!("{what} still in progress after {:?}", self.timeout));
+                        if let Some(g) = &self.group {
+                            g.fail(self.rank, &err.to_string());
+                        }
+                        return Err(self.abort_with(err));
+                    }
+                    if let Some((r, reason)) = self.group.as_ref().and_then(|g| g.failure()) {
+                        if r != self.rank {
+                            return Err(self.abort_with(Error::RankFailed { rank: r, reason }));
+                        }
+                    }
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+                e => {
+                    let err = self.peer_failure(format!("{what}: {}", nccl_str(e)));
+                    if let Some(g) = &self.group {
+                        g.fail(self.rank, &err.to_string());
+                    }
+                    return Err(self.abort_with(err));
+                }
+            }
+        }
+    }
+}
+
+/// One rank's NCCL communicator on one GPU.
+pub struct NcclComm {
+    inner: Arc<Inner>,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    /// Stream whose work blocking calls first wait for (the compute stream), if set.
+    producer: Mutex<Option<Arc<CudaStream>>>,
+    watchdog: Option<JoinHandle<()>>,
+}
+
+/// Makes sure NVLink multicast stays off (shared machines) unless the caller set it.
+pub fn nccl_env_defaults() {
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    }
+}
+
+/// Whether the NCCL library can be loaded (`libnccl.so` must be on the loader path; link
+/// `libnccl.so.2` under that name if only the versioned file exists).
+pub fn nccl_available() -> bool {
+    unsafe { nsys::is_culib_present() }
+}
+
+fn check_lib() -> Result<()> {
+    if !nccl_available() {
+        return Err(Error::Backend {
+            backend: "nccl",
+            reason: "libnccl.so could not be loaded: put a directory holding libnccl.so (a link to libnccl.so.2 will do) on LD_LIBRARY_PATH".into(),
+        });
+    }
+    Ok(())
+}
+
+/// A fresh unique id (thread mode: shared by the ranks of this process).
+pub fn unique_id() -> Result<UniqueId> {
+    nccl_env_defaults();
+    check_lib()?;
+    let mut id = std::mem::MaybeUninit::<nsys::ncclUniqueId>::uninit();
+    let r = unsafe { nsys::ncclGetUniqueId(id.as_mut_ptr()) };
+    if r != nsys::ncclResult_t::ncclSuccess {
+        return Err(Error::Comm(format!("ncclGetUniqueId: {}", nccl_str(r))));
+    }
+    Ok(UniqueId(unsafe { id.assume_init() }))
+}
+
+fn config() -> nsys::ncclConfig_t {
+    let undef = i32::MIN;
+    nsys::ncclConfig_t {
+        size: std::mem::size_of::<nsys::ncclConfig_t>(),
+        magic: 0xcafebeef,
+        version: 22800,
+        blocking: 0,
+        cgaClusterSize: undef,
+        minCTAs: undef,
+        maxCTAs: undef,
+        netName: std::ptr::null(),
+        splitShare: undef,
+        trafficClass: undef,
+        commName: std::ptr::null(),
+        collnetEnable: undef,
+        CTAPolicy: undef,
+        shrinkShare: undef,
+        nvlsCTAs: undef,
+        nChannelsPerNetPeer: undef,
+        nvlinkCentricSched: undef,
+    }
+}
+
+impl NcclComm {
+    /// Rank `rank` of `world` on GPU context `ctx`, joining the communicator of `id` (every
+    /// rank must call this concurrently). Thread ranks pass their process's [`GroupState`].
+    pub fn init(ctx: &Arc<CudaContext>, rank: usize, world: usize, id: UniqueId, group: Option<Arc<GroupState>>, timeout: Duration) -> Result<NcclComm> {
+        nccl_env_defaults();
+        check_lib()?;
+        ctx.bind_to_thread().map_err(gpu_err("binding the context"))?;
+        // The comm stream gets the highest priority: NCCL's few blocks are scheduled as soon as
+        // SMs free up instead of queueing behind a whole attention grid.
+        let stream = match cudarc::driver::result::stream::get_priority_range() {
+            Ok((_, greatest)) => ctx.new_stream_with_priority(greatest),
+            Err(_) => ctx.new_stream(),
+        }
+        .or_else(|_| ctx.new_stream())
+        .map_err(gpu_err("creating the comm stream"))?;
+        let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
+        let mut cfg = config();
+        let mut r = unsafe { nsys::ncclCommInitRankConfig(&mut comm, world as i32, id.0, rank as i32, &mut cfg) };
+        if r == nsys::ncclResult_t::ncclInvalidArgument || r == nsys::ncclResult_t::ncclInvalidUsage {
+            // A library that rejects this config layout: a blocking communicator still works
+            // (calls only enqueue; the watchdog aborts it from its own thread).
+            eprintln!("rank {rank}: ncclCommInitRankConfig rejected the non-blocking config ({}); using ncclCommInitRank", nccl_str(r));
+            comm = std::ptr::null_mut();
+            r = unsafe { nsys::ncclCommInitRank(&mut comm, world as i32, id.0, rank as i32) };
+        }
+        if r != nsys::ncclResult_t::ncclSuccess && r != nsys::ncclResult_t::ncclInProgress {
+            return Err(Error::Comm(format!("rank {rank}: ncclCommInitRankConfig: {}", nccl_str(r))));
+        }
+        let inner = Arc::new(Inner {
+            rank,
+            world,
+            handle: Mutex::new(Handle { comm, aborted: false }),
+            group,
+            pids: Mutex::new(vec![0; world]),
+            timeout,
+            busy_since: Mutex::new(None),
+            failure: Mutex::new(None),
+            stop: AtomicBool::new(false),
+        });
+        inner.settle("communicator initialisation")?;
+        let mut c = NcclComm { inner, ctx: ctx.clone(), stream, producer: Mutex::new(None), watchdog: None };
+        c.exchange_pids()?;
+        c.start_watchdog();
+        Ok(c)
+    }
+
+    /// Process mode: joins the communicator described by the launcher's environment
+    /// (`NCCL_COMM_ID` names the bootstrap root that rank 0 opens).
+    pub fn from_launch(ctx: &Arc<CudaContext>, env: &LaunchEnv, timeout: Duration) -> Result<NcclComm> {
+        std::env::set_var("NCCL_COMM_ID", &env.comm_id);
+        let id = unique_id()?;
+        Self::init(ctx, env.rank, env.world, id, None, timeout)
+    }
+
+    fn exchange_pids(&mut self) -> Result<()> {
+        let w = self.inner.world;
+        let pid = std::process::id();
+        // Sent as the bits of an f32 (the element types are those of attention).
+        let bits = f32::from_bits(pid);
+        let send = GpuBuf::upload::<f32>(&self.stream, &[bits])?;
+        let mut recv = GpuBuf::alloc(&self.stream, distattn_core::DType::F32, w)?;
+        self.all_gather(&send, &mut recv)?;
+        let got = recv.download_f32(&self.stream)?;
+        *self.inner.pids.lock().unwrap_or_else(|e| e.into_inner()) = got.iter().map(|x| x.to_bits()).collect();
+        Ok(())
+    }
+
+    fn start_watchdog(&mut self) {
+        let inner = self.inner.clone();
+        self.watchdog = Some(std::thread::spawn(move || {
+            while !inner.stop.load(Ordering::Relaxed) {
+                if inner.failure().is_some() {
+                    break;
+                }
+                let _ = inner.check();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }));
+    }
+
+    /// The stream NCCL operations are enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Blocking calls first make the comm stream wait for the work enqueued so far on `s`.
+    pub fn set_producer(&self, s: Arc<CudaStream>) {
+        *self.producer.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
+    }
+
+    /// The failure this rank has seen, if any.
+    pub fn failure(&self) -> Option<Error> {
+        self.inner.failure()
+    }
+
+    /// Checks for failures (a peer's, NCCL's, a stall); aborts on the first.
+    pub fn check(&self) -> Result<()> {
+        self.inner.check()
+    }
+
+    /// Process ids of every rank.
+    pub fn pids(&self) -> Vec<u32> {
+        self.inner.pids.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Runs `f` (NCCL calls on the raw communicator) under the handle lock, then waits until
+    /// NCCL has taken the operation (non-blocking communicators may answer "in progress").
+    fn enqueue(&self, what: &str, f: impl FnOnce(nsys::ncclComm_t) -> nsys::ncclResult_t) -> Result<()> {
+        self.inner.check()?;
+        let r = {
+            let h = self.inner.handle.lock().unwrap_or_else(|e| e.into_inner());
+            if h.aborted {
+                drop(h);
+                return Err(self.inner.failure().unwrap_or_else(|| Error::Comm("communicator aborted".into())));
+            }
+            self.ctx.bind_to_thread().map_err(gpu_err("binding the context"))?;
+            f(h.comm)
+        };
+        match r {
+            nsys::ncclResult_t::ncclSuccess => Ok(()),
+            nsys::ncclResult_t::ncclInProgress => self.inner.settle(what),
+            e => {
+                let err = self.inner.peer_failure(format!("{what}: {}", nccl_str(e)));
+                if let Some(g) = &self.inner.group {
+                    g.fail(self.inner.rank, &err.to_string());
+                }
+                Err(self.inner.abort_with(err))
+            }
+        }
+    }
+
+    /// Enqueues a group of sends and receives on the comm stream and returns without waiting
+    /// for the transfer (the overlapped executor orders streams with events).
+    pub fn group_async(&self, sends: &[(usize, &GpuBuf)], recvs: &[(usize, &GpuBuf)]) -> Result<()> {
+        let s = &self.stream;
+        let w = self.inner.world;
+        for &(p, _) in sends.iter().chain(recvs) {
+            if p >= w {
+                return Err(Error::Comm(format!("rank {} addresses rank {p} of a world of {w}", self.inner.rank)));
+            }
+        }
+        let sends: Vec<(i32, u64, usize)> = sends.iter().filter(|x| x.1.bytes() > 0).map(|&(p, b)| (p as i32, b.ptr(s), b.bytes())).collect();
+        let recvs: Vec<(i32, u64, usize)> = recvs.iter().filter(|x| x.1.bytes() > 0).map(|&(p, b)| (p as i32, b.ptr(s), b.bytes())).collect();
+        if sends.is_empty() && recvs.is_empty() {
+            return Ok(());
+        }
+        let cs = s.cu_stream() as nsys::cudaStream_t;
+        self.enqueue("grouped send/recv", |comm| unsafe {
+            let r = nsys::ncclGroupStart();
+            if r != nsys::ncclResult_t::ncclSuccess {
+                return r;
+            }
+            let mut bad = nsys::ncclResult_t::ncclSuccess;
+            for &(p, ptr, n) in &sends {
+                let r = nsys::ncclSend(ptr as *const _, n, nsys::ncclDataType_t::ncclUint8, p, comm, cs);
+                if r != nsys::ncclResult_t::ncclSuccess && r != nsys::ncclResult_t::ncclInProgress {
+                    bad = r;
+                }
+            }
+            for &(p, ptr, n) in &recvs {
+                let r = nsys::ncclRecv(ptr as *mut _, n, nsys::ncclDataType_t::ncclUint8, p, comm, cs);
+                if r != nsys::ncclResult_t::ncclSuccess && r != nsys::ncclResult_t::ncclInProgress {
+                    bad = r;
+                }
+            }
+            let r = nsys::ncclGroupEnd();
+            if bad != nsys::ncclResult_t::ncclSuccess {
+                bad
+            } else {
+                r
+            }
+        })
+    }
+
+    /// Waits until `ev` has completed, polling for failures and stalls (never blocks in CUDA
+    /// or NCCL, so an abort always ends the wait).
+    pub fn wait_event(&self, ev: &CudaEvent) -> Result<()> {
+        let began = self.busy_begin();
+        let r = loop {
+            match ev.try_is_complete() {
+                Ok(true) => break Ok(()),
+                Ok(false) => {}
+                Err(e) => break Err(Error::Backend { backend: "cuda", reason: format!("waiting for the GPU: {e:?}") }),
+            }
+            if let Err(e) = self.inner.check() {
+                break Err(e);
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        };
+        if began {
+            self.busy_end();
+        }
+        r
+    }
+
+    /// Starts the stall clock unless it runs already (then returns false). While it runs, the
+    /// watchdog aborts the communicator once it passes the timeout, even if this thread is
+    /// stuck inside a CUDA call.
+    pub fn busy_begin(&self) -> bool {
+        let mut b = self.inner.busy_since.lock().unwrap_or_else(|e| e.into_inner());
+        if b.is_some() {
+            return false;
+        }
+        *b = Some(Instant::now());
+        true
+    }
+
+    /// Stops the stall clock.
+    pub fn busy_end(&self) {
+        *self.inner.busy_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Waits for everything enqueued so far on `s`.
+    pub fn wait_stream(&self, s: &CudaStream) -> Result<()> {
+        let ev = s.record_event(None).map_err(gpu_err("recording an event"))?;
+        self.wait_event(&ev)
+    }
+
+    fn before_blocking(&self) -> Result<()> {
+        if let Some(p) = self.producer.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            if p.cu_stream() != self.stream.cu_stream() {
+                let ev = p.record_event(None).map_err(gpu_err("recording an event"))?;
+                self.stream.wait(&ev).map_err(gpu_err("ordering streams"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Declares this rank failed: peers (thread ranks at once, processes at their next stall
+    /// check) stop with an error naming it.
+    pub fn fail(&self, reason: &str) {
+        let err = Error::RankFailed { rank: self.inner.rank, reason: reason.to_string() };
+        if let Some(g) = &self.inner.group {
+            g.fail(self.inner.rank, reason);
+        }
+        self.inner.abort_with(err);
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        self.inner.stop.store(true, Ordering::Relaxed);
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
+        }
+        let mut h = self.inner.handle.lock().unwrap_or_else(|e| e.into_inner());
+        if h.aborted || h.comm.is_null() {
+            return;
+        }
+        let _ = self.ctx.bind_to_thread();
+        // Finalize (non-blocking) then destroy; abort if it does not settle.
+        let comm = h.comm;
+        let r = unsafe { nsys::ncclCommFinalize(comm) };
+        let t0 = Instant::now();
+        let mut ok = r == nsys::ncclResult_t::ncclSuccess || r == nsys::ncclResult_t::ncclInProgress;
+        while ok {
+            let mut st = nsys::ncclResult_t::ncclSuccess;
+            unsafe {
+                let _ = nsys::ncclCommGetAsyncError(comm, &mut st);
+            }
+            if st == nsys::ncclResult_t::ncclSuccess {
+                break;
+            }
+            if st != nsys::ncclResult_t::ncclInProgress || t0.elapsed() > Duration::from_secs(10) {
+                ok = false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        unsafe {
+            if ok {
+                let _ = nsys::ncclCommDestroy(comm);
+            } else {
+                let _ = nsys::ncclCommAbort(comm);
+            }
+        }
+        h.aborted = true;
+    }
+}
+
+fn slots(len: usize, w: usize, what: &str) -> Result<usize> {
+    if !len.is_multiple_of(w) {
+        return Err(Error::Comm(format!("{what}: {len} bytes do not split into {w} equal slots")));
+    }
+    Ok(len / w)
+}
+
+impl Communicator for NcclComm {
+    type Buf = GpuBuf;
+
+    fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    fn world(&self) -> usize {
+        self.inner.world
+    }
+
+    fn group(&self, sends: &[(usize, &GpuBuf)], recvs: &mut [(usize, &mut GpuBuf)]) -> Result<()> {
+        self.before_blocking()?;
+        let r: Vec<(usize, &GpuBuf)> = recvs.iter().map(|(p, b)| (*p, &**b)).collect();
+        self.group_async(sends, &r)?;
+        self.wait_stream(&self.stream.clone())
+    }
+
+    fn all_gather(&self, send: &GpuBuf, recv: &mut GpuBuf) -> Result<()> {
+        let w = self.inner.world;
+        if recv.bytes() != send.bytes() * w || recv.dtype() != send.dtype() {
+            return Err(Error::Comm(format!("all_gather: receive buffer of {} bytes, expected {}", recv.bytes(), send.bytes() * w)));
+        }
+        self.before_blocking()?;
+        let s = self.stream.clone();
+        let (sp, rp, n) = (send.ptr(&s), recv.ptr(&s), send.bytes());
+        let cs = s.cu_stream() as nsys::cudaStream_t;
+        self.enqueue("all_gather", |comm| unsafe {
+            nsys::ncclAllGather(sp as *const _, rp as *mut _, n, nsys::ncclDataType_t::ncclUint8, comm, cs)
+        })?;
+        self.wait_stream(&s)
+    }
+
+    fn all_to_all(&self, send: &GpuBuf, recv: &mut GpuBuf) -> Result<()> {
+        let w = self.inner.world;
+        if recv.bytes() != send.bytes() {
+            return Err(Error::Comm("all_to_all: send and receive sizes differ".into()));
+        }
+        let n = slots(send.bytes(), w, "all_to_all")?;
+        self.before_blocking()?;
+        let s = self.stream.clone();
+        let (sp, rp) = (send.ptr(&s), recv.ptr(&s));
+        let cs = s.cu_stream() as nsys::cudaStream_t;
+        if n > 0 {
+            self.enqueue("all_to_all", |comm| unsafe {
+                let r = nsys::ncclGroupStart();
+                if r != nsys::ncclResult_t::ncclSuccess {
+                    return r;
+                }
+                for p in 0..w {
+                    let _ = nsys::ncclSend((sp + (p * n) as u64) as *const _, n, nsys::ncclDataType_t::ncclUint8, p as i32, comm, cs);
+                    let _ = nsys::ncclRecv((rp + (p * n) as u64) as *mut _, n, nsys::ncclDataType_t::ncclUint8, p as i32, comm, cs);
+                }
+                nsys::ncclGroupEnd()
+            })?;
+        }
+        self.wait_stream(&s)
+    }
+
+    fn reduce_scatter_f32(&self, send: &GpuBuf, recv: &mut GpuBuf) -> Result<()> {
+        let w = self.inner.world;
+        if send.dtype() != distattn_core::DType::F32 || recv.dtype() != distattn_core::DType::F32 || recv.len * w != send.len {
+            return Err(Error::Comm(format!("reduce_scatter: f32 buffers of {} and {} elements for {w} ranks", send.len, recv.len)));
+        }
+        self.before_blocking()?;
+        let s = self.stream.clone();
+        let (sp, rp, n) = (send.ptr(&s), recv.ptr(&s), recv.len);
+        let cs = s.cu_stream() as nsys::cudaStream_t;
+        self.enqueue("reduce_scatter", |comm| unsafe {
+            nsys::ncclReduceScatter(sp as *const _, rp as *mut _, n, nsys::ncclDataType_t::ncclFloat32, nsys::ncclRedOp_t::ncclSum, comm, cs)
+        })?;
+        self.wait_stream(&s)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let s = self.stream.clone();
+        let b = GpuBuf::filled(&s, distattn_core::DType::F32, 1, 0.0)?;
+        let p = b.ptr(&s);
+        let cs = s.cu_stream() as nsys::cudaStream_t;
+        self.enqueue("barrier", |comm| unsafe {
+            nsys::ncclAllReduce(p as *const _, p as *mut _, 1, nsys::ncclDataType_t::ncclFloat32, nsys::ncclRedOp_t::ncclSum, comm, cs)
+        })?;
+        self.wait_stream(&s)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.fail(reason);
+    }
+}

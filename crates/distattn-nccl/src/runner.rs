@@ -1,0 +1,258 @@
+//! Multi-GPU runners: thread ranks in one process (one GPU each, `distattn run/bench --gpus N`)
+//! and one rank per process from a launcher's environment (`distattn launch --nproc N`).
+
+use crate::buf::GpuBuf;
+use crate::gpu::GpuRank;
+use crate::launch::LaunchEnv;
+use crate::nccl::{unique_id, GroupState, NcclComm};
+use crate::timeline::Timeline;
+use distattn_core::plan::{build, BufDesc, Pass, Plan, PlanOptions, Tensor};
+use distattn_core::{AttnOptions, AttnShape, Element, Error, Mask, Result, Strategy};
+use distattn_cuda::CudaBackend;
+use distattn_dist::{execute_rank, shard, unshard_into, Forward, Grads, InjectedFailure};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Options of a multi-GPU run.
+#[derive(Debug, Clone)]
+pub struct GpuRunOptions {
+    /// Planner options (the pass is set by the entry point).
+    pub plan: PlanOptions,
+    /// A stalled transfer aborts the communicators after this long.
+    pub timeout: Duration,
+    /// Overlapped two-stream executor (default) or the generic blocking one.
+    pub overlap: bool,
+    /// Record per-step timelines (overlapped executor).
+    pub timeline: bool,
+    /// First GPU ordinal; rank r uses GPU `first_gpu + r`.
+    pub first_gpu: usize,
+    /// Test hook: make a rank fail.
+    pub fail: Option<InjectedFailure>,
+}
+
+impl Default for GpuRunOptions {
+    fn default() -> Self {
+        GpuRunOptions { plan: PlanOptions::default(), timeout: Duration::from_secs(60), overlap: true, timeline: false, first_gpu: 0, fail: None }
+    }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic".into()
+    }
+}
+
+/// Opens GPUs `first_gpu..first_gpu + world` as thread ranks, each with its NCCL communicator
+/// (one unique id shared in-process), and runs `f` on every rank. A rank's error or panic
+/// aborts every communicator; the call returns an error naming the first failed rank.
+pub fn with_gpu_ranks<R: Send>(world: usize, first_gpu: usize, timeout: Duration, f: impl Fn(&GpuRank) -> Result<R> + Sync) -> Result<Vec<R>> {
+    if world == 0 {
+        return Err(Error::ZeroDim { what: "world size" });
+    }
+    let id = unique_id()?;
+    let group = Arc::new(GroupState::default());
+    let results: Vec<Result<R>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let (f, group) = (&f, group.clone());
+                s.spawn(move || {
+                    let open = || -> Result<GpuRank> {
+                        let be = CudaBackend::new(first_gpu + r)?;
+                        let comm = NcclComm::init(be.context(), r, world, id, Some(group.clone()), timeout)?;
+                        GpuRank::new(be, comm)
+                    };
+                    let g = match open() {
+                        Ok(g) => g,
+                        Err(e) => {
+                            if !matches!(e, Error::RankFailed { .. }) {
+                                group.fail(r, &e.to_string());
+                            }
+                            return Err(e);
+                        }
+                    };
+                    match catch_unwind(AssertUnwindSafe(|| f(&g))) {
+                        Ok(Ok(v)) => Ok(v),
+                        Ok(Err(e)) => {
+                            if !matches!(&e, Error::RankFailed { rank, .. } if *rank != r) {
+                                g.comm.fail(&e.to_string());
+                            }
+                            Err(e)
+                        }
+                        Err(p) => {
+                            let reason = format!("panicked: {}", panic_message(p.as_ref()));
+                            g.comm.fail(&reason);
+                            Err(Error::RankFailed { rank: r, reason })
+                        }
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::Comm("rank thread lost".into())))).collect()
+    });
+    if let Some((rank, reason)) = group.failure() {
+        return Err(Error::RankFailed { rank, reason });
+    }
+    results.into_iter().collect()
+}
+
+/// Process mode: this process's rank from the launcher's environment (`RANK`, `WORLD_SIZE`,
+/// `LOCAL_RANK`, `NCCL_COMM_ID`); `Ok(None)` when not launched.
+pub fn gpu_rank_from_env(timeout: Duration) -> Result<Option<GpuRank>> {
+    let Some(env) = LaunchEnv::from_env()? else { return Ok(None) };
+    let be = CudaBackend::new(env.local_rank)?;
+    let comm = NcclComm::from_launch(be.context(), &env, timeout)?;
+    Ok(Some(GpuRank::new(be, comm)?))
+}
+
+/// Uploads this rank's input shards of `plan` from full host tensors (`full(t)` gives the full
+/// tensor of `t` as host values of the input dtype, or f32 for LSE/D).
+pub fn upload_inputs<'a, T: Element>(g: &GpuRank, plan: &Plan, full_in: &dyn Fn(Tensor) -> Option<&'a [T]>, full_f32: &dyn Fn(Tensor) -> Option<&'a [f32]>) -> Result<Vec<GpuBuf>> {
+    let prog = &plan.ranks[g.rank()];
+    let s = g.compute_stream();
+    let mut out = Vec::new();
+    for &(t, id) in &prog.inputs {
+        let d = &prog.bufs[id];
+        let b = if t.is_input() {
+            GpuBuf::upload(s, &shard(full_in(t).ok_or_else(|| Error::Comm(format!("no input for {t:?}")))?, d, &plan.shape))?
+        } else {
+            GpuBuf::upload(s, &shard(full_f32(t).ok_or_else(|| Error::Comm(format!("no input for {t:?}")))?, d, &plan.shape))?
+        };
+        out.push(b);
+    }
+    Ok(out)
+}
+
+/// Runs one plan on thread ranks from full host tensors; returns every rank's outputs
+/// (descriptor and f32 values) and timelines.
+fn run_plan_host<'a, T: Element>(
+    plan: &Plan,
+    mask: &Mask,
+    opts: &AttnOptions,
+    full_in: &(dyn Fn(Tensor) -> Option<&'a [T]> + Sync),
+    full_f32: &(dyn Fn(Tensor) -> Option<&'a [f32]> + Sync),
+    run: &GpuRunOptions,
+) -> Result<(Vec<(Tensor, BufDesc, Vec<f32>)>, Vec<Timeline>)> {
+    let per_rank = with_gpu_ranks(plan.world, run.first_gpu, run.timeout, |g| {
+        let inputs = upload_inputs::<T>(g, plan, full_in, full_f32)?;
+        let prog = &plan.ranks[g.rank()];
+        let (outs, tl) = if run.overlap {
+            let r = g.execute(plan, None, mask, opts, inputs, run.timeline, run.fail)?;
+            (r.outputs, r.timeline)
+        } else {
+            (execute_rank(plan, g, &g.comm, mask, opts, inputs, run.fail)?, None)
+        };
+        let mut res = Vec::new();
+        for (&(t, id), b) in prog.outputs.iter().zip(&outs) {
+            res.push((t, prog.bufs[id].clone(), b.download_f32(g.compute_stream())?));
+        }
+        Ok((res, tl))
+    })?;
+    let mut all = Vec::new();
+    let mut tls = Vec::new();
+    for (r, t) in per_rank {
+        all.extend(r);
+        tls.extend(t);
+    }
+    Ok((all, tls))
+}
+
+/// One call on `world` GPUs: plans `strategy`, shards the full Q, K, V, runs the ranks and
+/// gathers the full (O, LSE) in f32, with the ranks' timelines if asked for.
+#[allow(clippy::too_many_arguments)]
+pub fn gpu_forward<T: Element>(
+    strategy: Strategy,
+    world: usize,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+    run: &GpuRunOptions,
+) -> Result<(Forward, Vec<Timeline>)> {
+    let popts = PlanOptions { pass: Some(Pass::Forward), ..run.plan.clone() };
+    let plan = build(strategy, world, shape, mask, T::DTYPE, &popts)?;
+    let full_in = |t: Tensor| match t {
+        Tensor::Q => Some(q),
+        Tensor::K => Some(k),
+        Tensor::V => Some(v),
+        _ => None,
+    };
+    let (outs, tl) = run_plan_host::<T>(&plan, mask, opts, &full_in, &|_| None, run)?;
+    let mut o = vec![0f32; shape.q_elems()];
+    let mut lse = vec![f32::NEG_INFINITY; shape.lse_elems()];
+    for (t, d, data) in outs {
+        match t {
+            Tensor::O => unshard_into(&data, &d, shape, &mut o),
+            Tensor::Lse => unshard_into(&data, &d, shape, &mut lse),
+            _ => {}
+        }
+    }
+    Ok((Forward { o, lse }, tl))
+}
+
+/// D = rowsum(dO ∘ O) in `[b, h, n]` from `[b, n, h, d]` tensors.
+pub fn row_delta<T: Element>(o: &[f32], d_o: &[T], shape: &AttnShape) -> Vec<f32> {
+    let (n, h, d) = (shape.q_len, shape.heads, shape.head_dim);
+    let mut out = vec![0f32; shape.lse_elems()];
+    for b in 0..shape.batch {
+        for i in 0..n {
+            for hh in 0..h {
+                let off = ((b * n + i) * h + hh) * d;
+                let s: f64 = (0..d).map(|c| o[off + c] as f64 * d_o[off + c].to_f32() as f64).sum();
+                out[(b * h + hh) * n + i] = s as f32;
+            }
+        }
+    }
+    out
+}
+
+/// One call: the backward on `world` GPUs given the forward's O (f32) and LSE and dO; returns
+/// the full f32 gradients. `run.plan.ring_backward` picks the ring variant.
+#[allow(clippy::too_many_arguments)]
+pub fn gpu_backward<T: Element>(
+    strategy: Strategy,
+    world: usize,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[f32],
+    lse: &[f32],
+    d_o: &[T],
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+    run: &GpuRunOptions,
+) -> Result<(Grads, Vec<Timeline>)> {
+    let popts = PlanOptions { pass: Some(Pass::Backward), ..run.plan.clone() };
+    let plan = build(strategy, world, shape, mask, T::DTYPE, &popts)?;
+    let delta = row_delta(o, d_o, shape);
+    let full_in = |t: Tensor| match t {
+        Tensor::Q => Some(q),
+        Tensor::K => Some(k),
+        Tensor::V => Some(v),
+        Tensor::DO => Some(d_o),
+        _ => None,
+    };
+    let full_f = |t: Tensor| match t {
+        Tensor::Lse => Some(lse),
+        Tensor::Delta => Some(&delta[..]),
+        _ => None,
+    };
+    let (outs, tl) = run_plan_host::<T>(&plan, mask, opts, &full_in, &full_f, run)?;
+    let mut g = Grads { dq: vec![0f32; shape.q_elems()], dk: vec![0f32; shape.kv_elems()], dv: vec![0f32; shape.kv_elems()] };
+    for (t, d, data) in outs {
+        match t {
+            Tensor::DQ => unshard_into(&data, &d, shape, &mut g.dq),
+            Tensor::DK => unshard_into(&data, &d, shape, &mut g.dk),
+            Tensor::DV => unshard_into(&data, &d, shape, &mut g.dv),
+            _ => {}
+        }
+    }
+    Ok((g, tl))
+}
