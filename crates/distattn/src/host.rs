@@ -6,6 +6,7 @@ use distattn_core::{AttnOptions, AttnShape, Element, Error, Mask, Result, Strate
 use distattn_cpu::{Forward, Grads};
 use distattn_cuda::{CudaBackend, CudaElement};
 use distattn_dist::{distributed_backward, distributed_forward, RunOptions};
+use distattn_nccl::{gpu_backward, gpu_forward, GpuRunOptions};
 use std::sync::Arc;
 
 /// Infers the attention shape from Q `[batch, q_len, heads, d]` (or packed `[tokens, heads, d]`)
@@ -56,6 +57,8 @@ pub enum Execution {
     Ranks { strategy: Strategy, world: usize, run: RunOptions },
     /// One call of the CUDA kernels (bf16 and f16 inputs).
     Cuda(Arc<CudaBackend>),
+    /// `world` local GPUs (a thread each, NCCL between them) running the plan of `strategy`.
+    GpuRanks { strategy: Strategy, world: usize, run: GpuRunOptions },
 }
 
 impl Execution {
@@ -65,6 +68,7 @@ impl Execution {
             Execution::Single => "cpu".into(),
             Execution::Ranks { strategy, world, .. } => format!("cpu, {strategy} on {world} ranks"),
             Execution::Cuda(gpu) => format!("cuda, {}", gpu.device_name()),
+            Execution::GpuRanks { strategy, world, .. } => format!("cuda, {strategy} on {world} GPUs"),
         }
     }
 }
@@ -109,6 +113,7 @@ fn forward_typed<T: Element>(q: &[T], k: &[T], v: &[T], shape: &AttnShape, mask:
     match exec {
         Execution::Single => distattn_cpu::forward(q, k, v, shape, mask, opts),
         Execution::Ranks { strategy, world, run } => distributed_forward(*strategy, *world, q, k, v, shape, mask, opts, run),
+        Execution::GpuRanks { strategy, world, run } => Ok(gpu_forward(*strategy, *world, q, k, v, shape, mask, opts, run)?.0),
         Execution::Cuda(_) => unreachable!("dispatched before"),
     }
 }
@@ -133,6 +138,9 @@ fn backward_typed<T: Element>(
         }
         Execution::Ranks { strategy, world, run } => {
             distributed_backward(*strategy, *world, q, k, v, o, lse, d_o, shape, mask, opts, run)
+        }
+        Execution::GpuRanks { strategy, world, run } => {
+            Ok(gpu_backward(*strategy, *world, q, k, v, o, lse, d_o, shape, mask, opts, run)?.0)
         }
         Execution::Cuda(_) => unreachable!("dispatched before"),
     }

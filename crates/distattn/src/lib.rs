@@ -25,4 +25,5 @@ pub use distattn_core::*;
 pub use distattn_cpu as cpu;
 pub use distattn_cuda as cuda;
 pub use distattn_dist as dist;
+pub use distattn_nccl as nccl;
 pub use tensor::{HostTensor, TensorData};

@@ -366,6 +366,7 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
                 Execution::Single => ("cpu", "single".to_string(), 1),
                 Execution::Cuda(_) => ("cuda", "single".to_string(), 1),
                 Execution::Ranks { strategy, world, .. } => ("cpu", strategy.to_string(), *world),
+                Execution::GpuRanks { strategy, world, .. } => ("cuda", strategy.to_string(), *world),
             };
             let timed = time_exec(exec, &q, &k, &v, &g, &shape, &mask, &opts, args.repeats, args.forward_only);
             let (fwd_ms, bwd_ms) = match timed {

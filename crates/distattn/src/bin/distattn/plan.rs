@@ -56,7 +56,7 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     let strategy = args.dist.strategy();
     let mut opts = args.dist.plan_options(&args.mask, args.seq);
     opts.pass = Some(if args.backward { Pass::Backward } else { Pass::Forward });
-    let plan = build(strategy, args.dist.world, &shape, &mask, args.dtype, &opts)?;
+    let plan = build(strategy, args.dist.gpus.unwrap_or(args.dist.world), &shape, &mask, args.dtype, &opts)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan.summary())?);
     } else {

@@ -76,9 +76,12 @@ pub struct RunArgs {
 /// Options of a context-parallel run on in-process ranks.
 #[derive(Args, Clone)]
 pub struct DistArgs {
-    /// Number of ranks the sequence is split across (1 = a single call).
+    /// Number of in-process CPU ranks the sequence is split across (1 = a single call).
     #[arg(long, default_value_t = 1)]
     pub world: usize,
+    /// Split the sequence across this many local GPUs (a thread each, NCCL between them); bf16/f16 inputs.
+    #[arg(long, conflicts_with = "world")]
+    pub gpus: Option<usize>,
     /// Context-parallel strategy: ring, zigzag, striped, balanced, ulysses, hybrid, allgather, dispatch.
     #[arg(long, default_value = "zigzag")]
     pub strategy: Strategy,
@@ -148,10 +151,23 @@ impl DistArgs {
         }
     }
 
-    /// In-process ranks when `--world` > 1, else `single`.
+    /// Local GPUs with `--gpus`, in-process ranks when `--world` > 1, else `single`.
     pub fn execution(&self, mask: &MaskSpec, seq: usize, single: Execution) -> Result<Execution> {
-        if self.world == 0 {
-            anyhow::bail!("--world must be at least 1");
+        if self.world == 0 || self.gpus == Some(0) {
+            anyhow::bail!("--world and --gpus must be at least 1");
+        }
+        if let Some(world) = self.gpus {
+            if let Some(rank) = self.fail_rank.filter(|&r| r >= world) {
+                anyhow::bail!("--fail-rank {rank} is not a rank of {world} GPUs");
+            }
+            let fail = self.fail_rank.map(|rank| InjectedFailure { rank, step: 1, kind: FailureKind::Error });
+            let run = distattn::nccl::GpuRunOptions {
+                plan: self.plan_options(mask, seq),
+                timeout: Duration::from_secs(self.timeout),
+                fail,
+                ..Default::default()
+            };
+            return Ok(Execution::GpuRanks { strategy: self.strategy(), world, run });
         }
         if self.world == 1 {
             return Ok(single);
@@ -191,7 +207,11 @@ pub fn run(args: RunArgs) -> Result<()> {
     let shape = host::infer_shape(&q, &k, &v)?;
     let mask = args.mask.build(shape.q_len, shape.k_len)?;
     let opts = AttnOptions { scale: args.scale };
-    let backend = if args.dist.world > 1 && args.backend == BackendArg::Auto { BackendArg::Cpu } else { args.backend };
+    let backend = if (args.dist.world > 1 || args.dist.gpus.is_some()) && args.backend == BackendArg::Auto {
+        BackendArg::Cpu
+    } else {
+        args.backend
+    };
     let exec = args.dist.execution(&args.mask, shape.q_len, backend.execution(q.dtype())?)?;
     let started = std::time::Instant::now();
     let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts, &exec)?;
