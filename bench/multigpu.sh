@@ -27,18 +27,7 @@ GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
 left() { echo $((BUDGET - SECONDS)); }
 stage() { echo; echo "=== [$SECONDS s] $*"; }
 
-# NVRTC (libnvrtc.so.13): the toolkit's lib64, else the pip wheel beside PyTorch.
-NV=$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
-for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 "$NV/cu13/lib"; do
-  if [ -n "$d" ] && ls "$d"/libnvrtc.so* >/dev/null 2>&1; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; fi
-done
-# NCCL is loaded as libnccl.so: link the versioned library found (system, toolkit or PyTorch's wheel).
-NCCL_LIB=$( (ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 /{print $NF}'; \
-             ls /usr/lib/x86_64-linux-gnu/libnccl.so.2 /usr/local/cuda/lib64/libnccl.so.2 2>/dev/null; \
-             [ -n "$NV" ] && find "$NV" -name 'libnccl.so.2' 2>/dev/null) | head -1)
-mkdir -p /tmp/distattn-nccl-link
-if [ -n "$NCCL_LIB" ]; then ln -sf "$NCCL_LIB" /tmp/distattn-nccl-link/libnccl.so; fi
-export LD_LIBRARY_PATH="/tmp/distattn-nccl-link:${LD_LIBRARY_PATH:-}"
+source "$(dirname "$0")/gpu_env.sh"
 echo "$(date -u) GPUs: $GPUS; NCCL: ${NCCL_LIB:-not found}; commit $DISTATTN_COMMIT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -8
 nvidia-smi topo -m 2>/dev/null | head -8
