@@ -157,3 +157,15 @@ fn plan_json_summary() {
         assert!(dispatch["bytes_moved"].as_u64() < plan(ring_like, docs)["bytes_moved"].as_u64(), "{ring_like}");
     }
 }
+
+#[test]
+fn launch_sets_rank_environment_and_names_a_failed_rank() {
+    let out = distattn(&["launch", "--nproc", "3", "--", "sh", "-c", "test \"$WORLD_SIZE\" = 3 && test -n \"$NCCL_COMM_ID\" && test \"$LOCAL_RANK\" = \"$RANK\""]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let started = std::time::Instant::now();
+    let out = distattn(&["launch", "--nproc", "4", "--timeout", "1", "--", "sh", "-c", "if [ \"$RANK\" = 2 ]; then exit 7; fi; sleep 30"]);
+    assert!(started.elapsed().as_secs() < 15, "the launcher stops the other ranks after its timeout");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("rank 2 failed"), "{err}");
+}

@@ -5,6 +5,7 @@
 //! context-parallel plan. Errors print one line and exit with status 1.
 
 mod bench;
+mod launch;
 mod plan;
 mod run;
 
@@ -26,6 +27,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Show a context-parallel plan: work and bytes per step and rank, imbalance, peak memory.
     Plan(plan::PlanArgs),
+    /// Start one process per GPU (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID set for each).
+    Launch(launch::LaunchArgs),
 }
 
 fn main() -> ExitCode {
@@ -59,6 +62,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run::run(args),
         Command::Bench(args) => bench::bench(args),
         Command::Plan(args) => plan::plan(args),
+        Command::Launch(args) => launch::launch(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
