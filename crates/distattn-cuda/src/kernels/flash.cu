@@ -829,17 +829,19 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
             }
         }
 #else
+        // Rows past q_len (the padded end of the last query tile) have P = dS = 0 exactly
+        // (tiles that stick out are always partial and their padded bits are 0), so their dQ
+        // fragment is exactly 0: it is added to row q_len - 1 instead of being skipped, which
+        // keeps the reductions free of branches.
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int row = qtile * BWD_BM + 32 * wq + 16 * mi + g + 8 * r;
-                if (row < p.q_len) {
-                    float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + hq) * D + V2_DQC * wd + 2 * t;
+                const int row = min(qtile * BWD_BM + 32 * wq + 16 * mi + g + 8 * r, p.q_len - 1);
+                float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + hq) * D + V2_DQC * wd + 2 * t;
 #pragma unroll
-                    for (int i = 0; i < V2_DQC / 8; ++i)
-                        red_add2(dst + i * 8, dq[mi][i][2 * r] * p.scale, dq[mi][i][2 * r + 1] * p.scale);
-                }
+                for (int i = 0; i < V2_DQC / 8; ++i)
+                    red_add2(dst + i * 8, dq[mi][i][2 * r] * p.scale, dq[mi][i][2 * r + 1] * p.scale);
             }
 #endif
     };
