@@ -699,17 +699,8 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
 #ifndef V2_UNROLL
 #define V2_UNROLL 2
 #endif
-#ifndef V2_PEARLY
-#define V2_PEARLY 0 // P^T computed and stored between the S^T and dP^T GEMMs (as FA2 does)
-#endif
-#ifndef V2_MBITS
-#define V2_MBITS 0 // branch-free mask: the thread's mask bits in one register
-#endif
 #ifndef V2_KT_FWD
-#define V2_KT_FWD 0
-#endif
-#ifndef V2_DQ_DEFER
-#define V2_DQ_DEFER 0 // dQ of tile it-1 after barrier (1) of tile it; barrier (2) per warp pair
+#define V2_KT_FWD 1
 #endif
 
 extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParams p) {
@@ -723,8 +714,9 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
     float* lse_s = (float*)(dSs + 2 * BWD_BN * LDP); // 2 stages
     float* del_s = lse_s + 2 * BWD_BM;            // 2 stages
 
-    // V2_KT_FWD: key tile 0 first (with a causal mask the heaviest tiles start first and the
-    // light ones fill the tail); otherwise the last key tile first.
+    // Key tile 0 first: with a causal mask it has the most query tiles, so the heaviest blocks
+    // start first and the lightest fill the tail (+6.5 % causal at 16k, no change without a
+    // mask; V2_KT_FWD=0 restores the last-tile-first order).
     const int kt = V2_KT_FWD ? blockIdx.x : p.n_tiles - 1 - blockIdx.x;
     const int kvh = blockIdx.y, b = blockIdx.z;
     const int G = p.heads / p.kv_heads;
@@ -780,124 +772,26 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
     const u32 laneSP = 2 * (((lane & 7) + (lane >> 4) * 8) * LDP + ((lane >> 3) & 1) * 8);
     const u32 ks_u = smem_u32(Ks), vs_u = smem_u32(Vs);
 
-    // dQ (tile `itq`, P^T/dS^T stage `sq`) += scale * dS K: this warp's 32 queries x D/4
-    // columns, f32 reductions.
-    auto dq_step = [&](int itq, int sq) {
-        const int hq = kvh * G + itq / ne;
-        const int qtile = p.tiles[e0 + itq % ne].x;
-        const u32 dsq_u = smem_u32(dSs + sq * BWD_BN * LDP);
-        float dq[2][V2_DQC / 8][4];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int i = 0; i < V2_DQC / 8; ++i) dq[mi][i][0] = dq[mi][i][1] = dq[mi][i][2] = dq[mi][i][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < BWD_BN / 16; ++kk) {
-            u32 a[2][4];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-                ldsm_x4a_t(a[mi][0], a[mi][1], a[mi][2], a[mi][3], dsq_u + laneSP + 2 * (kk * 16 * LDP + 32 * wq + 16 * mi));
-#pragma unroll
-            for (int dj = 0; dj < V2_DQC / 16; ++dj) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4a_t(b0, b1, b2, b3, ks_u + laneA + 2 * (kk * 16 * LDS + V2_DQC * wd + dj * 16));
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    mma16816(dq[mi][2 * dj], a[mi], b0, b1);
-                    mma16816(dq[mi][2 * dj + 1], a[mi], b2, b3);
-                }
-            }
-        }
-#if BWD_DQ_V4
-        // (Experiment, slower: -3 %.) Lanes t and t^1 swap half their fragments so that each holds 4 consecutive
-        // columns of one row: one 16-byte reduction instead of two 8-byte ones.
-        const bool odd = t & 1;
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-            const int row = qtile * BWD_BM + 32 * wq + 16 * mi + g + (odd ? 8 : 0);
-            float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + hq) * D + V2_DQC * wd + 4 * (t >> 1);
-#pragma unroll
-            for (int i = 0; i < V2_DQC / 8; ++i) {
-                const float x0 = dq[mi][i][0] * p.scale, x1 = dq[mi][i][1] * p.scale;
-                const float x2 = dq[mi][i][2] * p.scale, x3 = dq[mi][i][3] * p.scale;
-                const float r0 = __shfl_xor_sync(0xffffffff, odd ? x0 : x2, 1);
-                const float r1 = __shfl_xor_sync(0xffffffff, odd ? x1 : x3, 1);
-                if (row < p.q_len) {
-                    if (odd) red_add4(dst + i * 8, r0, r1, x2, x3);
-                    else red_add4(dst + i * 8, x0, x1, r0, r1);
-                }
-            }
-        }
-#else
-        // Rows past q_len (the padded end of the last query tile) have P = dS = 0 exactly
-        // (tiles that stick out are always partial and their padded bits are 0), so their dQ
-        // fragment is exactly 0: it is added to row q_len - 1 instead of being skipped, which
-        // keeps the reductions free of branches.
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = min(qtile * BWD_BM + 32 * wq + 16 * mi + g + 8 * r, p.q_len - 1);
-                float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + hq) * D + V2_DQC * wd + 2 * t;
-#pragma unroll
-                for (int i = 0; i < V2_DQC / 8; ++i)
-                    red_add2(dst + i * 8, dq[mi][i][2 * r] * p.scale, dq[mi][i][2 * r + 1] * p.scale);
-            }
-#endif
-    };
-
-    // Barriers per query tile: (1) this tile's loads have landed and every warp is done with
-    // tile it-1, so stage st^1 (Q, dO of tile it-1) may be refilled; (2) P^T and dS^T of this
-    // tile are complete. P^T/dS^T are double-buffered like Q/dO for that.
-    // V2_DQ_DEFER: dQ of tile it-1 runs right after barrier (1) of tile it (it reads only dS^T
-    // of stage st^1 and K, and stage st^1's P^T/dS^T are rewritten only after barrier (1) of
-    // tile it+1), and barrier (2) becomes a barrier of the two warps that share 32 keys (dV/dK
-    // of warp (wm, wn) read only the P^T/dS^T rows written by warps (wm, 0) and (wm, 1)).
+    // Two barriers per query tile: (1) this tile's loads have landed and every warp is done
+    // with tile it-1, so stage st^1 (Q, dO, P^T, dS^T of tile it-1) may be refilled; (2) P^T and
+    // dS^T of this tile are complete. P^T/dS^T are double-buffered like Q/dO for that.
     for (int it = 0; it < total; ++it) {
         const int st = it & 1;
         cp_async_wait<0>();
         __syncthreads();
         if (it + 1 < total) load_item(it + 1, st ^ 1);
         cp_async_commit();
-#if V2_DQ_DEFER
-#ifndef BWD_NO_DQ
-        if (it > 0) dq_step(it - 1, st ^ 1);
-#endif
-#endif
         elem_t* Pst = Ps + st * BWD_BN * LDP;
         elem_t* dSst = dSs + st * BWD_BN * LDP;
         const u32 ps_u = smem_u32(Pst), ds_u = smem_u32(dSst);
-        const int e = e0 + it % ne;
+        const int hh = it / ne, e = e0 + it % ne;
+        const int h = kvh * G + hh;
         const int2 te = p.tiles[e];
         const u32 qst = smem_u32(Qs) + 2 * st * BWD_BM * LDS;
         const u32 dost = smem_u32(dOs) + 2 * st * BWD_BM * LDS;
         const float* lse_st = lse_s + st * BWD_BM;
         const float* del_st = del_s + st * BWD_BM;
 
-        constexpr int W = BWD_BN / 32;
-#if V2_MBITS
-        // This thread's 32 mask bits of the tile (bit ((mi*4+j)*2+c2)*2 + r: key row
-        // 32wm+16mi+g+8r, query column 32wn+8j+2t+c2), gathered before the GEMMs so that the
-        // element-wise P^T code has no branch and can be scheduled among the MMAs.
-        u32 mbits = 0xffffffffu;
-        if (te.y >= 0) {
-            mbits = 0;
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                const int rk = 32 * wm + 16 * mi + g;
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int c2 = 0; c2 < 2; ++c2) {
-                        const int c = 32 * wn + 8 * j + 2 * t + c2;
-                        const u32 w = p.bits[te.y + c * W + (rk >> 5)] >> (rk & 31);
-                        const int bi = ((mi * 4 + j) * 2 + c2) * 2;
-                        mbits |= (w & 1u) << bi;
-                        mbits |= ((w >> 8) & 1u) << (bi + 1);
-                    }
-            }
-        }
-#endif
         {
             // S^T = K Q^T and dP^T = V dO^T, this warp's 32 keys x 32 queries.
             float sp[2][4][4], dp[2][4][4];
@@ -924,42 +818,6 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
                     }
                 }
             }
-            // P^T = exp2(S^T * scale_log2 - lse2), masked entries 0 (in place in sp).
-            auto make_p = [&]() {
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    const int rk = 32 * wm + 16 * mi + g; // key row in the tile (and rk + 8)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const int c = 32 * wn + 8 * j + 2 * t; // query column (and c + 1)
-#pragma unroll
-                        for (int c2 = 0; c2 < 2; ++c2) {
-                            const float lv = lse_st[c + c2];
-                            const float l2 = lv == NEG_INF ? POS_INF : lv * LOG2E;
-                            float p0 = fast_exp2(fmaf(sp[mi][j][c2], p.scale_log2, -l2));
-                            float p1 = fast_exp2(fmaf(sp[mi][j][2 + c2], p.scale_log2, -l2));
-#if V2_MBITS
-                            const int bi = ((mi * 4 + j) * 2 + c2) * 2;
-                            if (!(mbits & (1u << bi))) p0 = 0.f;
-                            if (!(mbits & (2u << bi))) p1 = 0.f;
-#else
-                            if (te.y >= 0) {
-                                const u32 w = p.bits[te.y + (c + c2) * W + (rk >> 5)] >> (rk & 31);
-                                if (!(w & 1)) p0 = 0.f;
-                                if (!(w & 0x100)) p1 = 0.f;
-                            }
-#endif
-                            sp[mi][j][c2] = p0;
-                            sp[mi][j][2 + c2] = p1;
-                        }
-                        *(u32*)(Pst + rk * LDP + c) = pack2(sp[mi][j][0], sp[mi][j][1]);
-                        *(u32*)(Pst + (rk + 8) * LDP + c) = pack2(sp[mi][j][2], sp[mi][j][3]);
-                    }
-                }
-            };
-#if V2_PEARLY
-            make_p(); // its exp2/stores can be scheduled under the dP^T MMAs
-#endif
 #pragma unroll V2_UNROLL
             for (int kk = 0; kk < D / 16; ++kk) {
                 u32 a[2][4];
@@ -977,27 +835,40 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
                     }
                 }
             }
-#if !V2_PEARLY
-            make_p();
-#endif
-            // dS^T = P^T (dP^T - delta) -> shared memory (bf16/f16).
+            // P^T, dS^T = P^T (dP^T - delta) -> shared memory (bf16/f16).
+            constexpr int W = BWD_BN / 32;
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
-                const int rk = 32 * wm + 16 * mi + g;
+                const int rk = 32 * wm + 16 * mi + g; // key row in the tile (and rk + 8)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const int c = 32 * wn + 8 * j + 2 * t;
-                    const float d0 = del_st[c], d1 = del_st[c + 1];
-                    *(u32*)(dSst + rk * LDP + c) = pack2(sp[mi][j][0] * (dp[mi][j][0] - d0), sp[mi][j][1] * (dp[mi][j][1] - d1));
-                    *(u32*)(dSst + (rk + 8) * LDP + c) = pack2(sp[mi][j][2] * (dp[mi][j][2] - d0), sp[mi][j][3] * (dp[mi][j][3] - d1));
+                    const int c = 32 * wn + 8 * j + 2 * t; // query column (and c + 1)
+                    float pv[4], dsv[4];
+#pragma unroll
+                    for (int c2 = 0; c2 < 2; ++c2) {
+                        const float lv = lse_st[c + c2];
+                        const float l2 = lv == NEG_INF ? POS_INF : lv * LOG2E;
+                        const float dl = del_st[c + c2];
+                        float p0 = fast_exp2(fmaf(sp[mi][j][c2], p.scale_log2, -l2));
+                        float p1 = fast_exp2(fmaf(sp[mi][j][2 + c2], p.scale_log2, -l2));
+                        if (te.y >= 0) {
+                            const u32 w = p.bits[te.y + (c + c2) * W + (rk >> 5)] >> (rk & 31);
+                            if (!(w & 1)) p0 = 0.f;
+                            if (!(w & 0x100)) p1 = 0.f;
+                        }
+                        pv[c2] = p0;
+                        pv[2 + c2] = p1;
+                        dsv[c2] = p0 * (dp[mi][j][c2] - dl);
+                        dsv[2 + c2] = p1 * (dp[mi][j][2 + c2] - dl);
+                    }
+                    *(u32*)(Pst + rk * LDP + c) = pack2(pv[0], pv[1]);
+                    *(u32*)(Pst + (rk + 8) * LDP + c) = pack2(pv[2], pv[3]);
+                    *(u32*)(dSst + rk * LDP + c) = pack2(dsv[0], dsv[1]);
+                    *(u32*)(dSst + (rk + 8) * LDP + c) = pack2(dsv[2], dsv[3]);
                 }
             }
         }
-#if V2_DQ_DEFER
-        asm volatile("bar.sync %0, 64;\n" ::"r"(1 + wm) : "memory");
-#else
         __syncthreads();
-#endif
         // dV += P^T dO and dK += dS^T Q: this warp's 32 keys x D/2 columns.
 #pragma unroll
         for (int kq = 0; kq < BWD_BM / 16; ++kq) {
@@ -1024,20 +895,68 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
                 }
             }
         }
-#if !V2_DQ_DEFER
 #ifndef BWD_NO_DQ
-        dq_step(it, st);
+        // dQ += scale * dS K: this warp's 32 queries x D/4 columns, f32 reductions.
+        {
+            float dq[2][V2_DQC / 8][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int i = 0; i < V2_DQC / 8; ++i) dq[mi][i][0] = dq[mi][i][1] = dq[mi][i][2] = dq[mi][i][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < BWD_BN / 16; ++kk) {
+                u32 a[2][4];
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+                    ldsm_x4a_t(a[mi][0], a[mi][1], a[mi][2], a[mi][3], ds_u + laneSP + 2 * (kk * 16 * LDP + 32 * wq + 16 * mi));
+#pragma unroll
+                for (int dj = 0; dj < V2_DQC / 16; ++dj) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4a_t(b0, b1, b2, b3, ks_u + laneA + 2 * (kk * 16 * LDS + V2_DQC * wd + dj * 16));
+#pragma unroll
+                    for (int mi = 0; mi < 2; ++mi) {
+                        mma16816(dq[mi][2 * dj], a[mi], b0, b1);
+                        mma16816(dq[mi][2 * dj + 1], a[mi], b2, b3);
+                    }
+                }
+            }
+#if BWD_DQ_V4
+            // (Experiment, slower: -3 %.) Lanes t and t^1 swap half their fragments so that each holds 4 consecutive
+            // columns of one row: one 16-byte reduction instead of two 8-byte ones.
+            const bool odd = t & 1;
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                const int row = te.x * BWD_BM + 32 * wq + 16 * mi + g + (odd ? 8 : 0);
+                float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + V2_DQC * wd + 4 * (t >> 1);
+#pragma unroll
+                for (int i = 0; i < V2_DQC / 8; ++i) {
+                    const float x0 = dq[mi][i][0] * p.scale, x1 = dq[mi][i][1] * p.scale;
+                    const float x2 = dq[mi][i][2] * p.scale, x3 = dq[mi][i][3] * p.scale;
+                    const float r0 = __shfl_xor_sync(0xffffffff, odd ? x0 : x2, 1);
+                    const float r1 = __shfl_xor_sync(0xffffffff, odd ? x1 : x3, 1);
+                    if (row < p.q_len) {
+                        if (odd) red_add4(dst + i * 8, r0, r1, x2, x3);
+                        else red_add4(dst + i * 8, x0, x1, r0, r1);
+                    }
+                }
+            }
+#else
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = te.x * BWD_BM + 32 * wq + 16 * mi + g + 8 * r;
+                    if (row < p.q_len) {
+                        float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + V2_DQC * wd + 2 * t;
+#pragma unroll
+                        for (int i = 0; i < V2_DQC / 8; ++i)
+                            red_add2(dst + i * 8, dq[mi][i][2 * r] * p.scale, dq[mi][i][2 * r + 1] * p.scale);
+                    }
+                }
 #endif
+        }
 #endif
     }
-#if V2_DQ_DEFER
-#ifndef BWD_NO_DQ
-    if (total > 0) {
-        __syncthreads(); // every warp's dS^T of the last tile
-        dq_step(total - 1, (total - 1) & 1);
-    }
-#endif
-#endif
     cp_async_wait<0>();
 
 #pragma unroll
