@@ -4,7 +4,7 @@
   torch_peer.py accuracy DUMP_DIR OUT.json
       For each case dumped by `distattn-cuda-gpu check --dump DUMP_DIR` (same inputs): an f64
       reference on the GPU, PyTorch SDPA flash's error and distattn's error against it.
-  torch_peer.py bench OUT.json [--dims 128,64] [--quick]
+  torch_peer.py bench OUT.json [--dims 128,64] [--quick] [--seqs 16384,...]
       PyTorch SDPA flash and cuDNN, forward and backward, on the standard grid (CUDA events,
       warm-up, median), FlashAttention FLOP convention.
   torch_peer.py merge OUT.json ROWS.json... [--commit C]
@@ -112,11 +112,13 @@ def time_ms(fn, reps):
     return ts[len(ts) // 2]
 
 
-def bench(out, dims, quick):
+def bench(out, dims, quick, seqs=None):
     rows = []
     grid = [(16384 // s, s) for s in [512, 1024, 2048, 4096, 8192, 16384]]
     if not quick:
         grid += [(1, 65536), (1, 131072)]
+    if seqs:
+        grid = [(b, s) for b, s in grid if s in seqs]
     for d in dims:
         heads = 2048 // d
         for batch, seq in grid:
@@ -177,7 +179,8 @@ if __name__ == "__main__":
     if a[0] == "accuracy":
         accuracy(a[1], a[2])
     elif a[0] == "bench":
-        bench(a[1], [int(x) for x in opt("--dims", "128").split(",")], "--quick" in a)
+        seqs = [int(x) for x in opt("--seqs", "").split(",") if x]
+        bench(a[1], [int(x) for x in opt("--dims", "128").split(",")], "--quick" in a, seqs)
     elif a[0] == "merge":
         files = [x for x in a[2:] if not x.startswith("--") and x != opt("--commit", None)]
         merge(a[1], files, opt("--commit", "unknown"))
