@@ -8,6 +8,11 @@
 //! FLOPs: forward 4·B·H·area·d (area = kept (q, k) pairs), backward 2.5× forward.
 //! `--once` runs one forward + backward of the first case and prints its time (for
 //! `/usr/bin/time -v`).
+//!
+//! `--serve` reads commands on stdin, for a peer script that interleaves its own timings
+//! with ours rep by rep (bench/peers/torch_cpu.py --distattn BIN):
+//!   `case SEQ HEADS DIM CAUSAL(0|1) DTYPE BATCH` sets up inputs and answers `ok`;
+//!   `fwd` / `bwd` runs one pass and answers its wall time in seconds.
 
 use distattn_core::{AttnOptions, AttnShape, Element, Mask};
 use half::{bf16, f16};
@@ -154,7 +159,62 @@ fn run<T: Element>(c: &Case, a: &Args, rows: &mut Vec<String>) {
     }
 }
 
+type Runner = Box<dyn FnMut(bool) -> f64>;
+
+fn runner<T: Element>(s: AttnShape, mask: Mask) -> Runner {
+    let cast = |x: Vec<f32>| -> Vec<T> { x.into_iter().map(T::from_f32).collect() };
+    let q = cast(randn(s.q_elems(), 1));
+    let k = cast(randn(s.kv_elems(), 2));
+    let v = cast(randn(s.kv_elems(), 3));
+    let d_o = cast(randn(s.q_elems(), 4));
+    let opts = AttnOptions::default();
+    let f = distattn_cpu::forward(&q, &k, &v, &s, &mask, &opts).unwrap();
+    Box::new(move |bwd| {
+        let t = Instant::now();
+        if bwd {
+            let delta = distattn_cpu::row_delta(&f.o, &d_o, &s).unwrap();
+            std::hint::black_box(distattn_cpu::backward(&q, &k, &v, &d_o, &f.lse, &delta, &s, &mask, &opts).unwrap());
+        } else {
+            std::hint::black_box(distattn_cpu::forward(&q, &k, &v, &s, &mask, &opts).unwrap());
+        }
+        t.elapsed().as_secs_f64()
+    })
+}
+
+fn serve() {
+    use std::io::BufRead;
+    let mut run: Option<Runner> = None;
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    for line in stdin.lock().lines() {
+        let line = line.expect("stdin");
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let reply = match w.as_slice() {
+            ["case", n, h, d, c, dt, b] => {
+                let (n, h, d, b): (usize, usize, usize, usize) = (n.parse().unwrap(), h.parse().unwrap(), d.parse().unwrap(), b.parse().unwrap());
+                let mask = if *c == "1" { Mask::causal(n, n).unwrap() } else { Mask::full(n, n).unwrap() };
+                let s = AttnShape::self_attn(b, n, h, d).unwrap();
+                run = Some(match *dt {
+                    "f32" => runner::<f32>(s, mask),
+                    "bf16" => runner::<bf16>(s, mask),
+                    "f16" => runner::<f16>(s, mask),
+                    other => panic!("unknown dtype {other}"),
+                });
+                "ok".to_string()
+            }
+            ["fwd"] | ["bwd"] => format!("{:.9}", run.as_mut().expect("no case")(w[0] == "bwd")),
+            ["quit"] => break,
+            _ => format!("error: unknown command '{line}'"),
+        };
+        writeln!(out, "{reply}").ok();
+        out.flush().ok();
+    }
+}
+
 fn main() {
+    if std::env::args().any(|a| a == "--serve") {
+        return serve();
+    }
     let a = parse();
     let mut rows = Vec::new();
     'outer: for &n in &a.seqs {
