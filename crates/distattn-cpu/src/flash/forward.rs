@@ -42,7 +42,7 @@ pub(crate) fn run<T: Element>(
         .map(|t| (mask.tile(t * br..((t + 1) * br).min(nq), 0..nk).area, t))
         .filter(|&(a, _)| a > 0)
         .collect();
-    order.sort_by(|a, b| b.0.cmp(&a.0));
+    order.sort_by_key(|&(area, _)| std::cmp::Reverse(area));
     let items: Vec<(usize, usize)> = order
         .iter()
         .flat_map(|&(_, t)| (0..batch * heads).map(move |g| (g, t)))

@@ -39,7 +39,7 @@ pub unsafe fn gemm(
     ldc: usize,
     accumulate: bool,
 ) {
-    debug_assert!(n % NR == 0);
+    debug_assert_eq!(n % NR, 0);
     #[cfg(target_arch = "x86_64")]
     if simd {
         return x86::gemm(m, n, k, a, b, ldb, c, ldc, accumulate);
@@ -194,6 +194,7 @@ mod x86 {
 mod tests {
     use super::*;
 
+    #[allow(clippy::too_many_arguments)]
     fn naive(m: usize, n: usize, k: usize, a: &[f32], rs: usize, cs: usize, b: &[f32], ldb: usize) -> Vec<f32> {
         let mut c = vec![0f32; m * n];
         for i in 0..m {
