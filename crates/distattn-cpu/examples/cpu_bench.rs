@@ -30,6 +30,7 @@ struct Args {
     batch: usize,
     out: Option<String>,
     once: bool,
+    cpu_time: bool,
     tiles: Option<distattn_cpu::TileConfig>,
 }
 
@@ -49,6 +50,7 @@ fn parse() -> Args {
         batch: 1,
         out: None,
         once: false,
+        cpu_time: false,
         tiles: None,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -75,6 +77,11 @@ fn parse() -> Args {
                 let t: Vec<usize> = list(&v);
                 a.tiles = Some(distattn_cpu::TileConfig { fwd_q: t[0], fwd_k: t[1], bwd_q: t[2], bwd_k: t[3] });
             }
+            "--cpu-time" => {
+                a.cpu_time = true;
+                i += 1;
+                continue;
+            }
             "--once" => {
                 a.once = true;
                 i += 1;
@@ -100,6 +107,23 @@ fn randn(n: usize, seed: u64) -> Vec<f32> {
             acc * 1.7
         })
         .collect()
+}
+
+/// CPU seconds used by the whole process (all threads); `--cpu-time` rates by this instead of
+/// wall time, to tune single-threaded (RAYON_NUM_THREADS=1) on a machine others are loading.
+fn process_cpu_s() -> f64 {
+    #[repr(C)]
+    struct Timespec {
+        sec: i64,
+        nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clk: i32, ts: *mut Timespec) -> i32;
+    }
+    const CLOCK_PROCESS_CPUTIME_ID: i32 = 2;
+    let mut ts = Timespec { sec: 0, nsec: 0 };
+    unsafe { clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    ts.sec as f64 + ts.nsec as f64 * 1e-9
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -137,13 +161,14 @@ fn run<T: Element>(c: &Case, a: &Args, rows: &mut Vec<String>) {
         let mut times = Vec::new();
         for _ in 0..a.reps + 1 {
             let t = Instant::now();
+            let c0 = process_cpu_s();
             if pass == "fwd" {
                 std::hint::black_box(distattn_cpu::forward_with(&q, &k, &v, &s, c.mask, &opts, tiles).unwrap());
             } else {
                 let delta = distattn_cpu::row_delta(&f.o, &d_o, &s).unwrap();
                 std::hint::black_box(distattn_cpu::backward_with(&q, &k, &v, &d_o, &f.lse, &delta, &s, c.mask, &opts, tiles).unwrap());
             }
-            times.push(t.elapsed().as_secs_f64());
+            times.push(if a.cpu_time { process_cpu_s() - c0 } else { t.elapsed().as_secs_f64() });
         }
         times.remove(0); // warm-up
         let flops = if pass == "fwd" { fwd_flops } else { 2.5 * fwd_flops };

@@ -37,4 +37,21 @@ fn main() {
         }
         println!("m={m} n={n} k={k} transA={trans}: {:.1} GFLOP/s", 2.0 * (m * n * k * iters) as f64 / best / 1e9);
     }
+    // Softmax row step (exp2 throughput): rows of 64 scores.
+    let mut row: Vec<f32> = (0..64 * 96).map(|i| ((i * 31 % 97) as f32) * 0.1).collect();
+    let mut best = f64::INFINITY;
+    let iters = 2000;
+    for _ in 0..5 {
+        let t = thread_cpu_s();
+        let mut acc = 0f32;
+        for _ in 0..iters {
+            for r in row.chunks_mut(std::env::var("ROWLEN").map(|v| v.parse().unwrap()).unwrap_or(64)) {
+                acc += distattn_cpu::flash::vmath::fwd_row(simd, r, 0.18, 12.0).2;
+                r[3] = 5.0;
+            }
+        }
+        std::hint::black_box(acc);
+        best = best.min(thread_cpu_s() - t);
+    }
+    println!("fwd_row: {:.3} ns per score", best / (iters * row.len()) as f64 * 1e9);
 }
