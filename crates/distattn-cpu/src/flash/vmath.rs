@@ -91,8 +91,14 @@ mod x86 {
     /// bits is the f32 `2^n` (the high bits of the magic shift out).
     #[inline(always)]
     pub unsafe fn exp2_ps(x: __m256) -> __m256 {
+        exp2_ps_le127(_mm256_min_ps(x, _mm256_set1_ps(127.0)))
+    }
+
+    /// [`exp2_ps`] for `x ≤ 127` (the forward's `x = c·s − m_new ≤ 0` needs no upper clamp).
+    #[inline(always)]
+    pub unsafe fn exp2_ps_le127(x: __m256) -> __m256 {
         const MAGIC: f32 = 12_582_912.0 + 127.0;
-        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-127.0)), _mm256_set1_ps(127.0));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-127.0));
         let t = _mm256_add_ps(x, _mm256_set1_ps(MAGIC));
         let n = _mm256_sub_ps(t, _mm256_set1_ps(MAGIC));
         let f = _mm256_sub_ps(x, n);
@@ -147,8 +153,8 @@ mod x86 {
         let mut vs2 = _mm256_setzero_ps();
         let mut j = 0;
         while j + 16 <= n {
-            let e = exp2_ps(_mm256_fmadd_ps(_mm256_loadu_ps(p.add(j)), vc, vmn));
-            let e2 = exp2_ps(_mm256_fmadd_ps(_mm256_loadu_ps(p.add(j + 8)), vc, vmn));
+            let e = exp2_ps_le127(_mm256_fmadd_ps(_mm256_loadu_ps(p.add(j)), vc, vmn));
+            let e2 = exp2_ps_le127(_mm256_fmadd_ps(_mm256_loadu_ps(p.add(j + 8)), vc, vmn));
             _mm256_storeu_ps(p.add(j), e);
             _mm256_storeu_ps(p.add(j + 8), e2);
             vs = _mm256_add_ps(vs, e);
@@ -156,7 +162,7 @@ mod x86 {
             j += 16;
         }
         while j + 8 <= n {
-            let e = exp2_ps(_mm256_fmadd_ps(_mm256_loadu_ps(p.add(j)), vc, vmn));
+            let e = exp2_ps_le127(_mm256_fmadd_ps(_mm256_loadu_ps(p.add(j)), vc, vmn));
             _mm256_storeu_ps(p.add(j), e);
             vs = _mm256_add_ps(vs, e);
             j += 8;
