@@ -8,6 +8,11 @@
 //! FLOPs: forward 4·B·H·area·d (area = kept (q, k) pairs), backward 2.5× forward.
 //! `--once` runs one forward + backward of the first case and prints its time (for
 //! `/usr/bin/time -v`).
+//!
+//! `--serve` reads commands on stdin, for a peer script that interleaves its own timings
+//! with ours rep by rep (bench/peers/torch_cpu.py --distattn BIN):
+//!   `case SEQ HEADS DIM CAUSAL(0|1) DTYPE BATCH` sets up inputs and answers `ok`;
+//!   `fwd` / `bwd` runs one pass and answers its wall time in seconds.
 
 use distattn_core::{AttnOptions, AttnShape, Element, Mask};
 use half::{bf16, f16};
@@ -25,6 +30,7 @@ struct Args {
     batch: usize,
     out: Option<String>,
     once: bool,
+    cpu_time: bool,
     tiles: Option<distattn_cpu::TileConfig>,
 }
 
@@ -44,6 +50,7 @@ fn parse() -> Args {
         batch: 1,
         out: None,
         once: false,
+        cpu_time: false,
         tiles: None,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -70,6 +77,11 @@ fn parse() -> Args {
                 let t: Vec<usize> = list(&v);
                 a.tiles = Some(distattn_cpu::TileConfig { fwd_q: t[0], fwd_k: t[1], bwd_q: t[2], bwd_k: t[3] });
             }
+            "--cpu-time" => {
+                a.cpu_time = true;
+                i += 1;
+                continue;
+            }
             "--once" => {
                 a.once = true;
                 i += 1;
@@ -95,6 +107,23 @@ fn randn(n: usize, seed: u64) -> Vec<f32> {
             acc * 1.7
         })
         .collect()
+}
+
+/// CPU seconds used by the whole process (all threads); `--cpu-time` rates by this instead of
+/// wall time, to tune single-threaded (RAYON_NUM_THREADS=1) on a machine others are loading.
+fn process_cpu_s() -> f64 {
+    #[repr(C)]
+    struct Timespec {
+        sec: i64,
+        nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clk: i32, ts: *mut Timespec) -> i32;
+    }
+    const CLOCK_PROCESS_CPUTIME_ID: i32 = 2;
+    let mut ts = Timespec { sec: 0, nsec: 0 };
+    unsafe { clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    ts.sec as f64 + ts.nsec as f64 * 1e-9
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -132,13 +161,14 @@ fn run<T: Element>(c: &Case, a: &Args, rows: &mut Vec<String>) {
         let mut times = Vec::new();
         for _ in 0..a.reps + 1 {
             let t = Instant::now();
+            let c0 = process_cpu_s();
             if pass == "fwd" {
                 std::hint::black_box(distattn_cpu::forward_with(&q, &k, &v, &s, c.mask, &opts, tiles).unwrap());
             } else {
                 let delta = distattn_cpu::row_delta(&f.o, &d_o, &s).unwrap();
                 std::hint::black_box(distattn_cpu::backward_with(&q, &k, &v, &d_o, &f.lse, &delta, &s, c.mask, &opts, tiles).unwrap());
             }
-            times.push(t.elapsed().as_secs_f64());
+            times.push(if a.cpu_time { process_cpu_s() - c0 } else { t.elapsed().as_secs_f64() });
         }
         times.remove(0); // warm-up
         let flops = if pass == "fwd" { fwd_flops } else { 2.5 * fwd_flops };
@@ -154,7 +184,62 @@ fn run<T: Element>(c: &Case, a: &Args, rows: &mut Vec<String>) {
     }
 }
 
+type Runner = Box<dyn FnMut(bool) -> f64>;
+
+fn runner<T: Element>(s: AttnShape, mask: Mask) -> Runner {
+    let cast = |x: Vec<f32>| -> Vec<T> { x.into_iter().map(T::from_f32).collect() };
+    let q = cast(randn(s.q_elems(), 1));
+    let k = cast(randn(s.kv_elems(), 2));
+    let v = cast(randn(s.kv_elems(), 3));
+    let d_o = cast(randn(s.q_elems(), 4));
+    let opts = AttnOptions::default();
+    let f = distattn_cpu::forward(&q, &k, &v, &s, &mask, &opts).unwrap();
+    Box::new(move |bwd| {
+        let t = Instant::now();
+        if bwd {
+            let delta = distattn_cpu::row_delta(&f.o, &d_o, &s).unwrap();
+            std::hint::black_box(distattn_cpu::backward(&q, &k, &v, &d_o, &f.lse, &delta, &s, &mask, &opts).unwrap());
+        } else {
+            std::hint::black_box(distattn_cpu::forward(&q, &k, &v, &s, &mask, &opts).unwrap());
+        }
+        t.elapsed().as_secs_f64()
+    })
+}
+
+fn serve() {
+    use std::io::BufRead;
+    let mut run: Option<Runner> = None;
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    for line in stdin.lock().lines() {
+        let line = line.expect("stdin");
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let reply = match w.as_slice() {
+            ["case", n, h, d, c, dt, b] => {
+                let (n, h, d, b): (usize, usize, usize, usize) = (n.parse().unwrap(), h.parse().unwrap(), d.parse().unwrap(), b.parse().unwrap());
+                let mask = if *c == "1" { Mask::causal(n, n).unwrap() } else { Mask::full(n, n).unwrap() };
+                let s = AttnShape::self_attn(b, n, h, d).unwrap();
+                run = Some(match *dt {
+                    "f32" => runner::<f32>(s, mask),
+                    "bf16" => runner::<bf16>(s, mask),
+                    "f16" => runner::<f16>(s, mask),
+                    other => panic!("unknown dtype {other}"),
+                });
+                "ok".to_string()
+            }
+            ["fwd"] | ["bwd"] => format!("{:.9}", run.as_mut().expect("no case")(w[0] == "bwd")),
+            ["quit"] => break,
+            _ => format!("error: unknown command '{line}'"),
+        };
+        writeln!(out, "{reply}").ok();
+        out.flush().ok();
+    }
+}
+
 fn main() {
+    if std::env::args().any(|a| a == "--serve") {
+        return serve();
+    }
     let a = parse();
     let mut rows = Vec::new();
     'outer: for &n in &a.seqs {

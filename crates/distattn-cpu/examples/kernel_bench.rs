@@ -1,7 +1,23 @@
-//! Single-thread GFLOP/s of the tile GEMM micro-kernel (data in L1/L2), for tuning.
+//! Single-thread GFLOP/s of the tile GEMM micro-kernel (data in L1/L2), per second of thread
+//! CPU time, for tuning.
 //! cargo run --release -p distattn-cpu --example kernel_bench
 use distattn_cpu::flash::gemm::{gemm, simd_available, AOp};
-use std::time::Instant;
+
+/// CPU time of this thread (immune to time-slicing by other processes on a shared machine).
+fn thread_cpu_s() -> f64 {
+    #[repr(C)]
+    struct Timespec {
+        sec: i64,
+        nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clk: i32, ts: *mut Timespec) -> i32;
+    }
+    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+    let mut ts = Timespec { sec: 0, nsec: 0 };
+    unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.sec as f64 + ts.nsec as f64 * 1e-9
+}
 
 fn main() {
     let simd = simd_available();
@@ -13,12 +29,29 @@ fn main() {
         let iters = 20000;
         let mut best = f64::INFINITY;
         for _ in 0..5 {
-            let t = Instant::now();
+            let t = thread_cpu_s();
             for _ in 0..iters {
                 unsafe { gemm(simd, m, n, k, AOp { ptr: a.as_ptr(), rs, cs }, b.as_ptr(), n, c.as_mut_ptr(), n, true) };
             }
-            best = best.min(t.elapsed().as_secs_f64());
+            best = best.min(thread_cpu_s() - t);
         }
         println!("m={m} n={n} k={k} transA={trans}: {:.1} GFLOP/s", 2.0 * (m * n * k * iters) as f64 / best / 1e9);
     }
+    // Softmax row step (exp2 throughput): rows of 64 scores.
+    let mut row: Vec<f32> = (0..64 * 96).map(|i| ((i * 31 % 97) as f32) * 0.1).collect();
+    let mut best = f64::INFINITY;
+    let iters = 2000;
+    for _ in 0..5 {
+        let t = thread_cpu_s();
+        let mut acc = 0f32;
+        for _ in 0..iters {
+            for r in row.chunks_mut(std::env::var("ROWLEN").map(|v| v.parse().unwrap()).unwrap_or(64)) {
+                acc += distattn_cpu::flash::vmath::fwd_row(simd, r, 0.18, 12.0).2;
+                r[3] = 5.0;
+            }
+        }
+        std::hint::black_box(acc);
+        best = best.min(thread_cpu_s() - t);
+    }
+    println!("fwd_row: {:.3} ns per score", best / (iters * row.len()) as f64 * 1e9);
 }

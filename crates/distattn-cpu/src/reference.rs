@@ -28,6 +28,7 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// Kept keys and their scaled scores for row `(b, i, h)`.
+#[allow(clippy::too_many_arguments)]
 fn scores(q: &[f64], k: &[f64], shape: &AttnShape, mask: &Mask, scale: f64, b: usize, i: usize, h: usize) -> Vec<(usize, f64)> {
     let d = shape.head_dim;
     let kh = h / shape.group();

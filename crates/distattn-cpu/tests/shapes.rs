@@ -80,7 +80,7 @@ fn arb_mask(nq: usize, nk: usize, pick: u8, a: usize, b: usize) -> Mask {
         1 => Mask::causal(nq, nk).unwrap(),
         2 => Mask::sliding_window(nq, nk, Some(a % 40), Some(b % 8)).unwrap(),
         3 => {
-            let keep: Vec<bool> = (0..nq.div_ceil(8) * nk.div_ceil(12)).map(|i| (i * 7 + a) % 3 != 0).collect();
+            let keep: Vec<bool> = (0..nq.div_ceil(8) * nk.div_ceil(12)).map(|i| (i * 7 + a) % 3 > 0).collect();
             Mask::block_mask(nq, nk, 8, 12, &keep).unwrap()
         }
         _ => Mask::sliding_window(nq, nk, None, Some(b % 3)).unwrap(),

@@ -62,7 +62,7 @@ pub(crate) fn run<T: Element>(
     let pool: Vec<Mutex<Vec<f32>>> = (0..rayon::current_num_threads().max(1)).map(|_| Mutex::new(Vec::new())).collect();
 
     let mut order: Vec<(u64, usize)> = (0..nkt).filter(|&t| work[t] > 0).map(|t| (work[t], t)).collect();
-    order.sort_by(|a, b| b.0.cmp(&a.0));
+    order.sort_by_key(|&(area, _)| std::cmp::Reverse(area));
     let items: Vec<(usize, usize)> = order
         .iter()
         .flat_map(|&(_, t)| (0..batch * kv_heads).map(move |g| (g, t)))

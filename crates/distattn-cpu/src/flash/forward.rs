@@ -42,7 +42,7 @@ pub(crate) fn run<T: Element>(
         .map(|t| (mask.tile(t * br..((t + 1) * br).min(nq), 0..nk).area, t))
         .filter(|&(a, _)| a > 0)
         .collect();
-    order.sort_by(|a, b| b.0.cmp(&a.0));
+    order.sort_by_key(|&(area, _)| std::cmp::Reverse(area));
     let items: Vec<(usize, usize)> = order
         .iter()
         .flat_map(|&(_, t)| (0..batch * heads).map(move |g| (g, t)))
@@ -59,14 +59,16 @@ pub(crate) fn run<T: Element>(
             let mq = q1 - q0;
             sc.reset(mq, dp);
             let qa = AOp { ptr: qf[(g * nq + q0) * dp..].as_ptr(), rs: dp, cs: 1 };
-            for (kr, info) in mask.key_tiles(q0..q1, bc) {
+            for (kr, class, col) in steps(mask, q0..q1, bc) {
                 let tile = kr.start / bc;
                 let nkv = kr.len();
                 let ncol = round16(nkv);
-                let kt_tile = &kt[(kg * nkt + tile) * d * bc..][..d * bc];
+                // Columns [col, col + ncol) of the packed tile; past nkv they are padding or
+                // the next sub-tile's keys, masked to −inf below.
+                let kt_tile = &kt[(kg * nkt + tile) * d * bc + col..];
                 // S = Q · Kᵀ (raw scores)
                 unsafe { gemm(simd, mq, ncol, d, qa, kt_tile.as_ptr(), bc, sc.s.as_mut_ptr(), bc, false) };
-                if info.class == TileClass::Partial {
+                if class == TileClass::Partial {
                     mask.fill_tile(q0..q1, kr.clone(), &mut sc.keep);
                     for i in 0..mq {
                         let row = &mut sc.s[i * bc..i * bc + nkv];
@@ -110,6 +112,30 @@ pub(crate) fn run<T: Element>(
         },
     );
     Forward { o, lse }
+}
+
+/// Keys per sub-tile when a partial key tile is split.
+const SUB: usize = 64;
+
+/// The key ranges a query tile visits, with their class and column offset inside their packed
+/// tile of width `bc`: whole tiles where full, and partial tiles split into sub-tiles of
+/// [`SUB`] keys so that the empty parts (e.g. above a causal diagonal) are skipped.
+fn steps(mask: &Mask, q: std::ops::Range<usize>, bc: usize) -> Vec<(std::ops::Range<usize>, TileClass, usize)> {
+    let mut out = Vec::new();
+    for (kr, info) in mask.key_tiles(q.clone(), bc) {
+        if info.class == TileClass::Partial && kr.len() > SUB {
+            for s0 in kr.clone().step_by(SUB) {
+                let sub = s0..(s0 + SUB).min(kr.end);
+                let class = mask.tile(q.clone(), sub.clone()).class;
+                if class != TileClass::Empty {
+                    out.push((sub, class, s0 - kr.start));
+                }
+            }
+        } else {
+            out.push((kr, info.class, 0));
+        }
+    }
+    out
 }
 
 struct Scratch {

@@ -31,7 +31,7 @@ impl TileConfig {
     /// Tiles chosen for a head dimension (tuned on a 2-core AVX2 machine).
     pub fn for_head_dim(d: usize) -> TileConfig {
         let _ = d;
-        TileConfig { fwd_q: 96, fwd_k: 64, bwd_q: 64, bwd_k: 64 }
+        TileConfig { fwd_q: 48, fwd_k: 256, bwd_q: 64, bwd_k: 64 }
     }
 
     pub(crate) fn sanitized(self) -> TileConfig {
