@@ -6,7 +6,9 @@
 # `cargo build --release -p distattn-nccl`), GPUS (default: all), SEQS (default 32768,131072),
 # STRATEGIES (default zigzag,balanced,ulysses,allgather), BUDGET_S (default 400: later stages are
 # skipped or shortened to end within it), PROBE_SEQS (default 524288; empty = no probe),
-# DISTATTN_COMMIT.
+# MASKS (';'-separated, default causal: the distattn benchmark runs each; PyTorch's context
+# parallel runs causal only), KV_HEADS (default 8), STAGES (default check,bench,kill,torch,probe),
+# TORCH_CONFIGS (default: every flash/cuDNN rotation and the Ulysses baseline), DISTATTN_COMMIT.
 # Writes OUTDIR/check.json, distattn.json, timelines.json, torch.json, probe.json,
 # multigpu.json ({device, date, commit, rows}: distattn + torch rows) and prints a summary last.
 set -uo pipefail
@@ -18,6 +20,10 @@ SEQS=${SEQS:-32768,131072}
 STRATEGIES=${STRATEGIES:-zigzag,balanced,ulysses,allgather}
 BUDGET=${BUDGET_S:-400}
 PROBE_SEQS=${PROBE_SEQS-524288}
+MASKS=${MASKS:-causal}
+KV_HEADS=${KV_HEADS:-8}
+STAGES=${STAGES:-check,bench,kill,torch,probe}
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
 export DISTATTN_COMMIT=${DISTATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # NVLink multicast stays off on shared machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -34,33 +40,43 @@ nvidia-smi topo -m 2>/dev/null | head -8
 python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), "nccl", torch.cuda.nccl.version())'
 
 rc=0
-stage "exactness: every strategy on $GPUS GPUs vs the single-GPU kernels"
-timeout 100 "$BIN" check --gpus "$GPUS" --out "$OUT/check.json" || rc=1
+if want check; then
+  stage "exactness: every strategy on $GPUS GPUs vs the single-GPU kernels"
+  timeout 100 "$BIN" check --gpus "$GPUS" --out "$OUT/check.json" || rc=1
+fi
 
-stage "distattn benchmark"
-timeout $(( $(left) > 300 ? 150 : 100 )) "$BIN" bench --gpus "$GPUS" --seqs "$SEQS" --strategies "$STRATEGIES" \
-  --passes fwd,fwdbwd --heads 32 --kv-heads 8 --mask causal --iters 4 \
-  --out "$OUT/distattn.json" --timelines "$OUT/timelines.json" || rc=1
+if want bench; then
+  IFS=';' read -ra MASK_LIST <<< "$MASKS"
+  for m in "${MASK_LIST[@]}"; do
+    stage "distattn benchmark, mask $m, $KV_HEADS kv heads"
+    tag=$(echo "$m" | tr -c 'a-zA-Z0-9\n' '-')
+    timeout $(( $(left) > 300 ? 150 : 100 )) "$BIN" bench --gpus "$GPUS" --seqs "$SEQS" --strategies "$STRATEGIES" \
+      --passes fwd,fwdbwd --heads 32 --kv-heads "$KV_HEADS" --mask "$m" --iters 4 \
+      --out "$OUT/distattn-$tag.json" --timelines "$OUT/timelines-$tag.json" || rc=1
+  done
+fi
 
-stage "kill one rank (process mode, NCCL_COMM_ID bootstrap)"
-timeout 60 "$BIN" kill-test --gpus "$GPUS" --timeout-s 10 --kill-after-s 6 || rc=1
+if want kill; then
+  stage "kill one rank (process mode, NCCL_COMM_ID bootstrap)"
+  timeout 60 "$BIN" kill-test --gpus "$GPUS" --timeout-s 10 --kill-after-s 6 || rc=1
+fi
 
-if [ "$(left)" -gt 60 ]; then
+if want torch && [ "$(left)" -gt 60 ]; then
   stage "PyTorch context parallel + Ulysses (budget $(left) s)"
-  CONFIGS="allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash"
+  CONFIGS=${TORCH_CONFIGS:-allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash}
   [ "$(left)" -lt 150 ] && CONFIGS="allgather-flash,alltoall-flash,ulysses-flash"
   TPROBE=""
   [ "$(left)" -gt 200 ] && TPROBE="$PROBE_SEQS"
   # Own process group, so that the spawned ranks end with it (killed by its id on overrun).
   setsid python3 "$HERE/torch_cp.py" --world "$GPUS" --seqs "$SEQS" --passes fwd,fwdbwd \
-    --heads 32 --kv-heads 8 --iters 3 --configs "$CONFIGS" --probe-seqs "$TPROBE" --out "$OUT/torch.json" &
+    --heads 32 --kv-heads "$KV_HEADS" --iters 3 --configs "$CONFIGS" --probe-seqs "$TPROBE" --out "$OUT/torch.json" &
   TP=$!; TEND=$(( SECONDS + $(left) - 25 ))
   while kill -0 $TP 2>/dev/null && [ $SECONDS -lt $TEND ]; do sleep 1; done
   if kill -0 $TP 2>/dev/null; then echo "torch stage over budget: ending its process group $TP"; kill -- -$TP 2>/dev/null; sleep 2; kill -9 -- -$TP 2>/dev/null; rc=1; fi
   wait $TP || rc=1
 fi
 
-if [ -n "$PROBE_SEQS" ] && [ "$(left)" -gt 45 ]; then
+if want probe && [ -n "$PROBE_SEQS" ] && [ "$(left)" -gt 45 ]; then
   stage "longest sequence probe (distattn, fwd+bwd, one cold iteration)"
   timeout $(( $(left) - 15 )) "$BIN" probe --gpus "$GPUS" --seqs "$PROBE_SEQS" --strategy zigzag --out "$OUT/probe.json" || true
 fi
@@ -74,8 +90,11 @@ def load(n):
         return json.load(open(os.path.join(out, n)))
     except Exception:
         return None
-d, t, c, p = load("distattn.json"), load("torch.json"), load("check.json"), load("probe.json")
-rows = (d or {}).get("rows", []) + [r for r in (t or {}).get("rows", []) if r.get("tflops")]
+import glob
+parts = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(out, "distattn-*.json")))]
+d = parts[0] if parts else None
+t, c, p = load("torch.json"), load("check.json"), load("probe.json")
+rows = [r for part in parts for r in part.get("rows", [])] + [r for r in (t or {}).get("rows", []) if r.get("tflops")]
 merged = {"device": (d or t or {}).get("device"), "date": (d or t or {}).get("date"), "commit": (d or {}).get("commit"),
           "torch": (t or {}).get("torch"), "rows": rows, "torch_errors": [r for r in (t or {}).get("rows", []) if not r.get("tflops")],
           "probe": p}
@@ -84,14 +103,14 @@ if c:
     res = [r["result"] for r in c["rows"]]
     print(f"exactness on {c['gpus']} GPUs: {res.count('PASS')} pass, {sum(x in ('FAIL','MISSING') for x in res)} fail, "
           f"{sum(x.startswith('unsupported') for x in res)} unsupported")
-print(f"{'impl':15s} {'strategy':17s} {'seq':>7s} {'pass':8s} {'TFLOP/s/GPU':>11s} {'ms':>9s} {'GB/GPU':>7s} {'eff':>5s} {'hidden':>6s}")
+print(f"{'impl':15s} {'strategy':17s} {'mask':22s} {'kv':>3s} {'seq':>7s} {'pass':8s} {'TFLOP/s/GPU':>11s} {'ms':>9s} {'GB/GPU':>7s} {'eff':>5s} {'hidden':>6s}")
 for r in sorted(rows, key=lambda r: (r["pass"], r["seq"], -(r.get("tflops_per_gpu") or 0))):
     eff = r.get("scaling_eff"); hid = r.get("comm_hidden_frac"); mem = r.get("mem_gb_per_gpu")
-    print(f"{r['impl']:15s} {r['strategy']:17s} {r['seq']:>7d} {r['pass']:8s} {r['tflops_per_gpu']:11.1f} {r['ms']:9.2f} "
+    print(f"{r['impl']:15s} {r['strategy']:17s} {str(r.get('mask', 'causal')):22s} {r.get('kv_heads', 8):>3} {r['seq']:>7d} {r['pass']:8s} {r['tflops_per_gpu']:11.1f} {r['ms']:9.2f} "
           f"{(f'{mem:.1f}' if mem is not None else '-'):>7s} {(f'{100*eff:.0f}%' if eff else '-'):>5s} {(f'{100*hid:.0f}%' if hid is not None else '-'):>6s}")
 for seq in sorted({r["seq"] for r in rows}):
     for ps in ("fwd", "fwd+bwd"):
-        dd = [r for r in rows if r["impl"] == "distattn" and r["seq"] == seq and r["pass"] == ps]
+        dd = [r for r in rows if r["impl"] == "distattn" and r["seq"] == seq and r["pass"] == ps and r.get("mask", "causal") == "causal"]
         tt = [r for r in rows if r["impl"] == "torch-cp" and r["seq"] == seq and r["pass"] == ps]
         uu = [r for r in rows if r["impl"] == "torch-ulysses" and r["seq"] == seq and r["pass"] == ps]
         if dd and (tt or uu):
