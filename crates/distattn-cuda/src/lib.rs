@@ -460,6 +460,19 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The kernel configuration of a backward pass, or the error saying the head dim has none.
+    fn backward_config<T: CudaElement>(&self, shape: &AttnShape, mask: &Mask) -> Result<KernelConfig> {
+        let cfg = self.check_common::<T>(shape, mask)?;
+        if !cfg.has_backward() {
+            return Err(Error::UnsupportedHeadDim {
+                head_dim: shape.head_dim,
+                backend: "cuda (backward)",
+                supported: "64, 96, 128".into(),
+            });
+        }
+        Ok(cfg)
+    }
+
     /// Backward pass on device buffers: from Q, K, V, O, dO and the forward's LSE, writes dQ,
     /// dK and dV (dK/dV summed over the query heads of each KV head).
     #[allow(clippy::too_many_arguments)]
@@ -478,14 +491,7 @@ impl CudaBackend {
         dk: &mut CudaSlice<T>,
         dv: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let cfg = self.check_common::<T>(shape, mask)?;
-        if !cfg.has_backward() {
-            return Err(Error::UnsupportedHeadDim {
-                head_dim: shape.head_dim,
-                backend: "cuda (backward)",
-                supported: "64, 96, 128".into(),
-            });
-        }
+        let cfg = self.backward_config::<T>(shape, mask)?;
         for (n, b) in [("q", q), ("o", o), ("dout", dout)] {
             self.check_buf(n, b, shape.q_elems(), shape)?;
         }

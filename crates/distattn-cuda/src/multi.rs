@@ -24,14 +24,7 @@ impl CudaBackend {
         dk: &mut CudaSlice<T>,
         dv: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let cfg = self.check_common::<T>(shape, mask)?;
-        if !cfg.has_backward() {
-            return Err(Error::UnsupportedHeadDim {
-                head_dim: shape.head_dim,
-                backend: "cuda (backward)",
-                supported: "64, 96, 128".into(),
-            });
-        }
+        let cfg = self.backward_config::<T>(shape, mask)?;
         self.check_buf("q", q, shape.q_elems(), shape)?;
         self.check_buf("dout", dout, shape.q_elems(), shape)?;
         self.check_buf("k", k, shape.kv_elems(), shape)?;
