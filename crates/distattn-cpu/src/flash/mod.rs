@@ -2,7 +2,8 @@
 //!
 //! Inputs are first converted once to f32 in a head-major, zero-padded layout
 //! (`[batch, heads, len, dp]` with `dp = head_dim` rounded up to 16), and K and V are also
-//! packed transposed per key tile (`[batch, kv_heads, tile, head_dim, bk]`) so the score GEMMs
+//! packed per key tile (backward: transposed, `[batch, kv_heads, tile, head_dim, bk]`; forward:
+//! in panels of 16 columns for the micro-kernel, see [`pack_k_panels`]) so the GEMMs
 //! stream contiguous vectors. All of this is linear in the sequence length; the score matrix
 //! only ever exists as one `bq × bk` tile per worker.
 
@@ -30,8 +31,9 @@ pub struct TileConfig {
 impl TileConfig {
     /// Tiles chosen for a head dimension (tuned on a 2-core AVX2 machine).
     pub fn for_head_dim(d: usize) -> TileConfig {
-        let _ = d;
-        TileConfig { fwd_q: 48, fwd_k: 256, bwd_q: 64, bwd_k: 64 }
+        // d ≥ 128: 96 query rows reuse each 8 KiB K/V panel over twice as many rows.
+        let fwd_q = if d >= 128 { 96 } else { 48 };
+        TileConfig { fwd_q, fwd_k: 256, bwd_q: 64, bwd_k: 64 }
     }
 
     pub(crate) fn sanitized(self) -> TileConfig {
