@@ -1,9 +1,9 @@
 //! Flash attention forward: one task per (batch, head, query tile), online softmax over the
 //! non-empty key tiles of the mask.
 
-use super::gemm::{gemm, simd_available, AOp};
+use super::gemm::{gemm_panels, simd_available, AOp};
 use super::vmath;
-use super::{pack_transposed, round16, rows_f32, SendPtr, TileConfig, LOG2E};
+use super::{pack_k_panels, pack_v_panels, round16, rows_f32, SendPtr, TileConfig, LOG2E};
 use crate::Forward;
 use distattn_core::{AttnShape, Element, Mask, TileClass};
 use rayon::prelude::*;
@@ -28,9 +28,11 @@ pub(crate) fn run<T: Element>(
 
     let qf = rows_f32(q, batch, nq, heads, d, dp);
     let kf = rows_f32(k, batch, nk, kv_heads, d, dp);
-    let kt = pack_transposed(&kf, batch * kv_heads, nk, d, dp, bc);
+    let kt = pack_k_panels(&kf, batch * kv_heads, nk, d, dp, bc);
     drop(kf);
     let vf = rows_f32(v, batch, nk, kv_heads, d, dp);
+    let vp = pack_v_panels(&vf, batch * kv_heads, nk, dp, bc);
+    drop(vf);
 
     let mut o = vec![0f32; shape.q_elems()];
     let mut lse = vec![f32::NEG_INFINITY; shape.lse_elems()];
@@ -65,9 +67,10 @@ pub(crate) fn run<T: Element>(
                 let ncol = round16(nkv);
                 // Columns [col, col + ncol) of the packed tile; past nkv they are padding or
                 // the next sub-tile's keys, masked to −inf below.
-                let kt_tile = &kt[(kg * nkt + tile) * d * bc + col..];
+                // Panels of 16 keys, each [d, 16]: column `col` starts panel col / 16.
+                let kt_tile = &kt[(kg * nkt + tile) * d * bc + col * d..];
                 // S = Q · Kᵀ (raw scores)
-                unsafe { gemm(simd, mq, ncol, d, qa, kt_tile.as_ptr(), bc, sc.s.as_mut_ptr(), bc, false) };
+                unsafe { gemm_panels(simd, mq, ncol, d, qa, kt_tile.as_ptr(), 16, 16 * d, sc.s.as_mut_ptr(), bc, false) };
                 if class == TileClass::Partial {
                     mask.fill_tile(q0..q1, kr.clone(), &mut sc.keep);
                     for i in 0..mq {
@@ -90,9 +93,10 @@ pub(crate) fn run<T: Element>(
                     sc.m[i] = m_new;
                 }
                 // O += P · V
-                let vrows = &vf[(kg * nk + kr.start) * dp..][..nkv * dp];
+                // Panels of 16 dims, each [bc, 16]; this step's keys start at row col.
+                let v_tile = &vp[(kg * nkt + tile) * dp * bc + col * 16..];
                 let pa = AOp { ptr: sc.s.as_ptr(), rs: bc, cs: 1 };
-                unsafe { gemm(simd, mq, dp, nkv, pa, vrows.as_ptr(), dp, sc.o.as_mut_ptr(), dp, true) };
+                unsafe { gemm_panels(simd, mq, dp, nkv, pa, v_tile.as_ptr(), 16, 16 * bc, sc.o.as_mut_ptr(), dp, true) };
             }
             for i in 0..mq {
                 let (l, m) = (sc.l[i], sc.m[i]);

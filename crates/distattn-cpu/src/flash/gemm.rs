@@ -39,13 +39,38 @@ pub unsafe fn gemm(
     ldc: usize,
     accumulate: bool,
 ) {
+    gemm_panels(simd, m, n, k, a, b, ldb, NR, c, ldc, accumulate)
+}
+
+/// `C[m×n] (+)= A[m×k] · B[k×n]` with `B` stored as column panels of [`NR`] columns:
+/// element `(p, j)` of `B` is at `b + (j / NR)·bps + p·ldb + j % NR`. `bps = NR` is a plain
+/// row-major `B`; `ldb = NR, bps = NR·k` is a panel-packed `B` that the micro-kernel streams
+/// with unit stride.
+///
+/// # Safety
+/// As [`gemm`], with `B` addressed as above.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub unsafe fn gemm_panels(
+    simd: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: AOp,
+    b: *const f32,
+    ldb: usize,
+    bps: usize,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
     debug_assert_eq!(n % NR, 0);
     #[cfg(target_arch = "x86_64")]
     if simd {
-        return x86::gemm(m, n, k, a, b, ldb, c, ldc, accumulate);
+        return x86::gemm(m, n, k, a, b, ldb, bps, c, ldc, accumulate);
     }
     let _ = simd;
-    scalar_gemm(m, n, k, a, b, ldb, c, ldc, accumulate)
+    scalar_gemm(m, n, k, a, b, ldb, bps, c, ldc, accumulate)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -56,6 +81,7 @@ unsafe fn scalar_gemm(
     a: AOp,
     b: *const f32,
     ldb: usize,
+    bps: usize,
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
@@ -69,7 +95,7 @@ unsafe fn scalar_gemm(
             }
             for p in 0..k {
                 let av = *a.ptr.add(i * a.rs + p * a.cs);
-                let brow = b.add(p * ldb + j0);
+                let brow = b.add(j0 / NR * bps + p * ldb);
                 for (t, x) in acc.iter_mut().enumerate() {
                     *x += av * *brow.add(t);
                 }
@@ -110,13 +136,14 @@ mod x86 {
         a: AOp,
         b: *const f32,
         ldb: usize,
+        bps: usize,
         c: *mut f32,
         ldc: usize,
         accumulate: bool,
     ) {
         let mut j0 = 0;
         while j0 < n {
-            let bp = b.add(j0);
+            let bp = b.add(j0 / NR * bps);
             let mut i0 = 0;
             while i0 < m {
                 let ap = AOp { ptr: a.ptr.add(i0 * a.rs), ..a };

@@ -2,7 +2,8 @@
 //!
 //! Inputs are first converted once to f32 in a head-major, zero-padded layout
 //! (`[batch, heads, len, dp]` with `dp = head_dim` rounded up to 16), and K and V are also
-//! packed transposed per key tile (`[batch, kv_heads, tile, head_dim, bk]`) so the score GEMMs
+//! packed per key tile (backward: transposed, `[batch, kv_heads, tile, head_dim, bk]`; forward:
+//! in panels of 16 columns for the micro-kernel, see [`pack_k_panels`]) so the GEMMs
 //! stream contiguous vectors. All of this is linear in the sequence length; the score matrix
 //! only ever exists as one `bq × bk` tile per worker.
 
@@ -30,8 +31,9 @@ pub struct TileConfig {
 impl TileConfig {
     /// Tiles chosen for a head dimension (tuned on a 2-core AVX2 machine).
     pub fn for_head_dim(d: usize) -> TileConfig {
-        let _ = d;
-        TileConfig { fwd_q: 48, fwd_k: 256, bwd_q: 64, bwd_k: 64 }
+        // d ≥ 128: 96 query rows reuse each 8 KiB K/V panel over twice as many rows.
+        let fwd_q = if d >= 128 { 96 } else { 48 };
+        TileConfig { fwd_q, fwd_k: 256, bwd_q: 64, bwd_k: 64 }
     }
 
     pub(crate) fn sanitized(self) -> TileConfig {
@@ -96,6 +98,53 @@ pub(crate) fn pack_transposed(rows: &[f32], groups: usize, len: usize, d: usize,
                 for j in jb..je {
                     row[j] = src[j * dp + c];
                 }
+            }
+        }
+    });
+    out
+}
+
+/// Rows `[groups, len, dp]` packed per tile of `bk` rows into column panels of 16 rows, each
+/// transposed: `[groups, tiles, bk / 16, d, 16]`, zero beyond `len`. Row `j` of a tile, column
+/// `c` is at `(j / 16)·16·d + c·16 + j % 16`: B of `S = Q·Kᵀ` for
+/// [`gemm::gemm_panels`] with `ldb = 16`, `bps = 16·d`.
+pub(crate) fn pack_k_panels(rows: &[f32], groups: usize, len: usize, d: usize, dp: usize, bk: usize) -> Vec<f32> {
+    let tiles = len.div_ceil(bk);
+    let mut out = vec![0f32; groups * tiles * d * bk];
+    out.par_chunks_mut(d * 16).enumerate().for_each(|(gp, dst)| {
+        let per_group = tiles * (bk / 16);
+        let (g, p) = (gp / per_group, gp % per_group);
+        let j0 = p * 16; // row within the group (tiles are contiguous multiples of 16)
+        if j0 >= len {
+            return;
+        }
+        let n = (len - j0).min(16);
+        let src = &rows[(g * len + j0) * dp..];
+        for j in 0..n {
+            for c in 0..d {
+                dst[c * 16 + j] = src[j * dp + c];
+            }
+        }
+    });
+    out
+}
+
+/// Rows `[groups, len, dp]` packed per tile of `bk` rows into column panels of 16 columns:
+/// `[groups, tiles, dp / 16, bk, 16]`, zero beyond `len`. Row `j` of a tile, column `c` is at
+/// `(c / 16)·16·bk + j·16 + c % 16`: B of `O += P·V` for [`gemm::gemm_panels`] with
+/// `ldb = 16`, `bps = 16·bk`.
+pub(crate) fn pack_v_panels(rows: &[f32], groups: usize, len: usize, dp: usize, bk: usize) -> Vec<f32> {
+    let tiles = len.div_ceil(bk);
+    let mut out = vec![0f32; groups * tiles * dp * bk];
+    out.par_chunks_mut(dp * bk).enumerate().for_each(|(gt, dst)| {
+        let (g, t) = (gt / tiles, gt % tiles);
+        let j0 = t * bk;
+        let n = (len - j0).min(bk);
+        let src = &rows[(g * len + j0) * dp..];
+        for pc in 0..dp / 16 {
+            let panel = &mut dst[pc * 16 * bk..];
+            for j in 0..n {
+                panel[j * 16..j * 16 + 16].copy_from_slice(&src[j * dp + pc * 16..][..16]);
             }
         }
     });
