@@ -13,24 +13,21 @@ BIN=${DISTATTN_CUDA_BIN:-target/release/distattn-cuda-gpu}
 DIMS=${BENCH_DIMS:-128,64}
 QUICK=${BENCH_QUICK:+--quick}
 COMMIT=${DISTATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-export DISTATTN_CACHE_DIR=${DISTATTN_CACHE_DIR:-/tmp/distattn-cache}
+SCRATCH=$(mktemp -d)
+export DISTATTN_CACHE_DIR=${DISTATTN_CACHE_DIR:-$SCRATCH/cache}
 export PYTHONUNBUFFERED=1
-# NVRTC (libnvrtc.so.13): the toolkit's lib64, else the pip wheel beside PyTorch.
-for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 \
-         "$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null)"; do
-  if [ -n "$d" ] && ls "$d"/libnvrtc.so* >/dev/null 2>&1; then export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; break; fi
-done
+source "$HERE/gpu_env.sh"
 echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 rc=0
 if [ -z "${SKIP_CHECK:-}" ]; then
-  rm -rf /tmp/distattn-dump && mkdir -p /tmp/distattn-dump
-  "$BIN" check --dump /tmp/distattn-dump 2>&1 | tee "$OUT/check.log" || rc=1
-  python3 "$HERE/torch_peer.py" accuracy /tmp/distattn-dump "$OUT/accuracy.json" 2>&1 | tee -a "$OUT/check.log" || rc=1
-  cp /tmp/distattn-dump/rust_check.json "$OUT/rust_check.json" 2>/dev/null || true
+  mkdir -p "$SCRATCH/dump"
+  "$BIN" check --dump "$SCRATCH/dump" 2>&1 | tee "$OUT/check.log" || rc=1
+  python3 "$HERE/torch_peer.py" accuracy "$SCRATCH/dump" "$OUT/accuracy.json" 2>&1 | tee -a "$OUT/check.log" || rc=1
+  cp "$SCRATCH/dump/rust_check.json" "$OUT/rust_check.json" 2>/dev/null || true
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  "$BIN" bench --out /tmp/distattn_bench.json --dims "$DIMS" $QUICK 2>&1 | tee "$OUT/bench.log" || rc=1
-  python3 "$HERE/torch_peer.py" bench /tmp/torch_bench.json --dims "$DIMS" $QUICK 2>&1 | tee -a "$OUT/bench.log" || rc=1
-  python3 "$HERE/torch_peer.py" merge "$OUT/kernels.json" /tmp/distattn_bench.json /tmp/torch_bench.json --commit "$COMMIT" 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  "$BIN" bench --out "$SCRATCH/distattn_bench.json" --dims "$DIMS" $QUICK 2>&1 | tee "$OUT/bench.log" || rc=1
+  python3 "$HERE/torch_peer.py" bench "$SCRATCH/torch_bench.json" --dims "$DIMS" $QUICK 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  python3 "$HERE/torch_peer.py" merge "$OUT/kernels.json" "$SCRATCH/distattn_bench.json" "$SCRATCH/torch_bench.json" --commit "$COMMIT" 2>&1 | tee -a "$OUT/bench.log" || rc=1
 fi
 exit $rc

@@ -27,7 +27,7 @@ want() { [[ ",$STAGES," == *",$1,"* ]]; }
 export DISTATTN_COMMIT=${DISTATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # NVLink multicast stays off on shared machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export DISTATTN_CACHE_DIR=${DISTATTN_CACHE_DIR:-/tmp/distattn-cache}
+export DISTATTN_CACHE_DIR=${DISTATTN_CACHE_DIR:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1
 GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
 left() { echo $((BUDGET - SECONDS)); }
