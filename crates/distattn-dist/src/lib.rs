@@ -174,18 +174,35 @@ pub fn run_forward<T: Element, B: Backend<CommBuf = [u8]>>(
         _ => None,
     };
     let outs = run_plan(plan, backend, mask, opts, &full, None, run)?;
+    Ok(gather_forward(&shape, outs.into_iter().flatten()))
+}
+
+/// The full (O, LSE) from every rank's output shards (tensor, descriptor, f32 data).
+pub fn gather_forward(shape: &AttnShape, shards: impl IntoIterator<Item = (Tensor, BufDesc, Vec<f32>)>) -> Forward {
     let mut o = vec![0f32; shape.q_elems()];
     let mut lse = vec![f32::NEG_INFINITY; shape.lse_elems()];
-    for rank in outs {
-        for (t, d, data) in rank {
-            match t {
-                Tensor::O => unshard_into(&data, &d, &shape, &mut o),
-                Tensor::Lse => unshard_into(&data, &d, &shape, &mut lse),
-                _ => {}
-            }
+    for (t, d, data) in shards {
+        match t {
+            Tensor::O => unshard_into(&data, &d, shape, &mut o),
+            Tensor::Lse => unshard_into(&data, &d, shape, &mut lse),
+            _ => {}
         }
     }
-    Ok(Forward { o, lse })
+    Forward { o, lse }
+}
+
+/// The full (dQ, dK, dV) from every rank's output shards (tensor, descriptor, f32 data).
+pub fn gather_grads(shape: &AttnShape, shards: impl IntoIterator<Item = (Tensor, BufDesc, Vec<f32>)>) -> Grads {
+    let mut g = Grads { dq: vec![0f32; shape.q_elems()], dk: vec![0f32; shape.kv_elems()], dv: vec![0f32; shape.kv_elems()] };
+    for (t, d, data) in shards {
+        match t {
+            Tensor::DQ => unshard_into(&data, &d, shape, &mut g.dq),
+            Tensor::DK => unshard_into(&data, &d, shape, &mut g.dk),
+            Tensor::DV => unshard_into(&data, &d, shape, &mut g.dv),
+            _ => {}
+        }
+    }
+    g
 }
 
 /// Runs a backward plan on thread-ranks from full inputs (O and LSE from the forward pass);
@@ -229,18 +246,7 @@ pub fn run_backward<T: Element, B: Backend<CommBuf = [u8]>>(
         _ => None,
     };
     let outs = run_plan(plan, backend, mask, opts, &full, Some((o, d_o)), run)?;
-    let mut g = Grads { dq: vec![0f32; shape.q_elems()], dk: vec![0f32; shape.kv_elems()], dv: vec![0f32; shape.kv_elems()] };
-    for rank in outs {
-        for (t, d, data) in rank {
-            match t {
-                Tensor::DQ => unshard_into(&data, &d, &shape, &mut g.dq),
-                Tensor::DK => unshard_into(&data, &d, &shape, &mut g.dk),
-                Tensor::DV => unshard_into(&data, &d, &shape, &mut g.dv),
-                _ => {}
-            }
-        }
-    }
-    Ok(g)
+    Ok(gather_grads(&shape, outs.into_iter().flatten()))
 }
 
 /// One call: plans `strategy` for `world` ranks, shards the full Q, K, V by its layout, runs

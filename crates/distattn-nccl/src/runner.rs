@@ -9,7 +9,7 @@ use crate::timeline::Timeline;
 use distattn_core::plan::{build, BufDesc, Pass, Plan, PlanOptions, Tensor};
 use distattn_core::{AttnOptions, AttnShape, Element, Error, Mask, Result, Strategy};
 use distattn_cuda::CudaBackend;
-use distattn_dist::{execute_rank, shard, unshard_into, Forward, Grads, InjectedFailure};
+use distattn_dist::{execute_rank, gather_forward, gather_grads, shard, Forward, Grads, InjectedFailure};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
@@ -184,32 +184,7 @@ pub fn gpu_forward<T: Element>(
         _ => None,
     };
     let (outs, tl) = run_plan_host::<T>(&plan, mask, opts, &full_in, &|_| None, run)?;
-    let mut o = vec![0f32; shape.q_elems()];
-    let mut lse = vec![f32::NEG_INFINITY; shape.lse_elems()];
-    for (t, d, data) in outs {
-        match t {
-            Tensor::O => unshard_into(&data, &d, shape, &mut o),
-            Tensor::Lse => unshard_into(&data, &d, shape, &mut lse),
-            _ => {}
-        }
-    }
-    Ok((Forward { o, lse }, tl))
-}
-
-/// D = rowsum(dO ∘ O) in `[b, h, n]` from `[b, n, h, d]` tensors.
-pub fn row_delta<T: Element>(o: &[f32], d_o: &[T], shape: &AttnShape) -> Vec<f32> {
-    let (n, h, d) = (shape.q_len, shape.heads, shape.head_dim);
-    let mut out = vec![0f32; shape.lse_elems()];
-    for b in 0..shape.batch {
-        for i in 0..n {
-            for hh in 0..h {
-                let off = ((b * n + i) * h + hh) * d;
-                let s: f64 = (0..d).map(|c| o[off + c] as f64 * d_o[off + c].to_f32() as f64).sum();
-                out[(b * h + hh) * n + i] = s as f32;
-            }
-        }
-    }
-    out
+    Ok((gather_forward(shape, outs), tl))
 }
 
 /// One call: the backward on `world` GPUs given the forward's O (f32) and LSE and dO; returns
@@ -231,7 +206,7 @@ pub fn gpu_backward<T: Element>(
 ) -> Result<(Grads, Vec<Timeline>)> {
     let popts = PlanOptions { pass: Some(Pass::Backward), ..run.plan.clone() };
     let plan = build(strategy, world, shape, mask, T::DTYPE, &popts)?;
-    let delta = row_delta(o, d_o, shape);
+    let delta = distattn_cpu::row_delta(o, d_o, shape)?;
     let full_in = |t: Tensor| match t {
         Tensor::Q => Some(q),
         Tensor::K => Some(k),
@@ -245,14 +220,5 @@ pub fn gpu_backward<T: Element>(
         _ => None,
     };
     let (outs, tl) = run_plan_host::<T>(&plan, mask, opts, &full_in, &full_f, run)?;
-    let mut g = Grads { dq: vec![0f32; shape.q_elems()], dk: vec![0f32; shape.kv_elems()], dv: vec![0f32; shape.kv_elems()] };
-    for (t, d, data) in outs {
-        match t {
-            Tensor::DQ => unshard_into(&data, &d, shape, &mut g.dq),
-            Tensor::DK => unshard_into(&data, &d, shape, &mut g.dk),
-            Tensor::DV => unshard_into(&data, &d, shape, &mut g.dv),
-            _ => {}
-        }
-    }
-    Ok((g, tl))
+    Ok((gather_grads(shape, outs), tl))
 }
