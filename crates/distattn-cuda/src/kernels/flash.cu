@@ -706,6 +706,29 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
 #define V2_PREF 1 // (head, tile) of the next item prefetched and advanced without divisions
 #endif
 
+// acc += A B^T for one warp's 32 × 32 block, both operands D wide in shared memory (row
+// stride LDS): A's 32 rows at a_addr, B's 32 rows at b_addr, addresses already carrying the
+// lane's ldmatrix offset. The v2 backward's S^T = K Q^T and dP^T = V dO^T.
+__device__ __forceinline__ void mma_warp_32x32(float (&acc)[2][4][4], u32 a_addr, u32 b_addr) {
+#pragma unroll V2_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 a[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+            ldsm_x4a(a[mi][0], a[mi][1], a[mi][2], a[mi][3], a_addr + 2 * (16 * mi * LDS + kk * 16));
+#pragma unroll
+        for (int nq = 0; nq < 2; ++nq) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4a(b0, b1, b2, b3, b_addr + 2 * (16 * nq * LDS + kk * 16));
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                mma16816(acc[mi][2 * nq], a[mi], b0, b1);
+                mma16816(acc[mi][2 * nq + 1], a[mi], b2, b3);
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* Ks = (elem_t*)smem_raw;
@@ -820,40 +843,8 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
                 for (int j = 0; j < 4; ++j)
 #pragma unroll
                     for (int c = 0; c < 4; ++c) sp[mi][j][c] = dp[mi][j][c] = 0.f;
-#pragma unroll V2_UNROLL
-            for (int kk = 0; kk < D / 16; ++kk) {
-                u32 a[2][4];
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi)
-                    ldsm_x4a(a[mi][0], a[mi][1], a[mi][2], a[mi][3], ks_u + laneA + 2 * ((32 * wm + 16 * mi) * LDS + kk * 16));
-#pragma unroll
-                for (int nq = 0; nq < 2; ++nq) {
-                    u32 b0, b1, b2, b3;
-                    ldsm_x4a(b0, b1, b2, b3, qst + laneB + 2 * ((32 * wn + 16 * nq) * LDS + kk * 16));
-#pragma unroll
-                    for (int mi = 0; mi < 2; ++mi) {
-                        mma16816(sp[mi][2 * nq], a[mi], b0, b1);
-                        mma16816(sp[mi][2 * nq + 1], a[mi], b2, b3);
-                    }
-                }
-            }
-#pragma unroll V2_UNROLL
-            for (int kk = 0; kk < D / 16; ++kk) {
-                u32 a[2][4];
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi)
-                    ldsm_x4a(a[mi][0], a[mi][1], a[mi][2], a[mi][3], vs_u + laneA + 2 * ((32 * wm + 16 * mi) * LDS + kk * 16));
-#pragma unroll
-                for (int nq = 0; nq < 2; ++nq) {
-                    u32 b0, b1, b2, b3;
-                    ldsm_x4a(b0, b1, b2, b3, dost + laneB + 2 * ((32 * wn + 16 * nq) * LDS + kk * 16));
-#pragma unroll
-                    for (int mi = 0; mi < 2; ++mi) {
-                        mma16816(dp[mi][2 * nq], a[mi], b0, b1);
-                        mma16816(dp[mi][2 * nq + 1], a[mi], b2, b3);
-                    }
-                }
-            }
+            mma_warp_32x32(sp, ks_u + laneA + 2 * (32 * wm * LDS), qst + laneB + 2 * (32 * wn * LDS));
+            mma_warp_32x32(dp, vs_u + laneA + 2 * (32 * wm * LDS), dost + laneB + 2 * (32 * wn * LDS));
             // P^T, dS^T = P^T (dP^T - delta) -> shared memory (bf16/f16).
             constexpr int W = BWD_BN / 32;
 #pragma unroll
