@@ -10,8 +10,12 @@ use distattn_core::{DType, Error, Result};
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 
-/// The kernel source, embedded.
-pub const FLASH_SRC: &str = include_str!("kernels/flash.cu");
+/// The kernel source, embedded: the portable kernels (`mma.sync`, sm_80+) followed by the
+/// Hopper ones (`wgmma`, compiled only for sm_90a).
+pub const FLASH_SRC: &str = concat!(
+    include_str!("kernels/flash.cu"),
+    include_str!("kernels/flash_sm90.cu")
+);
 
 pub(crate) fn backend_err(reason: impl Into<String>) -> Error {
     Error::Backend {
@@ -36,6 +40,8 @@ pub struct KernelConfig {
     pub bwd_bm: usize,
     /// Backward with every GEMM tiled over the 8 warps (`flash_bwd_dkdv2`; sm_90+, d 64/128).
     pub bwd_v2: bool,
+    /// Backward on warpgroup MMAs (`flash_bwd_wg`; sm_90a, d 128).
+    pub bwd_wg: bool,
 }
 
 impl KernelConfig {
@@ -68,6 +74,7 @@ impl KernelConfig {
             bwd_warps: 8,
             bwd_bm,
             bwd_v2: false,
+            bwd_wg: false,
         };
         // Tuning experiments: DISTATTN_KCFG="fwd_warps=8,fwd_mr=1,fwd_bn=64,bwd_bm=64".
         if let Ok(spec) = std::env::var("DISTATTN_KCFG") {
@@ -92,7 +99,8 @@ impl KernelConfig {
     }
 
     /// The configuration for an NVRTC target: the v2 backward on sm_90 and newer (it needs
-    /// 173 KB of shared memory at d 128), unless `DISTATTN_KCFG` says `bwd_v2=0`.
+    /// 173 KB of shared memory at d 128), unless `DISTATTN_KCFG` says `bwd_v2=0`; on sm_90a
+    /// at d 128 the warpgroup-MMA backward, unless it says `bwd_wg=0`.
     pub fn for_arch(mut self, arch: &str) -> Self {
         let major: u32 = arch
             .trim_start_matches("sm_")
@@ -109,12 +117,18 @@ impl KernelConfig {
             self.bwd_bm = 64;
             self.bwd_warps = 8;
         }
+        let wg_off = std::env::var("DISTATTN_KCFG")
+            .map(|s| s.contains("bwd_wg=0"))
+            .unwrap_or(false);
+        self.bwd_wg = arch == "sm_90a" && self.head_dim == 128 && self.bwd_v2 && !wg_off;
         self
     }
 
     /// Name of the dK/dV kernel of this configuration.
     pub fn dkdv_kernel(&self) -> &'static str {
-        if self.bwd_v2 {
+        if self.bwd_wg {
+            "flash_bwd_wg"
+        } else if self.bwd_v2 {
             "flash_bwd_dkdv2"
         } else {
             "flash_bwd_dkdv"
@@ -140,6 +154,11 @@ impl KernelConfig {
     }
     /// Dynamic shared memory of the dK/dV kernel, bytes.
     pub fn bwd_smem(&self) -> usize {
+        if self.bwd_wg {
+            // K, V; Q, dO in 2 stages; dS^T; LSE and delta in 2 stages; 1 KB to align the base.
+            let d = self.head_dim;
+            return (2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 4 * 64 * 4 + 1024;
+        }
         // dS^T (v1); P^T and dS^T, double-buffered (v2)
         let staged = if self.bwd_v2 { 4 } else { 1 };
         (2 * self.bwd_bn() + 4 * self.bwd_bm) * self.lds() * 2
@@ -157,6 +176,7 @@ impl KernelConfig {
             format!("-DBWD_WARPS={}", self.bwd_warps),
             format!("-DBWD_BM={}", self.bwd_bm),
             format!("-DBWD_V2={}", self.bwd_v2 as u8),
+            format!("-DBWD_WG={}", self.bwd_wg as u8),
         ]
     }
     /// Every variant the library may compile.

@@ -1,0 +1,291 @@
+
+// ================================================================ Hopper (sm_90a): warpgroup MMA
+// Kernels on `wgmma`: a warpgroup (4 warps) multiplies 64-row tiles with both operands read by
+// the tensor cores straight from shared memory (no ldmatrix), asynchronously. Operands live in
+// shared memory in the 128-byte swizzled layout the instruction reads: a tile of R rows x D
+// columns is stored as D/64 column blocks of R x 128 bytes, and the 16-byte chunk c of row r sits
+// at chunk c ^ (r % 8). Tile bases are 1024-byte aligned.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+typedef unsigned long long u64;
+
+#if DA_BF16
+#define WG_AB ".bf16.bf16"
+#else
+#define WG_AB ".f16.f16"
+#endif
+
+// Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes: for K-major operands sbo
+// is the stride of 8-row groups (1024) and lbo is unused; for MN-major operands lbo is the stride
+// of 64-element column blocks along M/N and sbo the stride of 8-row groups along K.
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving reads of accumulators above the wait that completes them.
+template <int N>
+__device__ __forceinline__ void wg_pin(float (&a)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(a[i])::"memory");
+}
+// Ordinary shared-memory writes (st.shared, cp.async) made visible to the tensor cores' reads.
+__device__ __forceinline__ void fence_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async16_u(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// Loads ROWS x D elements (rows r0.. of a strided tensor) into a swizzled tile at `s` with 256
+// threads; rows at or past `limit` are zero-filled. Each thread keeps one 16-byte chunk column,
+// and its rows step by 16, so the swizzle term is the same for all of them.
+template <int ROWS>
+__device__ __forceinline__ void load_rows_sw(u32 s, const elem_t* base, size_t row_stride, int r0, int limit, int tid) {
+    constexpr int CPR = D / 8, RPP = 256 / CPR;
+    const int ch = tid % CPR, rr = tid / CPR;
+    const u32 dst = s + (ch >> 3) * ROWS * 128 + rr * 128 + (((ch & 7) ^ (rr & 7)) << 4);
+    const elem_t* src = base + (size_t)(r0 + rr) * row_stride + ch * 8;
+#pragma unroll
+    for (int i = 0; i < ROWS / RPP; ++i) {
+        const bool ok = r0 + rr + i * RPP < limit;
+        cp_async16_u(dst + i * RPP * 128, ok ? src + (size_t)i * RPP * row_stride : base, ok ? 16 : 0);
+    }
+}
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory (descriptors).
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 da, u64 db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32" WG_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, %35, %36;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
+}
+
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B from shared memory (descriptors).
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 da, u64 db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32" WG_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, %67, %68;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
+}
+
+// D[64 x 128] += A[64 x 16] B[16 x 128], A from registers (mma.sync A-fragment layout per warp), B from shared memory.
+template <int TB>
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4], u64 db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32" WG_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
+}
+
+
+#if BWD_WG && D == 128
+// ---------------------------------------------------------------- backward on wgmma (sm_90a)
+// Same job and tile plan as flash_bwd_dkdv2 (one block per 128-key tile, a loop over the
+// 64-row query tiles of every query head of the KV head). Warpgroup w owns keys 64w..64w+63:
+//   S^T = K Q^T, dP^T = V dO^T      (shared x shared, 64 x 64 per warpgroup)
+//   P^T, dS^T = P^T (dP^T - delta)  (registers, reused as the A operand:)
+//   dV += P^T dO, dK += dS^T Q      (registers x shared, 64 x D per warpgroup)
+//   dQ = dS K                       (dS^T through shared memory; warpgroup w: columns 64w..)
+// followed by f32 reductions of dQ into global memory.
+#define WG_BN 128
+#define WG_BM 64
+
+extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 raw = smem_u32(smem_raw);
+    const u32 Ks = (raw + 1023) & ~1023u;          // [WG_BN][D]
+    const u32 Vs = Ks + WG_BN * D * 2;             // [WG_BN][D]
+    const u32 Qs = Vs + WG_BN * D * 2;             // 2 stages of [WG_BM][D]
+    const u32 dOs = Qs + 2 * WG_BM * D * 2;        // 2 stages of [WG_BM][D]
+    const u32 dSs = dOs + 2 * WG_BM * D * 2;       // [WG_BN][WG_BM], dS^T
+    float* lse_s = (float*)(smem_raw + (dSs - raw) + WG_BN * WG_BM * 2); // 2 stages
+    float* del_s = lse_s + 2 * WG_BM;                                    // 2 stages
+
+    const int kt = blockIdx.x; // key tile 0 first: the heaviest under a causal mask
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int G = p.heads / p.kv_heads;
+    const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int k0 = kt * WG_BN;
+    const size_t qstr = (size_t)p.heads * D, kstr = (size_t)p.kv_heads * D;
+    const int e0 = p.tile_ptr[kt], ne = p.tile_ptr[kt + 1] - e0;
+    const int total = G * ne;
+
+    const elem_t* kbase = p.k + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
+    const elem_t* vbase = p.v + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
+    load_rows_sw<WG_BN>(Ks, kbase, kstr, k0, p.k_len, tid);
+    load_rows_sw<WG_BN>(Vs, vbase, kstr, k0, p.k_len, tid);
+    cp_async_commit();
+
+    auto load_item = [&](int h, int qt, int st) {
+        const elem_t* qb = p.q + ((size_t)b * p.q_len * p.heads + h) * D;
+        const elem_t* db = p.dout + ((size_t)b * p.q_len * p.heads + h) * D;
+        load_rows_sw<WG_BM>(Qs + st * WG_BM * D * 2, qb, qstr, qt * WG_BM, p.q_len, tid);
+        load_rows_sw<WG_BM>(dOs + st * WG_BM * D * 2, db, qstr, qt * WG_BM, p.q_len, tid);
+        if (tid < 2 * WG_BM) {
+            const int i = tid % WG_BM;
+            const int row = qt * WG_BM + i;
+            const bool ok = row < p.q_len;
+            const size_t off = ((size_t)b * p.heads + h) * p.q_len + (ok ? row : 0);
+            if (tid < WG_BM) cp_async4(lse_s + st * WG_BM + i, p.lse + off, ok ? 4 : 0);
+            else cp_async4(del_s + st * WG_BM + i, p.delta + off, ok ? 4 : 0);
+        }
+    };
+    // (head, tile entry) of items it (…_c) and it+1 (…_n), advanced without divisions.
+    int h_c = kvh * G, h_n = kvh * G, ei_n = 1;
+    if (ei_n == ne) { ei_n = 0; ++h_n; }
+    int2 te_c = total > 0 ? p.tiles[e0] : make_int2(0, -1);
+    int2 te_n = total > 1 ? p.tiles[e0 + ei_n] : te_c;
+    if (total > 0) load_item(h_c, te_c.x, 0);
+    cp_async_commit();
+
+    float dk[64], dv[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
+    const int rk = 64 * wg + 16 * wi + g; // this thread's key rows in the tile: rk, rk + 8
+    // This thread's dS^T pair (key row rk, query column 8j + 2t) sits in chunk j ^ g of row rk.
+    const u32 ds_row = dSs + rk * 128 + 4 * t;
+
+    for (int it = 0; it < total; ++it) {
+        const int st = it & 1;
+        // (1) This item's tiles have landed, and every warp is done with item it-1 (whose
+        // stage st^1 is refilled next).
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();
+        if (it + 1 < total) load_item(h_n, te_n.x, st ^ 1);
+        cp_async_commit();
+        const int h = h_c;
+        const int2 te = te_c;
+        const u32 qst = Qs + st * WG_BM * D * 2, dost = dOs + st * WG_BM * D * 2;
+        const float* lse_st = lse_s + st * WG_BM;
+        const float* del_st = del_s + st * WG_BM;
+
+        float s[32], dp[32];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 ko = (kk >> 2) * WG_BN * 128 + wg * 64 * 128 + (kk & 3) * 32;
+            const u32 qo = (kk >> 2) * WG_BM * 128 + (kk & 3) * 32;
+            wgmma_ss_n64<0, 0>(s, wg_desc(Ks + ko, 16, 1024), wg_desc(qst + qo, 16, 1024), kk);
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 ko = (kk >> 2) * WG_BN * 128 + wg * 64 * 128 + (kk & 3) * 32;
+            const u32 qo = (kk >> 2) * WG_BM * 128 + (kk & 3) * 32;
+            wgmma_ss_n64<0, 0>(dp, wg_desc(Vs + ko, 16, 1024), wg_desc(dost + qo, 16, 1024), kk);
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(s);
+        wg_pin(dp);
+
+        // P^T and dS^T as A fragments: k-step kq covers query columns 16kq..16kq+15, i.e. the
+        // accumulator column blocks j = 2kq (fragments 0, 1) and 2kq + 1 (fragments 2, 3).
+        u32 pa[4][4], sa[4][4];
+        constexpr int W = WG_BN / 32;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float pv[4], dsv[4];
+#pragma unroll
+            for (int c2 = 0; c2 < 2; ++c2) {
+                const int c = 8 * j + 2 * t + c2;
+                const float lv = lse_st[c];
+                const float l2 = lv == NEG_INF ? POS_INF : lv * LOG2E;
+                const float dl = del_st[c];
+                float p0 = fast_exp2(fmaf(s[4 * j + c2], p.scale_log2, -l2));
+                float p1 = fast_exp2(fmaf(s[4 * j + 2 + c2], p.scale_log2, -l2));
+                if (te.y >= 0) {
+                    const u32 w = p.bits[te.y + c * W + (rk >> 5)] >> (rk & 31);
+                    if (!(w & 1)) p0 = 0.f;
+                    if (!(w & 0x100)) p1 = 0.f;
+                }
+                pv[c2] = p0;
+                pv[2 + c2] = p1;
+                dsv[c2] = p0 * (dp[4 * j + c2] - dl);
+                dsv[2 + c2] = p1 * (dp[4 * j + 2 + c2] - dl);
+            }
+            pa[j >> 1][(j & 1) * 2] = pack2(pv[0], pv[1]);
+            pa[j >> 1][(j & 1) * 2 + 1] = pack2(pv[2], pv[3]);
+            sa[j >> 1][(j & 1) * 2] = pack2(dsv[0], dsv[1]);
+            sa[j >> 1][(j & 1) * 2 + 1] = pack2(dsv[2], dsv[3]);
+        }
+        // dV += P^T dO (B = dO, N-major: D columns in D/64 blocks of WG_BM rows).
+        wg_fence();
+#pragma unroll
+        for (int kq = 0; kq < 4; ++kq)
+            wgmma_rs_n128<1>(dv, pa[kq], wg_desc(dost + kq * 16 * 128, WG_BM * 128, 1024), 1);
+        // dS^T -> shared memory for dQ (before the dK MMAs take sa as their operand).
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 a = ds_row + ((j ^ g) << 4); // rows rk and rk + 8 share the swizzle (rk % 8 = g)
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(sa[j >> 1][(j & 1) * 2]));
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(sa[j >> 1][(j & 1) * 2 + 1]));
+        }
+#pragma unroll
+        for (int kq = 0; kq < 4; ++kq)
+            wgmma_rs_n128<1>(dk, sa[kq], wg_desc(qst + kq * 16 * 128, WG_BM * 128, 1024), 1);
+        wg_commit();
+        // (2) dS^T of both warpgroups is in shared memory.
+        fence_async_smem();
+        __syncthreads();
+        h_c = h_n;
+        te_c = te_n;
+        if (++ei_n == ne) { ei_n = 0; ++h_n; }
+        if (it + 2 < total) te_n = p.tiles[e0 + ei_n];
+
+        // dQ[:, 64wg..] = dS K[:, 64wg..]: A = dS (M-major: dS^T rows are keys), B = K (N-major).
+        float dq[32];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_BN / 16; ++kk)
+            wgmma_ss_n64<1, 1>(dq, wg_desc(dSs + kk * 16 * 128, WG_BN * 128, 1024),
+                               wg_desc(Ks + wg * WG_BN * 128 + kk * 16 * 128, WG_BN * 128, 1024), kk);
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(dq);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = te.x * WG_BM + 16 * wi + g + 8 * r;
+            if (row < p.q_len) {
+                float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + 64 * wg + 2 * t;
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    red_add2(dst + i * 8, dq[4 * i + 2 * r] * p.scale, dq[4 * i + 2 * r + 1] * p.scale);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    wg_wait<0>();
+    wg_pin(dk);
+    wg_pin(dv);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = k0 + rk + 8 * r;
+        if (key < p.k_len) {
+            const size_t off = (((size_t)b * p.k_len + key) * p.kv_heads + kvh) * D + 2 * t;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                *(u32*)(p.dk + off + i * 8) = pack2(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
+                *(u32*)(p.dv + off + i * 8) = pack2(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+            }
+        }
+    }
+}
+#endif // BWD_WG && D == 128
+#endif // __CUDA_ARCH_FEAT_SM90_ALL
