@@ -42,6 +42,9 @@ pub struct KernelConfig {
     pub bwd_v2: bool,
     /// Backward on warpgroup MMAs (`flash_bwd_wg`; sm_90a, d 128).
     pub bwd_wg: bool,
+    /// Forward on warpgroup MMAs (`flash_fwd_wg`; sm_90a, d 128): 2 warpgroups x 64 rows,
+    /// 128-key tiles.
+    pub fwd_wg: bool,
 }
 
 impl KernelConfig {
@@ -75,6 +78,7 @@ impl KernelConfig {
             bwd_bm,
             bwd_v2: false,
             bwd_wg: false,
+            fwd_wg: false,
         };
         // Tuning experiments: DISTATTN_KCFG="fwd_warps=8,fwd_mr=1,fwd_bn=64,bwd_bm=64".
         if let Ok(spec) = std::env::var("DISTATTN_KCFG") {
@@ -100,7 +104,7 @@ impl KernelConfig {
 
     /// The configuration for an NVRTC target: the v2 backward on sm_90 and newer (it needs
     /// 173 KB of shared memory at d 128), unless `DISTATTN_KCFG` says `bwd_v2=0`; on sm_90a
-    /// at d 128 the warpgroup-MMA backward, unless it says `bwd_wg=0`.
+    /// at d 128 the warpgroup-MMA kernels, unless it says `bwd_wg=0` / `fwd_wg=0`.
     pub fn for_arch(mut self, arch: &str) -> Self {
         let major: u32 = arch
             .trim_start_matches("sm_")
@@ -117,11 +121,29 @@ impl KernelConfig {
             self.bwd_bm = 64;
             self.bwd_warps = 8;
         }
-        let wg_off = std::env::var("DISTATTN_KCFG")
-            .map(|s| s.contains("bwd_wg=0"))
-            .unwrap_or(false);
-        self.bwd_wg = arch == "sm_90a" && self.head_dim == 128 && self.bwd_v2 && !wg_off;
+        let off = |what: &str| {
+            std::env::var("DISTATTN_KCFG")
+                .map(|s| s.contains(what))
+                .unwrap_or(false)
+        };
+        let wgmma = arch == "sm_90a" && self.head_dim == 128;
+        self.bwd_wg = wgmma && self.bwd_v2 && !off("bwd_wg=0");
+        if wgmma && !off("fwd_wg=0") {
+            self.fwd_wg = true;
+            self.fwd_warps = 8;
+            self.fwd_mr = 1;
+            self.fwd_bn = 128;
+        }
         self
+    }
+
+    /// Name of the forward kernel of this configuration.
+    pub fn fwd_kernel(&self) -> &'static str {
+        if self.fwd_wg {
+            "flash_fwd_wg"
+        } else {
+            "flash_fwd"
+        }
     }
 
     /// Name of the dK/dV kernel of this configuration.
@@ -149,6 +171,10 @@ impl KernelConfig {
     }
     /// Dynamic shared memory of the forward kernel, bytes.
     pub fn fwd_smem(&self) -> usize {
+        if self.fwd_wg {
+            // Q; K and V in 3 stages; 1 KB to align the base.
+            return 7 * self.fwd_bm() * self.head_dim * 2 + 1024;
+        }
         (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2
             + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
     }
@@ -177,6 +203,7 @@ impl KernelConfig {
             format!("-DBWD_BM={}", self.bwd_bm),
             format!("-DBWD_V2={}", self.bwd_v2 as u8),
             format!("-DBWD_WG={}", self.bwd_wg as u8),
+            format!("-DFWD_WG={}", self.fwd_wg as u8),
         ]
     }
     /// Every variant the library may compile.

@@ -282,7 +282,7 @@ impl CudaBackend {
         let f = |name: &str| module.load_function(name).map_err(drv("loading a kernel"));
         let k = Kernels {
             cfg,
-            fwd: f("flash_fwd")?,
+            fwd: f(cfg.fwd_kernel())?,
             delta: f("bwd_delta")?,
             dkdv: if cfg.has_backward() {
                 Some(f(cfg.dkdv_kernel())?)
@@ -456,7 +456,7 @@ impl CudaBackend {
             shared_mem_bytes: kern.cfg.fwd_smem() as u32,
         };
         unsafe { s.launch_builder(&kern.fwd).arg(&p).launch(cfg_l) }
-            .map_err(drv("launching flash_fwd"))?;
+            .map_err(drv("launching the forward kernel"))?;
         Ok(())
     }
 

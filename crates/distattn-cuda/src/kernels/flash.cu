@@ -184,6 +184,10 @@ struct FwdParams {
 #define FWD_NT (32 * FWD_WARPS)
 #define Q_IN_REGS (D * FWD_MR <= 128)
 
+#ifndef FWD_WG
+#define FWD_WG 0
+#endif
+#if !FWD_WG // (sm_90a at d 128: flash_fwd_wg in flash_sm90.cu)
 extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* Qs = (elem_t*)smem_raw;
@@ -387,6 +391,7 @@ extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p
             *(uint4*)(p.o + (((size_t)b * p.q_len + row) * p.heads + h) * D + ch * 8) = *(const uint4*)(wrows + r * LDS + ch * 8);
     }
 }
+#endif // !FWD_WG
 
 // ---------------------------------------------------------------- backward: delta = rowsum(dO * O)
 

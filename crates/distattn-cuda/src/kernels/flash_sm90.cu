@@ -288,4 +288,175 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
     }
 }
 #endif // BWD_WG && D == 128
+
+#if FWD_WG && D == 128
+// ---------------------------------------------------------------- forward on wgmma (sm_90a)
+// One block per 128-row query tile, two warpgroups of 64 rows each, 128-key K/V tiles streamed
+// through cp.async. Per key tile and warpgroup: S = Q K^T (shared x shared), online softmax in
+// registers, O += P V with P as the register A operand and V read N-major. The P V product of
+// tile e-1 runs on the tensor cores while the softmax of tile e runs on the other pipes, so K/V
+// take 3 stages (V of tile e-1 is still read during tile e).
+#define FW_BM 128
+#define FW_BN 128
+#define FW_STAGES 3
+
+// Masks and exponentiates one 64 x FW_BN tile of scores (a warpgroup's accumulators) in place,
+// updating the running max m (log2 units) and sum l of the thread's two rows; returns in
+// alpha the factor by which the rows' earlier output must be rescaled.
+__device__ __forceinline__ void fwd_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                            const u32* bits, int moff, int rq, int t, float sl2) {
+    if (moff >= 0) { // partial tile: apply the bitmask
+        constexpr int W = FW_BN / 32;
+        const u32* r0w = bits + moff + rq * W;
+        const u32* r1w = r0w + 8 * W;
+#pragma unroll
+        for (int j = 0; j < FW_BN / 8; ++j) {
+            const int c = 8 * j + 2 * t;
+            const u32 w0 = r0w[c >> 5] >> (c & 31), w1 = r1w[c >> 5] >> (c & 31);
+            if (!(w0 & 1)) s[4 * j] = NEG_INF;
+            if (!(w0 & 2)) s[4 * j + 1] = NEG_INF;
+            if (!(w1 & 1)) s[4 * j + 2] = NEG_INF;
+            if (!(w1 & 2)) s[4 * j + 3] = NEG_INF;
+        }
+    }
+    // Accumulator column block j holds keys 8j + 2t, +1; values 0, 1 row rq, values 2, 3 row rq + 8.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < FW_BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float mn = fmaxf(m[r], mx * sl2);
+        const float mu = mn == NEG_INF ? 0.f : mn;
+        alpha[r] = fast_exp2(m[r] - mu);
+        m[r] = mn;
+        float rs = 0.f;
+#pragma unroll
+        for (int j = 0; j < FW_BN / 8; ++j) {
+            s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], sl2, -mu));
+            s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], sl2, -mu));
+            rs += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+        }
+        l[r] = l[r] * alpha[r] + rs;
+    }
+}
+
+// P (f32 accumulators) as A fragments: k-step kk covers keys 16kk.. = accumulator blocks 2kk, 2kk+1.
+__device__ __forceinline__ void fwd_pack_p(u32 (&pa)[FW_BN / 16][4], const float (&s)[64]) {
+#pragma unroll
+    for (int kk = 0; kk < FW_BN / 16; ++kk)
+#pragma unroll
+        for (int f = 0; f < 4; ++f) pa[kk][f] = pack2(s[8 * kk + 2 * f], s[8 * kk + 2 * f + 1]);
+}
+
+__device__ __forceinline__ void fwd_rescale(float (&o)[64], const float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+        o[4 * i] *= alpha[0]; o[4 * i + 1] *= alpha[0];
+        o[4 * i + 2] *= alpha[1]; o[4 * i + 3] *= alpha[1];
+    }
+}
+
+__device__ __forceinline__ void fwd_issue_pv(float (&o)[64], const u32 (&pa)[FW_BN / 16][4], u32 vst) {
+#pragma unroll
+    for (int kk = 0; kk < FW_BN / 16; ++kk)
+        wgmma_rs_n128<1>(o, pa[kk], wg_desc(vst + kk * 16 * 128, FW_BN * 128, 1024), 1);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wg(const FwdParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 raw = smem_u32(smem_raw);
+    const u32 Qs = (raw + 1023) & ~1023u;          // [FW_BM][D]
+    const u32 Ks = Qs + FW_BM * D * 2;             // FW_STAGES x [FW_BN][D]
+    const u32 Vs = Ks + FW_STAGES * FW_BN * D * 2; // FW_STAGES x [FW_BN][D]
+
+    const int qt = p.n_tiles - 1 - blockIdx.x; // heavy (late causal) tiles first
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (p.heads / p.kv_heads);
+    const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int q0 = qt * FW_BM;
+    const int rq = 64 * wg + 16 * wi + g; // this thread's query rows in the tile: rq, rq + 8
+    const size_t qs = (size_t)p.heads * D, ks = (size_t)p.kv_heads * D;
+    const elem_t* qbase = p.q + ((size_t)b * p.q_len * p.heads + h) * D;
+    const elem_t* kbase = p.k + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
+    const elem_t* vbase = p.v + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
+    const int e0 = p.tile_ptr[qt], e1 = p.tile_ptr[qt + 1];
+    auto load_kv = [&](int e, int st) {
+        const int kt = p.tiles[e].x;
+        load_rows_sw<FW_BN>(Ks + st * FW_BN * D * 2, kbase, ks, kt * FW_BN, p.k_len, tid);
+        load_rows_sw<FW_BN>(Vs + st * FW_BN * D * 2, vbase, ks, kt * FW_BN, p.k_len, tid);
+    };
+
+    load_rows_sw<FW_BM>(Qs, qbase, qs, q0, p.q_len, tid);
+    if (e0 < e1) load_kv(e0, 0);
+    cp_async_commit();
+
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, alpha[2];
+    u32 pa[FW_BN / 16][4];
+    const float sl2 = p.scale_log2;
+
+    for (int e = e0; e < e1; ++e) {
+        const int st = (e - e0) % FW_STAGES;
+        // Tile e has landed, and every warp is done with the stage refilled next (tile e-2's).
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();
+        if (e + 1 < e1) load_kv(e + 1, (e + 1 - e0) % FW_STAGES);
+        cp_async_commit();
+        const u32 kst = Ks + st * FW_BN * D * 2;
+
+        float s[64];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 qo = (kk >> 2) * FW_BM * 128 + wg * 64 * 128 + (kk & 3) * 32;
+            const u32 ko = (kk >> 2) * FW_BN * 128 + (kk & 3) * 32;
+            wgmma_ss_n128<0, 0>(s, wg_desc(Qs + qo, 16, 1024), wg_desc(kst + ko, 16, 1024), kk);
+        }
+        wg_commit();
+        if (e > e0) fwd_issue_pv(o, pa, Vs + ((e - 1 - e0) % FW_STAGES) * FW_BN * D * 2);
+        wg_commit();
+        wg_wait<1>();
+        wg_pin(s);
+        fwd_softmax(s, m, l, alpha, p.bits, p.tiles[e].y, rq, t, sl2);
+        wg_wait<0>();
+        wg_pin(o);
+        fwd_rescale(o, alpha);
+        fwd_pack_p(pa, s);
+    }
+    if (e1 > e0) { // the last tile's P V
+        wg_fence();
+        fwd_issue_pv(o, pa, Vs + ((e1 - 1 - e0) % FW_STAGES) * FW_BN * D * 2);
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(o);
+    }
+    cp_async_wait<0>();
+
+    // Finalize: normalise, write O (and the optional f32 copy) and LSE.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float lt = l[r];
+        lt += __shfl_xor_sync(0xffffffff, lt, 1);
+        lt += __shfl_xor_sync(0xffffffff, lt, 2);
+        const float inv = lt > 0.f ? 1.f / lt : 0.f;
+        const int row = q0 + rq + 8 * r;
+        if (row >= p.q_len) continue;
+        if (t == 0)
+            p.lse[((size_t)b * p.heads + h) * p.q_len + row] = lt > 0.f ? (m[r] + __log2f(lt)) * LN2 : NEG_INF;
+        const size_t off = (((size_t)b * p.q_len + row) * p.heads + h) * D + 2 * t;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            const float x0 = o[4 * i + 2 * r] * inv, x1 = o[4 * i + 2 * r + 1] * inv;
+            *(u32*)(p.o + off + i * 8) = pack2(x0, x1);
+            if (p.o_f32) *(float2*)(p.o_f32 + off + i * 8) = make_float2(x0, x1);
+        }
+    }
+}
+#endif // FWD_WG && D == 128
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
