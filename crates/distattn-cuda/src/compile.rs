@@ -40,9 +40,9 @@ pub struct KernelConfig {
     pub bwd_bm: usize,
     /// Backward with every GEMM tiled over the 8 warps (`flash_bwd_dkdv2`; sm_90+, d 64/128).
     pub bwd_v2: bool,
-    /// Backward on warpgroup MMAs (`flash_bwd_wg`; sm_90a, d 128).
+    /// Backward on warpgroup MMAs (`flash_bwd_wg`; sm_90a, d 64/128).
     pub bwd_wg: bool,
-    /// Forward on warpgroup MMAs (`flash_fwd_wg`; sm_90a, d 128): 2 warpgroups x 64 rows,
+    /// Forward on warpgroup MMAs (`flash_fwd_wg`; sm_90a, d 64/128): 2 warpgroups x 64 rows,
     /// 128-key tiles.
     pub fwd_wg: bool,
 }
@@ -104,7 +104,7 @@ impl KernelConfig {
 
     /// The configuration for an NVRTC target: the v2 backward on sm_90 and newer (it needs
     /// 173 KB of shared memory at d 128), unless `DISTATTN_KCFG` says `bwd_v2=0`; on sm_90a
-    /// at d 128 the warpgroup-MMA kernels, unless it says `bwd_wg=0` / `fwd_wg=0`.
+    /// at d 64 and 128 the warpgroup-MMA kernels, unless it says `bwd_wg=0` / `fwd_wg=0`.
     pub fn for_arch(mut self, arch: &str) -> Self {
         let major: u32 = arch
             .trim_start_matches("sm_")
@@ -126,7 +126,7 @@ impl KernelConfig {
                 .map(|s| s.contains(what))
                 .unwrap_or(false)
         };
-        let wgmma = arch == "sm_90a" && self.head_dim == 128;
+        let wgmma = arch == "sm_90a" && matches!(self.head_dim, 64 | 128);
         self.bwd_wg = wgmma && self.bwd_v2 && !off("bwd_wg=0");
         if wgmma && !off("fwd_wg=0") {
             self.fwd_wg = true;

@@ -80,6 +80,18 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 da, u64 db, in
         : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
 }
 
+// D[64 x 64] += A[64 x 16] B[16 x 64], A from registers (mma.sync A-fragment layout per warp), B from shared memory.
+template <int TB>
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const u32 (&a)[4], u64 db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32" WG_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
+}
+
 // D[64 x 128] += A[64 x 16] B[16 x 128], A from registers (mma.sync A-fragment layout per warp), B from shared memory.
 template <int TB>
 __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4], u64 db, int acc) {
@@ -92,15 +104,24 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
 }
 
+// The register-A product whose N is the head dim (O += P V, dV += P^T dO, dK += dS^T Q).
+#if D == 128
+#define wgmma_rs_nD wgmma_rs_n128
+#else
+#define wgmma_rs_nD wgmma_rs_n64
+#endif
 
-#if BWD_WG && D == 128
+
+#if BWD_WG && (D == 128 || D == 64)
 // ---------------------------------------------------------------- backward on wgmma (sm_90a)
 // Same job and tile plan as flash_bwd_dkdv2 (one block per 128-key tile, a loop over the
 // 64-row query tiles of every query head of the KV head). Warpgroup w owns keys 64w..64w+63:
 //   S^T = K Q^T, dP^T = V dO^T      (shared x shared, 64 x 64 per warpgroup)
 //   P^T, dS^T = P^T (dP^T - delta)  (registers, reused as the A operand:)
 //   dV += P^T dO, dK += dS^T Q      (registers x shared, 64 x D per warpgroup)
-//   dQ = dS K                       (dS^T through shared memory; warpgroup w: columns 64w..)
+//   dQ = dS K                       (dS^T through shared memory; d 128: warpgroup w takes dQ
+//                                    columns 64w.. over all 128 keys; d 64: all columns over
+//                                    its own 64 keys, so only its own dS^T rows)
 // followed by f32 reductions of dQ into global memory.
 #define WG_BN 128
 #define WG_BM 64
@@ -154,9 +175,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
     if (total > 0) load_item(h_c, te_c.x, 0);
     cp_async_commit();
 
-    float dk[64], dv[64];
+    float dk[D / 2], dv[D / 2];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
     const int rk = 64 * wg + 16 * wi + g; // this thread's key rows in the tile: rk, rk + 8
     // This thread's dS^T pair (key row rk, query column 8j + 2t) sits in chunk j ^ g of row rk.
     const u32 ds_row = dSs + rk * 128 + 4 * t;
@@ -229,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
         wg_fence();
 #pragma unroll
         for (int kq = 0; kq < 4; ++kq)
-            wgmma_rs_n128<1>(dv, pa[kq], wg_desc(dost + kq * 16 * 128, WG_BM * 128, 1024), 1);
+            wgmma_rs_nD<1>(dv, pa[kq], wg_desc(dost + kq * 16 * 128, WG_BM * 128, 1024), 1);
         // dS^T -> shared memory for dQ (before the dK MMAs take sa as their operand).
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -239,16 +260,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
         }
 #pragma unroll
         for (int kq = 0; kq < 4; ++kq)
-            wgmma_rs_n128<1>(dk, sa[kq], wg_desc(qst + kq * 16 * 128, WG_BM * 128, 1024), 1);
+            wgmma_rs_nD<1>(dk, sa[kq], wg_desc(qst + kq * 16 * 128, WG_BM * 128, 1024), 1);
         wg_commit();
-        // (2) dS^T of both warpgroups is in shared memory.
         fence_async_smem();
+#if D == 128
+        // (2) dS^T of both warpgroups is in shared memory.
         __syncthreads();
+#else
+        // (2) this warpgroup's dS^T rows are in shared memory (the only ones it reads).
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+#endif
         h_c = h_n;
         te_c = te_n;
         if (++ei_n == ne) { ei_n = 0; ++h_n; }
         if (it + 2 < total) te_n = p.tiles[e0 + ei_n];
 
+#if D == 128
         // dQ[:, 64wg..] = dS K[:, 64wg..]: A = dS (M-major: dS^T rows are keys), B = K (N-major).
         float dq[32];
         wg_fence();
@@ -256,6 +283,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
         for (int kk = 0; kk < WG_BN / 16; ++kk)
             wgmma_ss_n64<1, 1>(dq, wg_desc(dSs + kk * 16 * 128, WG_BN * 128, 1024),
                                wg_desc(Ks + wg * WG_BN * 128 + kk * 16 * 128, WG_BN * 128, 1024), kk);
+#else
+        // dQ (partial) = dS[:, 64wg..] K[64wg.., :]: this warpgroup's keys only.
+        float dq[32];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma_ss_n64<1, 1>(dq, wg_desc(dSs + (64 * wg + 16 * kk) * 128, WG_BN * 128, 1024),
+                               wg_desc(Ks + (64 * wg + 16 * kk) * 128, WG_BN * 128, 1024), kk);
+#endif
         wg_commit();
         wg_wait<0>();
         wg_pin(dq);
@@ -263,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
         for (int r = 0; r < 2; ++r) {
             const int row = te.x * WG_BM + 16 * wi + g + 8 * r;
             if (row < p.q_len) {
-                float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + 64 * wg + 2 * t;
+                float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + (D == 128 ? 64 * wg : 0) + 2 * t;
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
                     red_add2(dst + i * 8, dq[4 * i + 2 * r] * p.scale, dq[4 * i + 2 * r + 1] * p.scale);
@@ -287,9 +323,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
         }
     }
 }
-#endif // BWD_WG && D == 128
+#endif // BWD_WG && (D == 128 || D == 64)
 
-#if FWD_WG && D == 128
+#if FWD_WG && (D == 128 || D == 64)
 // ---------------------------------------------------------------- forward on wgmma (sm_90a)
 // One block per 128-row query tile, two warpgroups of 64 rows each, 128-key K/V tiles streamed
 // through cp.async. Per key tile and warpgroup: S = Q K^T (shared x shared), online softmax in
@@ -350,7 +386,7 @@ __device__ __forceinline__ void fwd_pack_p(u32 (&pa)[FW_BN / 16][4], const float
         for (int f = 0; f < 4; ++f) pa[kk][f] = pack2(s[8 * kk + 2 * f], s[8 * kk + 2 * f + 1]);
 }
 
-__device__ __forceinline__ void fwd_rescale(float (&o)[64], const float (&alpha)[2]) {
+__device__ __forceinline__ void fwd_rescale(float (&o)[D / 2], const float (&alpha)[2]) {
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
         o[4 * i] *= alpha[0]; o[4 * i + 1] *= alpha[0];
@@ -358,10 +394,10 @@ __device__ __forceinline__ void fwd_rescale(float (&o)[64], const float (&alpha)
     }
 }
 
-__device__ __forceinline__ void fwd_issue_pv(float (&o)[64], const u32 (&pa)[FW_BN / 16][4], u32 vst) {
+__device__ __forceinline__ void fwd_issue_pv(float (&o)[D / 2], const u32 (&pa)[FW_BN / 16][4], u32 vst) {
 #pragma unroll
     for (int kk = 0; kk < FW_BN / 16; ++kk)
-        wgmma_rs_n128<1>(o, pa[kk], wg_desc(vst + kk * 16 * 128, FW_BN * 128, 1024), 1);
+        wgmma_rs_nD<1>(o, pa[kk], wg_desc(vst + kk * 16 * 128, FW_BN * 128, 1024), 1);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wg(const FwdParams p) {
@@ -393,9 +429,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wg(const FwdParam
     if (e0 < e1) load_kv(e0, 0);
     cp_async_commit();
 
-    float o[64];
+    float o[D / 2];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, alpha[2];
     u32 pa[FW_BN / 16][4];
     const float sl2 = p.scale_log2;
@@ -458,5 +494,5 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wg(const FwdParam
         }
     }
 }
-#endif // FWD_WG && D == 128
+#endif // FWD_WG && (D == 128 || D == 64)
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
