@@ -213,7 +213,8 @@ impl GpuRank {
     /// intervals are measured with events. Returns when the run has completed on the GPU.
     #[allow(clippy::too_many_arguments)]
     pub fn execute(&self, plan: &Plan, sched: Option<&Schedule>, mask: &Mask, opts: &AttnOptions, inputs: Vec<GpuBuf>, timeline: bool, fail: Option<InjectedFailure>) -> Result<RunOutput> {
-        // The whole run counts for stall detection: a rank stuck anywhere is aborted.
+        // The whole run is under the stall clock, restarted by every block computed (the final
+        // wait polls their events): a rank stuck anywhere is aborted, a long healthy run is not.
         let began = self.comm.busy_begin();
         let r = match plan.dtype {
             DType::BF16 => self.execute_t::<bf16>(plan, sched, mask, opts, inputs, timeline, fail),
@@ -261,6 +262,7 @@ impl GpuRank {
         let nsteps = prog.steps.len();
         let mut tl: Vec<[[Option<CudaEvent>; 2]; 2]> = (0..nsteps).map(|_| Default::default()).collect();
         let flat: Vec<&Op> = prog.steps.iter().flatten().collect();
+        let mut progress: Vec<CudaEvent> = Vec::new();
         for so in &sched.ops {
             if let Some(f) = fail.filter(|f| f.rank == rank && f.step == so.step) {
                 match f.kind {
@@ -364,6 +366,9 @@ impl GpuRank {
             if timed {
                 tl[so.step][so.lane.index()][1] = Some(s.record_event(timing).map_err(ev_err)?);
             }
+            if matches!(op, Op::Fwd { .. } | Op::Bwd { .. }) {
+                progress.push(s.record_event(None).map_err(ev_err)?);
+            }
             if so.signals {
                 events[so.id] = Some(s.record_event(None).map_err(ev_err)?);
             }
@@ -371,7 +376,7 @@ impl GpuRank {
         // Join the comm stream into compute and wait for the end, polling for failures.
         sc.wait(&sm.record_event(None).map_err(ev_err)?).map_err(ev_err)?;
         let end = sc.record_event(if timeline { timing } else { None }).map_err(ev_err)?;
-        self.comm.wait_event(&end)?;
+        self.comm.wait_event_progress(&end, &progress)?;
         let timeline = match t_start {
             Some(t0) => {
                 let ms = |e: &Option<CudaEvent>| -> Result<Option<f64>> {

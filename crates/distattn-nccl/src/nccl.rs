@@ -467,12 +467,24 @@ impl NcclComm {
     /// Waits until `ev` has completed, polling for failures and stalls (never blocks in CUDA
     /// or NCCL, so an abort always ends the wait).
     pub fn wait_event(&self, ev: &CudaEvent) -> Result<()> {
+        self.wait_event_progress(ev, &[])
+    }
+
+    /// Like [`wait_event`](Self::wait_event), and each event of `progress` (in completion
+    /// order) that completes restarts the stall clock: a long run is aborted only when no step
+    /// of it completes within the timeout, not when the whole run takes longer than that.
+    pub fn wait_event_progress(&self, ev: &CudaEvent, progress: &[CudaEvent]) -> Result<()> {
         let began = self.busy_begin();
+        let mut next = 0;
         let r = loop {
             match ev.try_is_complete() {
                 Ok(true) => break Ok(()),
                 Ok(false) => {}
                 Err(e) => break Err(Error::Backend { backend: "cuda", reason: format!("waiting for the GPU: {e:?}") }),
+            }
+            while next < progress.len() && matches!(progress[next].try_is_complete(), Ok(true)) {
+                next += 1;
+                self.busy_progress();
             }
             if let Err(e) = self.inner.check() {
                 break Err(e);
@@ -495,6 +507,14 @@ impl NcclComm {
         }
         *b = Some(Instant::now());
         true
+    }
+
+    /// Restarts the stall clock if it runs (the work it guards has made progress).
+    pub fn busy_progress(&self) {
+        let mut b = self.inner.busy_since.lock().unwrap_or_else(|e| e.into_inner());
+        if b.is_some() {
+            *b = Some(Instant::now());
+        }
     }
 
     /// Stops the stall clock.
