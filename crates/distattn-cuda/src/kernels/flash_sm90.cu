@@ -80,6 +80,30 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 da, u64 db, in
         : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
 }
 
+// D[64 x 64] = A[64 x 16] B[16 x 64] (the first k-step: D's earlier values are not read).
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n64_z(float (&d)[32], u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32" WG_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, %35, %36;\n}\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+        : "l"(da), "l"(db), "r"(0), "n"(TA), "n"(TB));
+}
+
+// D[64 x 128] = A[64 x 16] B[16 x 128] (the first k-step: D's earlier values are not read).
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n128_z(float (&d)[64], u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32" WG_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, %67, %68;\n}\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+        : "l"(da), "l"(db), "r"(0), "n"(TA), "n"(TB));
+}
+
 // D[64 x 64] += A[64 x 16] B[16 x 64], A from registers (mma.sync A-fragment layout per warp), B from shared memory.
 template <int TB>
 __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const u32 (&a)[4], u64 db, int acc) {
@@ -104,6 +128,18 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
 }
 
+// k-step kk of a shared x shared product: the first one starts the accumulators from zero.
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss64(float (&d)[32], u64 da, u64 db, int kk) {
+    if (kk == 0) wgmma_ss_n64_z<TA, TB>(d, da, db);
+    else wgmma_ss_n64<TA, TB>(d, da, db, 1);
+}
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_ss128(float (&d)[64], u64 da, u64 db, int kk) {
+    if (kk == 0) wgmma_ss_n128_z<TA, TB>(d, da, db);
+    else wgmma_ss_n128<TA, TB>(d, da, db, 1);
+}
+
 // The register-A product whose N is the head dim (O += P V, dV += P^T dO, dK += dS^T Q).
 #if D == 128
 #define wgmma_rs_nD wgmma_rs_n128
@@ -122,7 +158,7 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4],
 //   dQ = dS K                       (dS^T through shared memory; d 128: warpgroup w takes dQ
 //                                    columns 64w.. over all 128 keys; d 64: all columns over
 //                                    its own 64 keys, so only its own dS^T rows)
-// followed by f32 reductions of dQ into global memory.
+// followed by f32 reductions of dQ into global memory, issued while the tensor cores do dK.
 #define WG_BN 128
 #define WG_BM 64
 
@@ -203,13 +239,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
         for (int kk = 0; kk < D / 16; ++kk) {
             const u32 ko = (kk >> 2) * WG_BN * 128 + wg * 64 * 128 + (kk & 3) * 32;
             const u32 qo = (kk >> 2) * WG_BM * 128 + (kk & 3) * 32;
-            wgmma_ss_n64<0, 0>(s, wg_desc(Ks + ko, 16, 1024), wg_desc(qst + qo, 16, 1024), kk);
+            wgmma_ss64<0, 0>(s, wg_desc(Ks + ko, 16, 1024), wg_desc(qst + qo, 16, 1024), kk);
         }
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const u32 ko = (kk >> 2) * WG_BN * 128 + wg * 64 * 128 + (kk & 3) * 32;
             const u32 qo = (kk >> 2) * WG_BM * 128 + (kk & 3) * 32;
-            wgmma_ss_n64<0, 0>(dp, wg_desc(Vs + ko, 16, 1024), wg_desc(dost + qo, 16, 1024), kk);
+            wgmma_ss64<0, 0>(dp, wg_desc(Vs + ko, 16, 1024), wg_desc(dost + qo, 16, 1024), kk);
         }
         wg_commit();
         wg_wait<0>();
@@ -251,16 +287,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
 #pragma unroll
         for (int kq = 0; kq < 4; ++kq)
             wgmma_rs_nD<1>(dv, pa[kq], wg_desc(dost + kq * 16 * 128, WG_BM * 128, 1024), 1);
-        // dS^T -> shared memory for dQ (before the dK MMAs take sa as their operand).
+        // dS^T -> shared memory for dQ.
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const u32 a = ds_row + ((j ^ g) << 4); // rows rk and rk + 8 share the swizzle (rk % 8 = g)
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(sa[j >> 1][(j & 1) * 2]));
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(sa[j >> 1][(j & 1) * 2 + 1]));
         }
-#pragma unroll
-        for (int kq = 0; kq < 4; ++kq)
-            wgmma_rs_nD<1>(dk, sa[kq], wg_desc(qst + kq * 16 * 128, WG_BM * 128, 1024), 1);
         wg_commit();
         fence_async_smem();
 #if D == 128
@@ -281,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < WG_BN / 16; ++kk)
-            wgmma_ss_n64<1, 1>(dq, wg_desc(dSs + kk * 16 * 128, WG_BN * 128, 1024),
+            wgmma_ss64<1, 1>(dq, wg_desc(dSs + kk * 16 * 128, WG_BN * 128, 1024),
                                wg_desc(Ks + wg * WG_BN * 128 + kk * 16 * 128, WG_BN * 128, 1024), kk);
 #else
         // dQ (partial) = dS[:, 64wg..] K[64wg.., :]: this warpgroup's keys only.
@@ -289,11 +322,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
-            wgmma_ss_n64<1, 1>(dq, wg_desc(dSs + (64 * wg + 16 * kk) * 128, WG_BN * 128, 1024),
+            wgmma_ss64<1, 1>(dq, wg_desc(dSs + (64 * wg + 16 * kk) * 128, WG_BN * 128, 1024),
                                wg_desc(Ks + (64 * wg + 16 * kk) * 128, WG_BN * 128, 1024), kk);
 #endif
         wg_commit();
-        wg_wait<0>();
+        // dK += dS^T Q after dQ: the dQ reductions below run while the tensor cores do dK.
+#pragma unroll
+        for (int kq = 0; kq < 4; ++kq)
+            wgmma_rs_nD<1>(dk, sa[kq], wg_desc(qst + kq * 16 * 128, WG_BM * 128, 1024), 1);
+        wg_commit();
+        wg_wait<1>(); // dV and dQ (dK may still run)
         wg_pin(dq);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -305,6 +343,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
                     red_add2(dst + i * 8, dq[4 * i + 2 * r] * p.scale, dq[4 * i + 2 * r + 1] * p.scale);
             }
         }
+        wg_wait<0>(); // dK: its operand stage is refilled after the next barrier
     }
     cp_async_wait<0>();
     wg_wait<0>();
@@ -452,7 +491,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wg(const FwdParam
         for (int kk = 0; kk < D / 16; ++kk) {
             const u32 qo = (kk >> 2) * FW_BM * 128 + wg * 64 * 128 + (kk & 3) * 32;
             const u32 ko = (kk >> 2) * FW_BN * 128 + (kk & 3) * 32;
-            wgmma_ss_n128<0, 0>(s, wg_desc(Qs + qo, 16, 1024), wg_desc(kst + ko, 16, 1024), kk);
+            wgmma_ss128<0, 0>(s, wg_desc(Qs + qo, 16, 1024), wg_desc(kst + ko, 16, 1024), kk);
         }
         wg_commit();
         if (e > e0) fwd_issue_pv(o, pa, Vs + ((e - 1 - e0) % FW_STAGES) * FW_BN * D * 2);
