@@ -48,12 +48,17 @@ fn drv(what: &str) -> impl Fn(DriverError) -> Error + '_ {
 
 /// True when the CUDA driver library loads and reports at least one GPU. Never panics.
 pub fn cuda_available() -> bool {
+    gpu_count() > 0
+}
+
+/// Number of CUDA GPUs visible (0 without a driver).
+pub fn gpu_count() -> usize {
     // SAFETY: tries to dlopen libcuda by its usual names.
     if !unsafe { sys::is_culib_present() } {
-        return false;
+        return 0;
     }
-    std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n > 0).unwrap_or(false))
-        .unwrap_or(false)
+    std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0))
+        .unwrap_or(0)
 }
 
 /// Output of a forward pass on host slices.

@@ -7,12 +7,12 @@ use crate::launch::LaunchEnv;
 use crate::nccl::{unique_id, GroupState, NcclComm};
 use crate::timeline::Timeline;
 use distattn_core::plan::{build, BufDesc, Pass, Plan, PlanOptions, Tensor};
-use distattn_core::{AttnOptions, AttnShape, Element, Error, Mask, Result, Strategy};
+use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Mask, Result, Strategy};
 use distattn_cuda::CudaBackend;
 use distattn_dist::{execute_rank, gather_forward, gather_grads, shard, Forward, Grads, InjectedFailure};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Options of a multi-GPU run.
 #[derive(Debug, Clone)]
@@ -221,4 +221,88 @@ pub fn gpu_backward<T: Element>(
     };
     let (outs, tl) = run_plan_host::<T>(&plan, mask, opts, &full_in, &full_f, run)?;
     Ok((gather_grads(shape, outs), tl))
+}
+
+/// This rank's inputs of `plan`, generated on its GPU: random bf16 values for Q, K, V, dO and
+/// O, LSE = 12 and delta = 0 (values that keep every exponent finite). For timing runs.
+pub fn device_inputs(g: &GpuRank, plan: &Plan, seed: u64) -> Result<Vec<GpuBuf>> {
+    if plan.dtype != DType::BF16 {
+        return Err(Error::UnsupportedDType(format!("{} (timing inputs are generated in bf16)", plan.dtype)));
+    }
+    let prog = &plan.ranks[g.rank()];
+    let s = g.compute_stream();
+    let mut out = Vec::new();
+    for (i, &(t, id)) in prog.inputs.iter().enumerate() {
+        let n = prog.bufs[id].elems(&plan.shape);
+        let b = match t {
+            Tensor::Lse => GpuBuf::filled(s, DType::F32, n, 12.0)?,
+            Tensor::Delta => GpuBuf::filled(s, DType::F32, n, 0.0)?,
+            _ => {
+                let b = GpuBuf::alloc(s, DType::BF16, n)?;
+                g.aux.rand_bf16(s, &b, seed * 131 + (g.rank() * 17 + i) as u64, 1.7)?;
+                b
+            }
+        };
+        out.push(b);
+    }
+    Ok(out)
+}
+
+/// Times `strategy` on `world` local GPUs for a bf16 problem, with the ranks, communicators and
+/// plans set up once: per pass one warm-up run, then `repeats` runs on inputs generated on the
+/// GPUs, each from a barrier to its end on the slowest rank. Returns the median forward and
+/// (with `backward`) backward times in ms.
+#[allow(clippy::too_many_arguments)]
+pub fn time_gpu_strategy(
+    strategy: Strategy,
+    world: usize,
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+    backward: bool,
+    repeats: usize,
+    run: &GpuRunOptions,
+) -> Result<(f64, Option<f64>)> {
+    let fwd = build(strategy, world, shape, mask, DType::BF16, &PlanOptions { pass: Some(Pass::Forward), ..run.plan.clone() })?;
+    let bwd = if backward {
+        Some(build(strategy, world, shape, mask, DType::BF16, &PlanOptions { pass: Some(Pass::Backward), ..run.plan.clone() })?)
+    } else {
+        None
+    };
+    let per_rank = with_gpu_ranks(world, run.first_gpu, run.timeout, |g| {
+        let time = |plan: &Plan, seed: u64| -> Result<f64> {
+            let inputs = device_inputs(g, plan, seed)?;
+            g.comm.wait_stream(g.compute_stream())?;
+            distattn_core::Communicator::barrier(&g.comm)?;
+            let t0 = Instant::now();
+            drop(g.execute(plan, None, mask, opts, inputs, false, None)?.outputs);
+            Ok(t0.elapsed().as_secs_f64() * 1e3)
+        };
+        let mut f = Vec::new();
+        let mut b = Vec::new();
+        for it in 0..=repeats.max(1) {
+            let tf = time(&fwd, 2 * it as u64)?;
+            let tb = match &bwd {
+                Some(p) => Some(time(p, 2 * it as u64 + 1)?),
+                None => None,
+            };
+            if it > 0 {
+                f.push(tf);
+                b.extend(tb);
+            }
+        }
+        Ok((f, b))
+    })?;
+    // Slowest rank per repetition, then the median.
+    let slowest = |pick: &dyn Fn(&(Vec<f64>, Vec<f64>)) -> &Vec<f64>| -> Option<f64> {
+        let n = pick(&per_rank[0]).len();
+        if n == 0 {
+            return None;
+        }
+        let mut v: Vec<f64> = (0..n).map(|i| per_rank.iter().map(|r| pick(r)[i]).fold(0.0, f64::max)).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        Some(v[n / 2])
+    };
+    let f = slowest(&|r| &r.0).ok_or_else(|| Error::Comm("no timing".into()))?;
+    Ok((f, slowest(&|r| &r.1)))
 }

@@ -169,3 +169,16 @@ fn launch_sets_rank_environment_and_names_a_failed_rank() {
     assert!(!out.status.success());
     assert!(err.contains("rank 2 failed"), "{err}");
 }
+
+#[test]
+fn bench_gpus_options_are_checked_before_any_work() {
+    let out = distattn(&["bench", "--gpus", "0"]);
+    one_line_error(&out, "--gpus must be at least 1");
+    let out = distattn(&["bench", "--gpus", "2", "--world", "2"]);
+    one_line_error(&out, "pass one of them");
+    let out = distattn(&["bench", "--gpus", "2", "--backend", "cpu"]);
+    one_line_error(&out, "drop --backend cpu");
+    // More GPUs than this machine has: a clear error, not a hang or a panic.
+    let out = distattn(&["bench", "--gpus", "4096"]);
+    one_line_error(&out, "--gpus 4096 needs 4096 CUDA GPUs");
+}

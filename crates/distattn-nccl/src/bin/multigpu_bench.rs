@@ -19,7 +19,7 @@ use distattn_dist::unshard_into;
 use distattn_nccl::buf::{Aux, GpuBuf};
 use distattn_nccl::gpu::{pool_peak_bytes, GpuRank};
 use distattn_nccl::launch::LaunchEnv;
-use distattn_nccl::runner::{upload_inputs, with_gpu_ranks};
+use distattn_nccl::runner::{device_inputs, upload_inputs, with_gpu_ranks};
 use distattn_nccl::{gpu_rank_from_env, schedule, Timeline};
 use half::bf16;
 use serde_json::json;
@@ -307,26 +307,6 @@ fn flops_fwd(mask: &Mask, shape: &AttnShape) -> f64 {
     4.0 * mask.area() as f64 * shape.batch as f64 * shape.head_dim as f64 * shape.heads as f64
 }
 
-/// Random inputs of a plan's rank on the device: Q/K/V/dO uniform, LSE = 12, D = 0.
-fn device_inputs(g: &GpuRank, plan: &Plan, seed: u64) -> Result<Vec<GpuBuf>> {
-    let prog = &plan.ranks[g.rank()];
-    let s = g.compute_stream();
-    let mut out = Vec::new();
-    for (i, &(t, id)) in prog.inputs.iter().enumerate() {
-        let n = prog.bufs[id].elems(&plan.shape);
-        let b = match t {
-            Tensor::Lse => GpuBuf::filled(s, DType::F32, n, 12.0)?,
-            Tensor::Delta => GpuBuf::filled(s, DType::F32, n, 0.0)?,
-            _ => {
-                let b = GpuBuf::alloc(s, DType::BF16, n)?;
-                g.aux.rand_bf16(s, &b, seed * 131 + (g.rank() * 17 + i) as u64, 1.7)?;
-                b
-            }
-        };
-        out.push(b);
-    }
-    Ok(out)
-}
 
 /// Times single-GPU kernels (forward, backward) on GPU 0, ms (median).
 fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)> {

@@ -61,7 +61,12 @@ pub struct BenchArgs {
     /// Also time context-parallel strategies on this many in-process ranks.
     #[arg(long, default_value_t = 1)]
     world: usize,
-    /// Strategies timed when --world > 1.
+    /// Also time context-parallel strategies across this many local GPUs (NCCL; bf16 only):
+    /// ranks set up once, inputs generated on the GPUs, each run timed from a barrier to its
+    /// end on the slowest rank.
+    #[arg(long)]
+    gpus: Option<usize>,
+    /// Strategies timed when --world or --gpus > 1.
     #[arg(long, value_delimiter = ',', default_values_t = ["ring".parse::<Strategy>().unwrap(), "zigzag".parse().unwrap(), "balanced".parse().unwrap(), "ulysses".parse().unwrap(), "allgather".parse().unwrap(), "dispatch".parse().unwrap()])]
     strategies: Vec<Strategy>,
 }
@@ -86,6 +91,13 @@ struct Row {
     dtype: String,
     ms: f64,
     tflops: f64,
+    /// GPUs used (0 on the CPU).
+    gpus: usize,
+    /// Throughput per GPU (per rank on the CPU).
+    tflops_per_gpu: f64,
+    /// Per-GPU (per-rank) throughput over the single kernel's in the same run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scaling_eff: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -115,12 +127,20 @@ fn random_tensor(rng: &mut rand::rngs::StdRng, shape: Vec<usize>, dtype: DType) 
 }
 
 fn median_ms(repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?; // warm-up: page faults, thread pool start
-    let mut times = Vec::with_capacity(repeats);
-    for _ in 0..repeats.max(1) {
+    median_of(repeats, || {
         let t = Instant::now();
         f()?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    })
+}
+
+/// Median of `repeats` measurements returned by `f`, after one warm-up call (page faults,
+/// thread pool start, kernel compilation).
+fn median_of(repeats: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
+    f()?;
+    let mut times = Vec::with_capacity(repeats);
+    for _ in 0..repeats.max(1) {
+        times.push(f()?);
     }
     times.sort_by(|a, b| a.total_cmp(b));
     Ok(times[times.len() / 2])
@@ -192,7 +212,11 @@ fn cpu_name() -> String {
     format!("cpu: {model}, {} threads", rayon::current_num_threads())
 }
 
+/// The commit measured: `DISTATTN_COMMIT` when set (a copied tree's git may be stale), else git's.
 fn commit() -> String {
+    if let Ok(c) = std::env::var("DISTATTN_COMMIT") {
+        return c;
+    }
     std::process::Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
         .output()
@@ -204,8 +228,8 @@ fn commit() -> String {
 
 fn print_table(rows: &[Row]) {
     println!(
-        "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10} {:>9} {:>10} {:>9}",
-        "backend", "strategy", "dtype", "mask", "seq", "heads", "d", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s"
+        "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10} {:>9} {:>10} {:>9} {:>11}",
+        "backend", "strategy", "dtype", "mask", "seq", "heads", "d", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "per-GPU eff"
     );
     for fwd in rows.iter().filter(|r| r.pass == "fwd") {
         let bwd = rows.iter().find(|r| {
@@ -222,11 +246,14 @@ fn print_table(rows: &[Row]) {
             mask.truncate(19);
             mask.push_str("...");
         }
+        // Scaling of the per-GPU (per-rank) throughput against the single kernel, fwd / bwd.
+        let pct = |r: Option<&Row>| r.and_then(|r| r.scaling_eff).map_or("-".to_string(), |e| format!("{:.0}%", 100.0 * e));
+        let eff = if fwd.world > 1 { format!("{} / {}", pct(Some(fwd)), pct(bwd)) } else { "-".into() };
         println!(
-            "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10.1} {:>9.3} {:>10} {:>9}",
+            "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10.1} {:>9.3} {:>10} {:>9} {:>11}",
             fwd.backend,
             if fwd.world > 1 { format!("{}x{}", fwd.strategy, fwd.world) } else { fwd.strategy.clone() },
-            fwd.dtype, mask, fwd.seq, fwd.heads, fwd.head_dim, fwd.ms, fwd.tflops, bms, btf
+            fwd.dtype, mask, fwd.seq, fwd.heads, fwd.head_dim, fwd.ms, fwd.tflops, bms, btf, eff
         );
     }
 }
@@ -280,6 +307,10 @@ fn time_exec(
     repeats: usize,
     forward_only: bool,
 ) -> Result<(f64, Option<f64>)> {
+    if let Execution::GpuRanks { strategy, world, run } = exec {
+        // Ranks, communicators and plans set up once; inputs generated on the GPUs.
+        return Ok(distattn::nccl::time_gpu_strategy(*strategy, *world, shape, mask, opts, !forward_only, repeats, run)?);
+    }
     if let Execution::Cuda(gpu) = exec {
         return match (&q.data, &k.data, &v.data, &g.data) {
             (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v), TensorData::BF16(g)) => {
@@ -308,6 +339,22 @@ fn time_exec(
 }
 
 pub fn bench(mut args: BenchArgs) -> Result<()> {
+    let gpus = args.gpus.unwrap_or(0);
+    if args.gpus == Some(0) {
+        bail!("--gpus must be at least 1");
+    }
+    if gpus > 0 && args.world > 1 {
+        bail!("--world times in-process CPU ranks and --gpus local GPUs: pass one of them");
+    }
+    if gpus > 0 && args.backend == BackendArg::Cpu {
+        bail!("--gpus runs on the GPUs: drop --backend cpu");
+    }
+    if gpus > 0 {
+        let found = distattn::cuda::gpu_count();
+        if found < gpus {
+            bail!("--gpus {gpus} needs {gpus} CUDA GPUs; {found} found");
+        }
+    }
     let backend = if args.world > 1 && args.backend == BackendArg::Auto { BackendArg::Cpu } else { args.backend };
     let single = backend.execution(DType::BF16)?;
     let gpu = matches!(single, Execution::Cuda(_));
@@ -322,10 +369,12 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
     }
     let heads = args.heads.unwrap_or(if gpu { 16 } else { 4 });
     let kv_heads = args.kv_heads.unwrap_or(heads);
-    eprintln!("{}", match &single {
+    let device = match &single {
+        Execution::Cuda(g) if gpus > 1 => format!("cuda: {} x {gpus}", g.device_name()),
         Execution::Cuda(g) => format!("cuda: {}", g.device_name()),
         _ => cpu_name(),
-    });
+    };
+    eprintln!("{device}");
     let check = check(args.seed, &single)?;
     eprintln!("{check}");
     let mut configs = Vec::new();
@@ -361,12 +410,20 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
                 execs.push(Execution::Ranks { strategy, world: args.world, run });
             }
         }
+        if gpus > 0 && dtype == DType::BF16 {
+            for &strategy in &args.strategies {
+                let plan = distattn::PlanOptions { documents: spec.doc_lens(seq), ..Default::default() };
+                let run = distattn::nccl::GpuRunOptions { plan, ..Default::default() };
+                execs.push(Execution::GpuRanks { strategy, world: gpus, run });
+            }
+        }
+        let mut single_tflops: Option<(f64, Option<f64>)> = None;
         for exec in &execs {
-            let (backend, strategy, world) = match exec {
-                Execution::Single => ("cpu", "single".to_string(), 1),
-                Execution::Cuda(_) => ("cuda", "single".to_string(), 1),
-                Execution::Ranks { strategy, world, .. } => ("cpu", strategy.to_string(), *world),
-                Execution::GpuRanks { strategy, world, .. } => ("cuda", strategy.to_string(), *world),
+            let (backend, strategy, world, n_gpus) = match exec {
+                Execution::Single => ("cpu", "single".to_string(), 1, 0),
+                Execution::Cuda(_) => ("cuda", "single".to_string(), 1, 1),
+                Execution::Ranks { strategy, world, .. } => ("cpu", strategy.to_string(), *world, 0),
+                Execution::GpuRanks { strategy, world, .. } => ("cuda", strategy.to_string(), *world, *world),
             };
             let timed = time_exec(exec, &q, &k, &v, &g, &shape, &mask, &opts, args.repeats, args.forward_only);
             let (fwd_ms, bwd_ms) = match timed {
@@ -395,11 +452,29 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
                 dtype: dtype.to_string(),
                 ms: fwd_ms,
                 tflops: flops / fwd_ms / 1e9,
+                gpus: n_gpus,
+                tflops_per_gpu: flops / fwd_ms / 1e9 / world as f64,
+                scaling_eff: None,
             };
-            rows.push(row.clone());
-            if let Some(ms) = bwd_ms {
-                rows.push(Row { pass: "bwd".into(), ms, tflops: 2.5 * flops / ms / 1e9, ..row });
+            let bwd = bwd_ms.map(|ms| Row {
+                pass: "bwd".into(),
+                ms,
+                tflops: 2.5 * flops / ms / 1e9,
+                tflops_per_gpu: 2.5 * flops / ms / 1e9 / world as f64,
+                ..row.clone()
+            });
+            match single_tflops {
+                None => single_tflops = Some((row.tflops, bwd.as_ref().map(|b| b.tflops))),
+                Some((f, b)) => {
+                    rows.push(Row { scaling_eff: Some(row.tflops_per_gpu / f), ..row });
+                    if let (Some(bwd), Some(b)) = (bwd, b) {
+                        rows.push(Row { scaling_eff: Some(bwd.tflops_per_gpu / b), ..bwd });
+                    }
+                    continue;
+                }
             }
+            rows.push(row);
+            rows.extend(bwd);
         }
         bar.inc(1);
     }
@@ -407,7 +482,7 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
     print_table(&rows);
     if let Some(path) = &args.json {
         let report = Report {
-            device: cpu_name(),
+            device,
             date: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
             commit: commit(),
             check,
