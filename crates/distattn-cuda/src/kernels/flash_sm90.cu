@@ -140,6 +140,19 @@ __device__ __forceinline__ void wgmma_ss128(float (&d)[64], u64 da, u64 db, int 
     else wgmma_ss_n128<TA, TB>(d, da, db, 1);
 }
 
+// acc = A B^T over the head dim, both operands K-major in swizzled [rows][D] tiles: A is the 64
+// rows from a_row0 of a tile of a_rows rows, B all b_rows (= N) rows of its tile.
+template <int NA>
+__device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_rows, int a_row0, u32 b, int b_rows) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const u64 da = wg_desc(a + (kk >> 2) * a_rows * 128 + a_row0 * 128 + (kk & 3) * 32, 16, 1024);
+        const u64 db = wg_desc(b + (kk >> 2) * b_rows * 128 + (kk & 3) * 32, 16, 1024);
+        if constexpr (NA == 32) wgmma_ss64<0, 0>(acc, da, db, kk);
+        else wgmma_ss128<0, 0>(acc, da, db, kk);
+    }
+}
+
 // The register-A product whose N is the head dim (O += P V, dV += P^T dO, dK += dS^T Q).
 #if D == 128
 #define wgmma_rs_nD wgmma_rs_n128
@@ -235,18 +248,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
 
         float s[32], dp[32];
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 ko = (kk >> 2) * WG_BN * 128 + wg * 64 * 128 + (kk & 3) * 32;
-            const u32 qo = (kk >> 2) * WG_BM * 128 + (kk & 3) * 32;
-            wgmma_ss64<0, 0>(s, wg_desc(Ks + ko, 16, 1024), wg_desc(qst + qo, 16, 1024), kk);
-        }
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 ko = (kk >> 2) * WG_BN * 128 + wg * 64 * 128 + (kk & 3) * 32;
-            const u32 qo = (kk >> 2) * WG_BM * 128 + (kk & 3) * 32;
-            wgmma_ss64<0, 0>(dp, wg_desc(Vs + ko, 16, 1024), wg_desc(dost + qo, 16, 1024), kk);
-        }
+        wg_gemm_kmajor(s, Ks, WG_BN, 64 * wg, qst, WG_BM);
+        wg_gemm_kmajor(dp, Vs, WG_BN, 64 * wg, dost, WG_BM);
         wg_commit();
         wg_wait<0>();
         wg_pin(s);
@@ -487,12 +490,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wg(const FwdParam
 
         float s[64];
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 qo = (kk >> 2) * FW_BM * 128 + wg * 64 * 128 + (kk & 3) * 32;
-            const u32 ko = (kk >> 2) * FW_BN * 128 + (kk & 3) * 32;
-            wgmma_ss128<0, 0>(s, wg_desc(Qs + qo, 16, 1024), wg_desc(kst + ko, 16, 1024), kk);
-        }
+        wg_gemm_kmajor(s, Qs, FW_BM, 64 * wg, kst, FW_BN);
         wg_commit();
         if (e > e0) fwd_issue_pv(o, pa, Vs + ((e - 1 - e0) % FW_STAGES) * FW_BN * D * 2);
         wg_commit();
