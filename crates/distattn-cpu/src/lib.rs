@@ -37,17 +37,6 @@ pub struct Grads {
     pub dv: Vec<f32>,
 }
 
-pub(crate) fn check_mask(shape: &AttnShape, mask: &Mask) -> Result<()> {
-    if mask.q_len() != shape.q_len || mask.k_len() != shape.k_len {
-        return Err(Error::ShapeMismatch {
-            tensor: "mask".into(),
-            expected: format!("{}x{} (q_len x k_len of {shape})", shape.q_len, shape.k_len),
-            got: format!("{}x{}", mask.q_len(), mask.k_len()),
-        });
-    }
-    Ok(())
-}
-
 pub(crate) fn check_scale(opts: &AttnOptions, d: usize) -> Result<f32> {
     let s = opts.scale_for(d);
     if !(s.is_finite() && s > 0.0) {
@@ -64,7 +53,7 @@ pub(crate) fn check_qkv(shape: &AttnShape, mask: &Mask, q: usize, k: usize, v: u
     shape.check_len("q", q, shape.q_elems())?;
     shape.check_len("k", k, shape.kv_elems())?;
     shape.check_len("v", v, shape.kv_elems())?;
-    check_mask(shape, mask)
+    mask.check_fits(shape)
 }
 
 /// Flash attention forward.

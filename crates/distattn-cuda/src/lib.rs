@@ -378,13 +378,7 @@ impl CudaBackend {
 
     fn check_common<T: CudaElement>(&self, shape: &AttnShape, mask: &Mask) -> Result<KernelConfig> {
         shape.validate()?;
-        if mask.q_len() != shape.q_len || mask.k_len() != shape.k_len {
-            return Err(Error::ShapeMismatch {
-                tensor: "mask".into(),
-                expected: format!("{}x{}", shape.q_len, shape.k_len),
-                got: format!("{}x{}", mask.q_len(), mask.k_len()),
-            });
-        }
+        mask.check_fits(shape)?;
         if shape.q_len > i32::MAX as usize / 2 || shape.k_len > i32::MAX as usize / 2 {
             return Err(backend_err("sequence too long for 32-bit tile indices"));
         }
@@ -496,23 +490,16 @@ impl CudaBackend {
         dk: &mut CudaSlice<T>,
         dv: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let cfg = self.backward_config::<T>(shape, mask)?;
-        for (n, b) in [("q", q), ("o", o), ("dout", dout)] {
+        self.backward_config::<T>(shape, mask)?;
+        // (The rest is checked by backward_with_delta; these two are read or written here.)
+        for (n, b) in [("o", o), ("dout", dout), ("dq", &*dq)] {
             self.check_buf(n, b, shape.q_elems(), shape)?;
         }
-        for (n, b) in [("k", k), ("v", v)] {
-            self.check_buf(n, b, shape.kv_elems(), shape)?;
-        }
-        self.check_buf("lse", lse, shape.lse_elems(), shape)?;
-        self.check_buf("dq", dq, shape.q_elems(), shape)?;
-        self.check_buf("dk", dk, shape.kv_elems(), shape)?;
-        self.check_buf("dv", dv, shape.kv_elems(), shape)?;
         let kern = self.kernels(T::DTYPE, shape.head_dim)?;
-        let plan = self.plan(mask, cfg.bwd_bm, cfg.bwd_bn(), true)?;
         let s = &self.stream;
         let delta =
             unsafe { s.alloc::<f32>(shape.lse_elems()) }.map_err(drv("allocating delta"))?;
-        let dq_acc = s
+        let mut dq_acc = s
             .alloc_zeros::<f32>(shape.q_elems())
             .map_err(drv("allocating the dQ accumulator"))?;
         let rows = (shape.batch * shape.q_len * shape.heads) as i64;
@@ -531,44 +518,9 @@ impl CudaBackend {
         };
         unsafe { s.launch_builder(&kern.delta).arg(&dp).launch(lc) }
             .map_err(drv("launching bwd_delta"))?;
-        let scale = opts.scale_for(shape.head_dim);
-        let bp = BwdParams {
-            q: ptr_of(q, s),
-            k: ptr_of(k, s),
-            v: ptr_of(v, s),
-            dout: ptr_of(dout, s),
-            lse: ptr_of(lse, s),
-            delta: ptr_of(&delta, s),
-            dq_acc: ptr_of(&dq_acc, s),
-            dk: ptr_of(dk, s),
-            dv: ptr_of(dv, s),
-            tile_ptr: ptr_of(&plan.ptr, s),
-            tiles: ptr_of(&plan.tiles, s),
-            bits: ptr_of(&plan.bits, s),
-            batch: shape.batch as i32,
-            q_len: shape.q_len as i32,
-            k_len: shape.k_len as i32,
-            heads: shape.heads as i32,
-            kv_heads: shape.kv_heads as i32,
-            n_tiles: plan.n_major as i32,
-            scale_log2: scale * LOG2E,
-            scale,
-        };
-        let lc = LaunchConfig {
-            grid_dim: (
-                plan.n_major as u32,
-                shape.kv_heads as u32,
-                shape.batch as u32,
-            ),
-            block_dim: (32 * cfg.bwd_warps as u32, 1, 1),
-            shared_mem_bytes: cfg.bwd_smem() as u32,
-        };
-        let dkdv = kern
-            .dkdv
-            .as_ref()
-            .ok_or_else(|| backend_err("dK/dV kernel missing"))?;
-        unsafe { s.launch_builder(dkdv).arg(&bp).launch(lc) }
-            .map_err(drv("launching flash_bwd_dkdv"))?;
+        self.backward_with_delta(
+            q, k, v, dout, lse, &delta, shape, mask, opts, &mut dq_acc, dk, dv,
+        )?;
         let n2 = (shape.q_elems() / 2) as i64;
         let lc = LaunchConfig {
             grid_dim: (((n2 + 255) / 256) as u32, 1, 1),

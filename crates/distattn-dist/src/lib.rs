@@ -141,14 +141,7 @@ fn check_inputs(shape: &AttnShape, mask: &Mask, lens: &[(&str, usize, usize)]) -
     for &(name, got, want) in lens {
         shape.check_len(name, got, want)?;
     }
-    if mask.q_len() != shape.q_len || mask.k_len() != shape.k_len {
-        return Err(Error::ShapeMismatch {
-            tensor: "mask".into(),
-            expected: format!("{}x{}", shape.q_len, shape.k_len),
-            got: format!("{}x{}", mask.q_len(), mask.k_len()),
-        });
-    }
-    Ok(())
+    mask.check_fits(shape)
 }
 
 /// Runs a forward plan on thread-ranks from full inputs; returns the full (O, LSE).
@@ -263,7 +256,7 @@ pub fn distributed_forward<T: Element>(
     opts: &AttnOptions,
     run: &RunOptions,
 ) -> Result<Forward> {
-    let popts = PlanOptions { pass: Some(Pass::Forward), ..run.plan.clone() };
+    let popts = run.plan.with_pass(Pass::Forward);
     let plan = build(strategy, world, shape, mask, T::DTYPE, &popts)?;
     run_forward(&plan, &CpuBackend, q, k, v, mask, opts, run)
 }
@@ -285,7 +278,7 @@ pub fn distributed_backward<T: Element>(
     opts: &AttnOptions,
     run: &RunOptions,
 ) -> Result<Grads> {
-    let popts = PlanOptions { pass: Some(Pass::Backward), ..run.plan.clone() };
+    let popts = run.plan.with_pass(Pass::Backward);
     let plan = build(strategy, world, shape, mask, T::DTYPE, &popts)?;
     run_backward(&plan, &CpuBackend, q, k, v, o, lse, d_o, mask, opts, run)
 }

@@ -9,6 +9,7 @@ use crate::timeline::Timeline;
 use distattn_core::plan::{build, BufDesc, Pass, Plan, PlanOptions, Tensor};
 use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Mask, Result, Strategy};
 use distattn_cuda::CudaBackend;
+use distattn_dist::comm::panic_message;
 use distattn_dist::{execute_rank, gather_forward, gather_grads, shard, Forward, Grads, InjectedFailure};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -34,16 +35,6 @@ pub struct GpuRunOptions {
 impl Default for GpuRunOptions {
     fn default() -> Self {
         GpuRunOptions { plan: PlanOptions::default(), timeout: Duration::from_secs(60), overlap: true, timeline: false, first_gpu: 0, fail: None }
-    }
-}
-
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "panic".into()
     }
 }
 
@@ -175,7 +166,7 @@ pub fn gpu_forward<T: Element>(
     opts: &AttnOptions,
     run: &GpuRunOptions,
 ) -> Result<(Forward, Vec<Timeline>)> {
-    let popts = PlanOptions { pass: Some(Pass::Forward), ..run.plan.clone() };
+    let popts = run.plan.with_pass(Pass::Forward);
     let plan = build(strategy, world, shape, mask, T::DTYPE, &popts)?;
     let full_in = |t: Tensor| match t {
         Tensor::Q => Some(q),
@@ -204,7 +195,7 @@ pub fn gpu_backward<T: Element>(
     opts: &AttnOptions,
     run: &GpuRunOptions,
 ) -> Result<(Grads, Vec<Timeline>)> {
-    let popts = PlanOptions { pass: Some(Pass::Backward), ..run.plan.clone() };
+    let popts = run.plan.with_pass(Pass::Backward);
     let plan = build(strategy, world, shape, mask, T::DTYPE, &popts)?;
     let delta = distattn_cpu::row_delta(o, d_o, shape)?;
     let full_in = |t: Tensor| match t {
@@ -263,9 +254,9 @@ pub fn time_gpu_strategy(
     repeats: usize,
     run: &GpuRunOptions,
 ) -> Result<(f64, Option<f64>)> {
-    let fwd = build(strategy, world, shape, mask, DType::BF16, &PlanOptions { pass: Some(Pass::Forward), ..run.plan.clone() })?;
+    let fwd = build(strategy, world, shape, mask, DType::BF16, &run.plan.with_pass(Pass::Forward))?;
     let bwd = if backward {
-        Some(build(strategy, world, shape, mask, DType::BF16, &PlanOptions { pass: Some(Pass::Backward), ..run.plan.clone() })?)
+        Some(build(strategy, world, shape, mask, DType::BF16, &run.plan.with_pass(Pass::Backward))?)
     } else {
         None
     };

@@ -227,6 +227,18 @@ pub struct Mask {
 }
 
 impl Mask {
+    /// Checks that this mask is `q_len x k_len` of `shape`.
+    pub fn check_fits(&self, shape: &crate::AttnShape) -> Result<()> {
+        if self.q_len() != shape.q_len || self.k_len() != shape.k_len {
+            return Err(Error::ShapeMismatch {
+                tensor: "mask".into(),
+                expected: format!("{}x{} (q_len x k_len of {shape})", shape.q_len, shape.k_len),
+                got: format!("{}x{}", self.q_len(), self.k_len()),
+            });
+        }
+        Ok(())
+    }
+
     /// A mask from explicit slices. Fails if a slice leaves the matrix, is empty, or two
     /// slices keep the same (query, key) pair.
     pub fn from_slices(q_len: usize, k_len: usize, slices: Vec<MaskSlice>) -> Result<Self> {

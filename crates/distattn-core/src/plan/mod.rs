@@ -346,6 +346,11 @@ impl PlanOptions {
         PlanOptions { pass: Some(Pass::Backward), ring_backward, ..Default::default() }
     }
 
+    /// These options for `pass`.
+    pub fn with_pass(&self, pass: Pass) -> Self {
+        PlanOptions { pass: Some(pass), ..self.clone() }
+    }
+
     pub fn pass(&self) -> Pass {
         self.pass.unwrap_or(Pass::Forward)
     }
@@ -429,13 +434,7 @@ pub fn build(
     if world == 0 {
         return Err(Error::ZeroDim { what: "world size" });
     }
-    if mask.q_len() != shape.q_len || mask.k_len() != shape.k_len {
-        return Err(Error::ShapeMismatch {
-            tensor: "mask".into(),
-            expected: format!("{}x{}", shape.q_len, shape.k_len),
-            got: format!("{}x{}", mask.q_len(), mask.k_len()),
-        });
-    }
+    mask.check_fits(shape)?;
     let mut b = Builder::new(strategy, world, shape, mask, dtype, opts);
     crate::strategy::plan_into(strategy, &mut b)?;
     b.finish()
