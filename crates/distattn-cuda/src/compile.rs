@@ -329,7 +329,9 @@ pub struct Compiled {
     pub from_cache: bool,
 }
 
-fn fnv64(parts: &[&[u8]]) -> u64 {
+/// FNV-1a 64 over `parts`, each followed by a separator byte (stable across runs and builds:
+/// the disk cache's keys).
+pub fn fnv64(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf29ce484222325;
     for p in parts {
         for &b in *p {

@@ -239,7 +239,8 @@ impl Communicator for ThreadComm {
     }
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+/// The message of a caught panic payload (`"panic"` when it carries none).
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         s.to_string()
     } else if let Some(s) = p.downcast_ref::<String>() {

@@ -34,19 +34,6 @@ pub struct RunOutput {
     pub timeline: Option<Timeline>,
 }
 
-fn fnv(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for p in parts {
-        for &b in *p {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x100000001b3);
-        }
-        h ^= 0xff;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    h
-}
-
 fn ev_err(e: cudarc::driver::DriverError) -> Error {
     gpu_err("events")(e)
 }
@@ -115,7 +102,7 @@ impl GpuRank {
     /// An index list uploaded on `s` (cached by content).
     fn indices(&self, s: &Arc<CudaStream>, lane: usize, v: &[i64]) -> Result<Arc<CudaSlice<i64>>> {
         let bytes = distattn_core::comm::as_bytes(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u64, v.len()) });
-        let key = (fnv(&[bytes]), lane);
+        let key = (distattn_cuda::compile::fnv64(&[bytes]), lane);
         if let Some(x) = self.cache.lock().map_err(|_| Error::Comm("cache poisoned".into()))?.get(&key) {
             return Ok(x.clone());
         }
