@@ -1,6 +1,6 @@
-//! Entry points for the multi-GPU executor (crate `distattn-nccl`): the backward of one block
-//! given a precomputed D = rowsum(dO ∘ O) and an f32 dQ accumulator, as the distributed plans
-//! need (they carry the global LSE and D, never O).
+//! The backward of one block given a precomputed D = rowsum(dO ∘ O) and an f32 dQ
+//! accumulator: what the multi-GPU executor (crate `distattn-nccl`) needs (its plans carry the
+//! global LSE and D, never O), and the core of [`CudaBackend::backward`].
 
 use super::*;
 
