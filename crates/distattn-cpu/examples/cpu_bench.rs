@@ -109,23 +109,6 @@ fn randn(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// CPU seconds used by the whole process (all threads); `--cpu-time` rates by this instead of
-/// wall time, to tune single-threaded (RAYON_NUM_THREADS=1) on a machine others are loading.
-fn process_cpu_s() -> f64 {
-    #[repr(C)]
-    struct Timespec {
-        sec: i64,
-        nsec: i64,
-    }
-    extern "C" {
-        fn clock_gettime(clk: i32, ts: *mut Timespec) -> i32;
-    }
-    const CLOCK_PROCESS_CPUTIME_ID: i32 = 2;
-    let mut ts = Timespec { sec: 0, nsec: 0 };
-    unsafe { clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
-    ts.sec as f64 + ts.nsec as f64 * 1e-9
-}
-
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -161,14 +144,14 @@ fn run<T: Element>(c: &Case, a: &Args, rows: &mut Vec<String>) {
         let mut times = Vec::new();
         for _ in 0..a.reps + 1 {
             let t = Instant::now();
-            let c0 = process_cpu_s();
+            let c0 = cpu_time::ProcessTime::now();
             if pass == "fwd" {
                 std::hint::black_box(distattn_cpu::forward_with(&q, &k, &v, &s, c.mask, &opts, tiles).unwrap());
             } else {
                 let delta = distattn_cpu::row_delta(&f.o, &d_o, &s).unwrap();
                 std::hint::black_box(distattn_cpu::backward_with(&q, &k, &v, &d_o, &f.lse, &delta, &s, c.mask, &opts, tiles).unwrap());
             }
-            times.push(if a.cpu_time { process_cpu_s() - c0 } else { t.elapsed().as_secs_f64() });
+            times.push(if a.cpu_time { c0.elapsed().as_secs_f64() } else { t.elapsed().as_secs_f64() });
         }
         times.remove(0); // warm-up
         let flops = if pass == "fwd" { fwd_flops } else { 2.5 * fwd_flops };

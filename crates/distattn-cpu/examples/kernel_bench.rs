@@ -3,22 +3,6 @@
 //! cargo run --release -p distattn-cpu --example kernel_bench
 use distattn_cpu::flash::gemm::{gemm, simd_available, AOp};
 
-/// CPU time of this thread (immune to time-slicing by other processes on a shared machine).
-fn thread_cpu_s() -> f64 {
-    #[repr(C)]
-    struct Timespec {
-        sec: i64,
-        nsec: i64,
-    }
-    extern "C" {
-        fn clock_gettime(clk: i32, ts: *mut Timespec) -> i32;
-    }
-    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
-    let mut ts = Timespec { sec: 0, nsec: 0 };
-    unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.sec as f64 + ts.nsec as f64 * 1e-9
-}
-
 fn main() {
     let simd = simd_available();
     for &(m, n, k, trans) in &[(96, 64, 64, false), (96, 64, 128, false), (96, 128, 64, false), (64, 64, 64, true), (64, 128, 64, true), (96, 128, 128, false)] {
@@ -29,11 +13,11 @@ fn main() {
         let iters = 20000;
         let mut best = f64::INFINITY;
         for _ in 0..5 {
-            let t = thread_cpu_s();
+            let t = cpu_time::ThreadTime::now();
             for _ in 0..iters {
                 unsafe { gemm(simd, m, n, k, AOp { ptr: a.as_ptr(), rs, cs }, b.as_ptr(), n, c.as_mut_ptr(), n, true) };
             }
-            best = best.min(thread_cpu_s() - t);
+            best = best.min(t.elapsed().as_secs_f64());
         }
         println!("m={m} n={n} k={k} transA={trans}: {:.1} GFLOP/s", 2.0 * (m * n * k * iters) as f64 / best / 1e9);
     }
@@ -42,7 +26,7 @@ fn main() {
     let mut best = f64::INFINITY;
     let iters = 2000;
     for _ in 0..5 {
-        let t = thread_cpu_s();
+        let t = cpu_time::ThreadTime::now();
         let mut acc = 0f32;
         for _ in 0..iters {
             for r in row.chunks_mut(std::env::var("ROWLEN").map(|v| v.parse().unwrap()).unwrap_or(64)) {
@@ -51,7 +35,7 @@ fn main() {
             }
         }
         std::hint::black_box(acc);
-        best = best.min(thread_cpu_s() - t);
+        best = best.min(t.elapsed().as_secs_f64());
     }
     println!("fwd_row: {:.3} ns per score", best / (iters * row.len()) as f64 * 1e9);
 }
