@@ -457,6 +457,26 @@ struct BwdParams {
 #if D <= 128 // the dK/dV kernel holds dK and dV in registers: head dims up to 128
 
 #if !BWD_V2 // the one-warp-per-16-keys kernel (sm_80, head dim 96)
+// acc = A B^T for one warp: A's 16 rows at a_addr, B's BWD_BM rows at b_addr (addresses carry
+// the lane's ldmatrix offset), both D wide with row stride LDS. The v1 backward's S^T = K Q^T
+// and dP^T = V dO^T.
+__device__ __forceinline__ void mma_warp_16xbm(float (&acc)[BWD_BM / 8][4], u32 a_addr, u32 b_addr) {
+#pragma unroll
+    for (int j = 0; j < BWD_BM / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 a[4];
+        ldsm_x4a(a[0], a[1], a[2], a[3], a_addr + 2 * kk * 16);
+#pragma unroll
+        for (int nj = 0; nj < BWD_BM / 16; ++nj) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4a(b0, b1, b2, b3, b_addr + 2 * (nj * 16 * LDS + kk * 16));
+            mma16816(acc[2 * nj], a, b0, b1);
+            mma16816(acc[2 * nj + 1], a, b2, b3);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* Ks = (elem_t*)smem_raw;
@@ -533,20 +553,7 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
 
         // S^T = K Q^T (this warp's 16 keys x BWD_BM queries)
         float sp[BWD_BM / 8][4];
-#pragma unroll
-        for (int j = 0; j < BWD_BM / 8; ++j) sp[j][0] = sp[j][1] = sp[j][2] = sp[j][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            u32 a[4];
-            ldsm_x4a(a[0], a[1], a[2], a[3], krow + 2 * kk * 16);
-#pragma unroll
-            for (int nj = 0; nj < BWD_BM / 16; ++nj) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4a(b0, b1, b2, b3, qst + laneB + 2 * (nj * 16 * LDS + kk * 16));
-                mma16816(sp[2 * nj], a, b0, b1);
-                mma16816(sp[2 * nj + 1], a, b2, b3);
-            }
-        }
+        mma_warp_16xbm(sp, krow, qst + laneB);
         // P^T = exp2(S^T * scale_log2 - lse2), masked entries 0.
         {
             constexpr int W = BWD_BN / 32;
@@ -588,20 +595,7 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
         }
         // dP^T = V dO^T
         float dp[BWD_BM / 8][4];
-#pragma unroll
-        for (int j = 0; j < BWD_BM / 8; ++j) dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            u32 a[4];
-            ldsm_x4a(a[0], a[1], a[2], a[3], vrow + 2 * kk * 16);
-#pragma unroll
-            for (int nj = 0; nj < BWD_BM / 16; ++nj) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4a(b0, b1, b2, b3, dost + laneB + 2 * (nj * 16 * LDS + kk * 16));
-                mma16816(dp[2 * nj], a, b0, b1);
-                mma16816(dp[2 * nj + 1], a, b2, b3);
-            }
-        }
+        mma_warp_16xbm(dp, vrow, dost + laneB);
         // dS^T = P^T * (dP^T - delta); stage it (bf16/f16) for dQ.
 #pragma unroll
         for (int j = 0; j < BWD_BM / 8; ++j) {
