@@ -108,11 +108,6 @@ __device__ __forceinline__ void ldsm_x4a_t(u32& r0, u32& r1, u32& r2, u32& r3, u
                  : "r"(addr));
 }
 
-// dst[0..4] += v (16-byte aligned; sm_90 only).
-__device__ __forceinline__ void red_add4(float* dst, float a, float b, float c, float d) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
-}
-
 // C += A(16x16, row) * B(16x8, col), f32 accumulators.
 __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
 #if DA_BF16
@@ -477,6 +472,27 @@ __device__ __forceinline__ void mma_warp_16xbm(float (&acc)[BWD_BM / 8][4], u32 
     }
 }
 
+// acc (16 x D) += P B for one warp: P its BWD_BM-column f32 accumulators (packed here into the
+// A operand), B the BWD_BM rows of D columns at b_addr (lane offset included), read transposed.
+// The v1 backward's dV += P^T dO and dK += dS^T Q.
+__device__ __forceinline__ void mma_warp_pb(float (&acc)[D / 8][4], const float (&pm)[BWD_BM / 8][4], u32 b_addr) {
+#pragma unroll
+    for (int kk = 0; kk < BWD_BM / 16; ++kk) {
+        u32 a[4];
+        a[0] = pack2(pm[2 * kk][0], pm[2 * kk][1]);
+        a[1] = pack2(pm[2 * kk][2], pm[2 * kk][3]);
+        a[2] = pack2(pm[2 * kk + 1][0], pm[2 * kk + 1][1]);
+        a[3] = pack2(pm[2 * kk + 1][2], pm[2 * kk + 1][3]);
+#pragma unroll
+        for (int dj = 0; dj < D / 16; ++dj) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4a_t(b0, b1, b2, b3, b_addr + 2 * (kk * 16 * LDS + dj * 16));
+            mma16816(acc[2 * dj], a, b0, b1);
+            mma16816(acc[2 * dj + 1], a, b2, b3);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* Ks = (elem_t*)smem_raw;
@@ -578,21 +594,7 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
             }
         }
         // dV += P^T dO
-#pragma unroll
-        for (int kk = 0; kk < BWD_BM / 16; ++kk) {
-            u32 a[4];
-            a[0] = pack2(sp[2 * kk][0], sp[2 * kk][1]);
-            a[1] = pack2(sp[2 * kk][2], sp[2 * kk][3]);
-            a[2] = pack2(sp[2 * kk + 1][0], sp[2 * kk + 1][1]);
-            a[3] = pack2(sp[2 * kk + 1][2], sp[2 * kk + 1][3]);
-#pragma unroll
-            for (int dj = 0; dj < D / 16; ++dj) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4a_t(b0, b1, b2, b3, dost + laneA + 2 * (kk * 16 * LDS + dj * 16));
-                mma16816(dv[2 * dj], a, b0, b1);
-                mma16816(dv[2 * dj + 1], a, b2, b3);
-            }
-        }
+        mma_warp_pb(dv, sp, dost + laneA);
         // dP^T = V dO^T
         float dp[BWD_BM / 8][4];
         mma_warp_16xbm(dp, vrow, dost + laneB);
@@ -609,23 +611,8 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
             *(u32*)(dSs + (warp * 16 + g + 8) * LDSS + c) = pack2(sp[j][2], sp[j][3]);
         }
         // dK += dS^T Q
-#pragma unroll
-        for (int kk = 0; kk < BWD_BM / 16; ++kk) {
-            u32 a[4];
-            a[0] = pack2(sp[2 * kk][0], sp[2 * kk][1]);
-            a[1] = pack2(sp[2 * kk][2], sp[2 * kk][3]);
-            a[2] = pack2(sp[2 * kk + 1][0], sp[2 * kk + 1][1]);
-            a[3] = pack2(sp[2 * kk + 1][2], sp[2 * kk + 1][3]);
-#pragma unroll
-            for (int dj = 0; dj < D / 16; ++dj) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4a_t(b0, b1, b2, b3, qst + laneA + 2 * (kk * 16 * LDS + dj * 16));
-                mma16816(dk[2 * dj], a, b0, b1);
-                mma16816(dk[2 * dj + 1], a, b2, b3);
-            }
-        }
+        mma_warp_pb(dk, sp, qst + laneA);
         __syncthreads();
-#ifndef BWD_NO_DQ // (timing experiment only: leaves dQ out)
         // dQ (BWD_BM x D) += scale * dS K, split over warps, accumulated with f32 atomics;
         // each warp's DQ_DC columns in DQ_PASSES passes to bound register pressure.
         {
@@ -661,7 +648,6 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
                 }
             }
         }
-#endif
         __syncthreads();
     }
     cp_async_wait<0>();
@@ -692,24 +678,12 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
 #define LDP (BWD_BM + 8)
 #define V2_DKC (D / 2)
 #define V2_DQC (D / 4)
-#ifndef BWD_DQ_V4
-#define BWD_DQ_V4 0
-#endif
-#ifndef V2_UNROLL
-#define V2_UNROLL 2
-#endif
-#ifndef V2_KT_FWD
-#define V2_KT_FWD 1
-#endif
-#ifndef V2_PREF
-#define V2_PREF 1 // (head, tile) of the next item prefetched and advanced without divisions
-#endif
 
 // acc += A B^T for one warp's 32 × 32 block, both operands D wide in shared memory (row
 // stride LDS): A's 32 rows at a_addr, B's 32 rows at b_addr, addresses already carrying the
 // lane's ldmatrix offset. The v2 backward's S^T = K Q^T and dP^T = V dO^T.
 __device__ __forceinline__ void mma_warp_32x32(float (&acc)[2][4][4], u32 a_addr, u32 b_addr) {
-#pragma unroll V2_UNROLL
+#pragma unroll 2 // (full unrolling spills at d 128)
     for (int kk = 0; kk < D / 16; ++kk) {
         u32 a[2][4];
 #pragma unroll
@@ -741,8 +715,8 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
 
     // Key tile 0 first: with a causal mask it has the most query tiles, so the heaviest blocks
     // start first and the lightest fill the tail (+6.5 % causal at 16k, no change without a
-    // mask; V2_KT_FWD=0 restores the last-tile-first order).
-    const int kt = V2_KT_FWD ? blockIdx.x : p.n_tiles - 1 - blockIdx.x;
+    // mask).
+    const int kt = blockIdx.x;
     const int kvh = blockIdx.y, b = blockIdx.z;
     const int G = p.heads / p.kv_heads;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -776,20 +750,14 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
             else cp_async4(del_s + st * BWD_BM + i, p.delta + off, ok ? 4 : 0);
         }
     };
-    auto load_item = [&](int it, int st) {
-        const int e = e0 + it % ne;
-        load_item_at(kvh * G + it / ne, p.tiles[e].x, st);
-    };
-    if (total > 0) load_item(0, 0);
+    if (total > 0) load_item_at(kvh * G, p.tiles[e0].x, 0);
     cp_async_commit();
-#if V2_PREF
     // (head, tile) of items it (…_c) and it+1 (…_n) kept in registers and advanced without
     // divisions; the tile entry of it+1 is loaded during item it-1 (off the barrier's path).
     int h_c = kvh * G, h_n = kvh * G, ei_n = 1;
     if (ei_n == ne) { ei_n = 0; ++h_n; }
     int2 te_c = total > 0 ? p.tiles[e0] : make_int2(0, -1);
     int2 te_n = total > 1 ? p.tiles[e0 + ei_n] : te_c;
-#endif
 
     float dk[2][V2_DKC / 8][4], dv[2][V2_DKC / 8][4];
 #pragma unroll
@@ -813,18 +781,10 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
         const int st = it & 1;
         cp_async_wait<0>();
         __syncthreads();
-#if V2_PREF
         if (it + 1 < total) load_item_at(h_n, te_n.x, st ^ 1);
         cp_async_commit();
         const int h = h_c;
         const int2 te = te_c;
-#else
-        if (it + 1 < total) load_item(it + 1, st ^ 1);
-        cp_async_commit();
-        const int hh = it / ne, e = e0 + it % ne;
-        const int h = kvh * G + hh;
-        const int2 te = p.tiles[e];
-#endif
         elem_t* Pst = Ps + st * BWD_BN * LDP;
         elem_t* dSst = dSs + st * BWD_BN * LDP;
         const u32 ps_u = smem_u32(Pst), ds_u = smem_u32(dSst);
@@ -878,12 +838,10 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
             }
         }
         __syncthreads();
-#if V2_PREF
         h_c = h_n;
         te_c = te_n;
         if (++ei_n == ne) { ei_n = 0; ++h_n; }
         if (it + 2 < total) te_n = p.tiles[e0 + ei_n];
-#endif
         // dV += P^T dO and dK += dS^T Q: this warp's 32 keys x D/2 columns.
 #pragma unroll
         for (int kq = 0; kq < BWD_BM / 16; ++kq) {
@@ -910,7 +868,6 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
                 }
             }
         }
-#ifndef BWD_NO_DQ
         // dQ += scale * dS K: this warp's 32 queries x D/4 columns, f32 reductions.
         {
             float dq[2][V2_DQC / 8][4];
@@ -935,27 +892,6 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
                     }
                 }
             }
-#if BWD_DQ_V4
-            // (Experiment, slower: -3 %.) Lanes t and t^1 swap half their fragments so that each holds 4 consecutive
-            // columns of one row: one 16-byte reduction instead of two 8-byte ones.
-            const bool odd = t & 1;
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                const int row = te.x * BWD_BM + 32 * wq + 16 * mi + g + (odd ? 8 : 0);
-                float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + V2_DQC * wd + 4 * (t >> 1);
-#pragma unroll
-                for (int i = 0; i < V2_DQC / 8; ++i) {
-                    const float x0 = dq[mi][i][0] * p.scale, x1 = dq[mi][i][1] * p.scale;
-                    const float x2 = dq[mi][i][2] * p.scale, x3 = dq[mi][i][3] * p.scale;
-                    const float r0 = __shfl_xor_sync(0xffffffff, odd ? x0 : x2, 1);
-                    const float r1 = __shfl_xor_sync(0xffffffff, odd ? x1 : x3, 1);
-                    if (row < p.q_len) {
-                        if (odd) red_add4(dst + i * 8, r0, r1, x2, x3);
-                        else red_add4(dst + i * 8, x0, x1, r0, r1);
-                    }
-                }
-            }
-#else
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -968,9 +904,7 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
                             red_add2(dst + i * 8, dq[mi][i][2 * r] * p.scale, dq[mi][i][2 * r + 1] * p.scale);
                     }
                 }
-#endif
         }
-#endif
     }
     cp_async_wait<0>();
 
