@@ -47,6 +47,19 @@ pub struct KernelConfig {
     pub fwd_wg: bool,
 }
 
+/// Tuning overrides from `DISTATTN_KCFG` ("key=value,..." with numeric values, e.g.
+/// "fwd_warps=8,fwd_mr=1,bwd_bm=64" or "fwd_wg=0,bwd_wg=0"); malformed entries are ignored.
+fn kcfg_overrides() -> std::collections::HashMap<String, usize> {
+    std::env::var("DISTATTN_KCFG")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|kv| {
+            let (k, v) = kv.split_once('=')?;
+            Some((k.trim().to_string(), v.trim().parse().ok()?))
+        })
+        .collect()
+}
+
 impl KernelConfig {
     /// The tuned configuration for a dtype and head dim.
     pub fn new(dtype: DType, head_dim: usize) -> Result<Self> {
@@ -80,25 +93,19 @@ impl KernelConfig {
             bwd_wg: false,
             fwd_wg: false,
         };
-        // Tuning experiments: DISTATTN_KCFG="fwd_warps=8,fwd_mr=1,fwd_bn=64,bwd_bm=64".
-        if let Ok(spec) = std::env::var("DISTATTN_KCFG") {
-            for kv in spec.split(',') {
-                let mut it = kv.splitn(2, '=');
-                if let (Some(k), Some(Ok(v))) =
-                    (it.next(), it.next().map(|v| v.trim().parse::<usize>()))
-                {
-                    match k.trim() {
-                        "fwd_warps" => c.fwd_warps = v,
-                        "fwd_mr" => c.fwd_mr = v,
-                        "fwd_bn" => c.fwd_bn = v,
-                        "bwd_warps" => c.bwd_warps = v,
-                        "bwd_bm" => c.bwd_bm = v,
-                        "bwd_v2" => c.bwd_v2 = v != 0,
-                        _ => {}
-                    }
-                }
+        let o = kcfg_overrides();
+        for (key, field) in [
+            ("fwd_warps", &mut c.fwd_warps),
+            ("fwd_mr", &mut c.fwd_mr),
+            ("fwd_bn", &mut c.fwd_bn),
+            ("bwd_warps", &mut c.bwd_warps),
+            ("bwd_bm", &mut c.bwd_bm),
+        ] {
+            if let Some(&v) = o.get(key) {
+                *field = v;
             }
         }
+        c.bwd_v2 = o.get("bwd_v2").is_some_and(|&v| v != 0);
         Ok(c)
     }
 
@@ -113,22 +120,16 @@ impl KernelConfig {
             .collect::<String>()
             .parse()
             .unwrap_or(0);
-        let forced_off = std::env::var("DISTATTN_KCFG")
-            .map(|s| s.contains("bwd_v2=0"))
-            .unwrap_or(false);
-        if major >= 90 && matches!(self.head_dim, 64 | 128) && !forced_off {
+        let o = kcfg_overrides();
+        let off = |key: &str| o.get(key) == Some(&0);
+        if major >= 90 && matches!(self.head_dim, 64 | 128) && !off("bwd_v2") {
             self.bwd_v2 = true;
             self.bwd_bm = 64;
             self.bwd_warps = 8;
         }
-        let off = |what: &str| {
-            std::env::var("DISTATTN_KCFG")
-                .map(|s| s.contains(what))
-                .unwrap_or(false)
-        };
         let wgmma = arch == "sm_90a" && matches!(self.head_dim, 64 | 128);
-        self.bwd_wg = wgmma && self.bwd_v2 && !off("bwd_wg=0");
-        if wgmma && !off("fwd_wg=0") {
+        self.bwd_wg = wgmma && self.bwd_v2 && !off("bwd_wg");
+        if wgmma && !off("fwd_wg") {
             self.fwd_wg = true;
             self.fwd_warps = 8;
             self.fwd_mr = 1;
