@@ -491,7 +491,7 @@ impl CudaBackend {
         dv: &mut CudaSlice<T>,
     ) -> Result<()> {
         self.backward_config::<T>(shape, mask)?;
-        // (The rest is checked by backward_with_delta; these two are read or written here.)
+        // (The rest is checked by backward_with_delta; these three are used only here.)
         for (n, b) in [("o", o), ("dout", dout), ("dq", &*dq)] {
             self.check_buf(n, b, shape.q_elems(), shape)?;
         }
