@@ -40,10 +40,11 @@ pub struct KernelConfig {
     pub bwd_bm: usize,
     /// Backward with every GEMM tiled over the 8 warps (`flash_bwd_dkdv2`; sm_90+, d 64/128).
     pub bwd_v2: bool,
-    /// Backward on warpgroup MMAs (`flash_bwd_wg`; sm_90a, d 64/128).
+    /// Backward on warpgroup MMAs, warp-specialized with TMA loads (`flash_bwd_ws`; sm_90a,
+    /// d 64/128).
     pub bwd_wg: bool,
-    /// Forward on warpgroup MMAs (`flash_fwd_wg`; sm_90a, d 64/128): 2 warpgroups x 64 rows,
-    /// 128-key tiles.
+    /// Forward on warpgroup MMAs, warp-specialized with TMA loads (`flash_fwd_ws`; sm_90a,
+    /// d 64/128): a producer warp and 2 consumer warpgroups x 64 rows, 128-key tiles.
     pub fwd_wg: bool,
 }
 
@@ -141,7 +142,7 @@ impl KernelConfig {
     /// Name of the forward kernel of this configuration.
     pub fn fwd_kernel(&self) -> &'static str {
         if self.fwd_wg {
-            "flash_fwd_wg"
+            "flash_fwd_ws"
         } else {
             "flash_fwd"
         }
@@ -150,7 +151,7 @@ impl KernelConfig {
     /// Name of the dK/dV kernel of this configuration.
     pub fn dkdv_kernel(&self) -> &'static str {
         if self.bwd_wg {
-            "flash_bwd_wg"
+            "flash_bwd_ws"
         } else if self.bwd_v2 {
             "flash_bwd_dkdv2"
         } else {
@@ -158,8 +159,18 @@ impl KernelConfig {
         }
     }
 
+    /// Threads per block of the forward kernel (the warp-specialized one adds a producer
+    /// warpgroup).
+    pub fn fwd_threads(&self) -> usize {
+        32 * self.fwd_warps + if self.fwd_wg { 128 } else { 0 }
+    }
     pub fn fwd_bm(&self) -> usize {
         16 * self.fwd_mr * self.fwd_warps
+    }
+    /// Threads per block of the dK/dV kernel (the warp-specialized one adds a producer
+    /// warpgroup).
+    pub fn bwd_threads(&self) -> usize {
+        32 * self.bwd_warps + if self.bwd_wg { 128 } else { 0 }
     }
     pub fn bwd_bn(&self) -> usize {
         16 * self.bwd_warps
@@ -173,8 +184,8 @@ impl KernelConfig {
     /// Dynamic shared memory of the forward kernel, bytes.
     pub fn fwd_smem(&self) -> usize {
         if self.fwd_wg {
-            // Q; K and V in 3 stages; 1 KB to align the base.
-            return 7 * self.fwd_bm() * self.head_dim * 2 + 1024;
+            // Q; K and V in 2 stages; 1 KB to align the base; 9 mbarriers.
+            return 5 * self.fwd_bm() * self.head_dim * 2 + 1024 + 128;
         }
         (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2
             + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
@@ -182,9 +193,10 @@ impl KernelConfig {
     /// Dynamic shared memory of the dK/dV kernel, bytes.
     pub fn bwd_smem(&self) -> usize {
         if self.bwd_wg {
-            // K, V; Q, dO in 2 stages; dS^T; LSE and delta in 2 stages; 1 KB to align the base.
+            // K, V; Q, dO in 2 stages; dS^T twice; dQ (f32) of both consumers; LSE and delta
+            // in 2 stages; 1 KB to align the base; 9 mbarriers.
             let d = self.head_dim;
-            return (2 * 128 * d + 4 * 64 * d + 128 * 64) * 2 + 4 * 64 * 4 + 1024;
+            return (2 * 128 * d + 4 * 64 * d + 2 * 128 * 64) * 2 + 2 * 64 * 64 * 4 + 4 * 64 * 4 + 1024 + 128;
         }
         // dS^T (v1); P^T and dS^T, double-buffered (v2)
         let staged = if self.bwd_v2 { 4 } else { 1 };

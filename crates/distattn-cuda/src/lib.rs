@@ -18,6 +18,7 @@
 pub mod compile;
 pub mod plan;
 mod multi;
+mod tma;
 
 use compile::{backend_err, KernelConfig};
 pub use cudarc;
@@ -451,11 +452,26 @@ impl CudaBackend {
         };
         let cfg_l = LaunchConfig {
             grid_dim: (plan.n_major as u32, shape.heads as u32, shape.batch as u32),
-            block_dim: (32 * kern.cfg.fwd_warps as u32, 1, 1),
+            block_dim: (kern.cfg.fwd_threads() as u32, 1, 1),
             shared_mem_bytes: kern.cfg.fwd_smem() as u32,
         };
-        unsafe { s.launch_builder(&kern.fwd).arg(&p).launch(cfg_l) }
-            .map_err(drv("launching the forward kernel"))?;
+        let mut launch = s.launch_builder(&kern.fwd);
+        launch.arg(&p);
+        let maps;
+        if kern.cfg.fwd_wg {
+            // The warp-specialized kernel loads Q, K and V through TMA tensor maps.
+            let (bm, bn) = (kern.cfg.fwd_bm() as u32, kern.cfg.fwd_bn as u32);
+            let kv_rows = tma::RowsTensor::of_keys(shape);
+            maps = [
+                tma::TensorMap::rows(p.q, tma::RowsTensor::of_queries(shape), T::DTYPE, bm)?,
+                tma::TensorMap::rows(p.k, kv_rows, T::DTYPE, bn)?,
+                tma::TensorMap::rows(p.v, kv_rows, T::DTYPE, bn)?,
+            ];
+            for m in &maps {
+                launch.arg(m);
+            }
+        }
+        unsafe { launch.launch(cfg_l) }.map_err(drv("launching the forward kernel"))?;
         Ok(())
     }
 

@@ -62,11 +62,30 @@ impl CudaBackend {
         };
         let lc = LaunchConfig {
             grid_dim: (plan.n_major as u32, shape.kv_heads as u32, shape.batch as u32),
-            block_dim: (32 * cfg.bwd_warps as u32, 1, 1),
+            block_dim: (cfg.bwd_threads() as u32, 1, 1),
             shared_mem_bytes: cfg.bwd_smem() as u32,
         };
         let dkdv = kern.dkdv.as_ref().ok_or_else(|| backend_err("dK/dV kernel missing"))?;
-        unsafe { s.launch_builder(dkdv).arg(&bp).launch(lc) }.map_err(drv("launching flash_bwd_dkdv"))?;
+        let mut launch = s.launch_builder(dkdv);
+        launch.arg(&bp);
+        let maps;
+        if cfg.bwd_wg {
+            // The warp-specialized kernel loads Q, dO, K and V and adds into dq_acc through TMA
+            // tensor maps.
+            let (q_rows, kv_rows) = (tma::RowsTensor::of_queries(shape), tma::RowsTensor::of_keys(shape));
+            let (bm, bn) = (cfg.bwd_bm as u32, cfg.bwd_bn() as u32);
+            maps = [
+                tma::TensorMap::rows(bp.q, q_rows, T::DTYPE, bm)?,
+                tma::TensorMap::rows(bp.dout, q_rows, T::DTYPE, bm)?,
+                tma::TensorMap::rows(bp.k, kv_rows, T::DTYPE, bn)?,
+                tma::TensorMap::rows(bp.v, kv_rows, T::DTYPE, bn)?,
+                tma::TensorMap::rows(bp.dq_acc, q_rows, DType::F32, bm)?,
+            ];
+            for m in &maps {
+                launch.arg(m);
+            }
+        }
+        unsafe { launch.launch(lc) }.map_err(drv("launching the dK/dV kernel"))?;
         Ok(())
     }
 }

@@ -36,25 +36,45 @@ __device__ __forceinline__ void wg_pin(float (&a)[N]) {
 __device__ __forceinline__ void fence_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-__device__ __forceinline__ void cp_async16_u(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
 
-// Loads ROWS x D elements (rows r0.. of a strided tensor) into a swizzled tile at `s` with 256
-// threads; rows at or past `limit` are zero-filled. Each thread keeps one 16-byte chunk column,
-// and its rows step by 16, so the swizzle term is the same for all of them.
-template <int ROWS>
-__device__ __forceinline__ void load_rows_sw(u32 s, const elem_t* base, size_t row_stride, int r0, int limit, int tid) {
-    constexpr int CPR = D / 8, RPP = 256 / CPR;
-    const int ch = tid % CPR, rr = tid / CPR;
-    const u32 dst = s + (ch >> 3) * ROWS * 128 + rr * 128 + (((ch & 7) ^ (rr & 7)) << 4);
-    const elem_t* src = base + (size_t)(r0 + rr) * row_stride + ch * 8;
-#pragma unroll
-    for (int i = 0; i < ROWS / RPP; ++i) {
-        const bool ok = r0 + rr + i * RPP < limit;
-        cp_async16_u(dst + i * RPP * 128, ok ? src + (size_t)i * RPP * row_stride : base, ok ? 16 : 0);
-    }
+// ---- mbarriers and TMA (the tensor memory accelerator): a producer warp fills shared-memory
+// stages with bulk tensor copies that complete on an mbarrier; consumers wait on its phase.
+// A tensor map (CUtensorMap, encoded on the host) describes a [batch][rows][heads][D] tensor
+// as 4-d {D, rows, heads, batch}; boxes are 64 columns (128 bytes, swizzled like wgmma's
+// operands) x R rows, rows past the end read as zeros.
+struct __align__(64) TmaMap { u64 v[16]; };
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// Copies rows r0..r0+R-1 of (head h, batch b) of a bf16/f16 tensor into the swizzled tile at
+// dst (D/64 boxes).
+template <int R>
+__device__ __forceinline__ void tma_load_rows(u32 dst, const TmaMap* map, u32 bar, int r0, int h, int b) {
+#pragma unroll
+    for (int cb = 0; cb < D / 64; ++cb)
+        asm volatile(
+            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+            ::"r"(dst + cb * R * 128), "l"((u64)map), "r"(bar), "r"(cb * 64), "r"(r0), "r"(h), "r"(b) : "memory");
+}
+// Registers per thread handed between warpgroups (warp-specialized kernels).
+template <int N>
+__device__ __forceinline__ void reg_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void reg_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory (descriptors).
 template <int TA, int TB>
@@ -162,112 +182,174 @@ __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_ro
 
 
 #if BWD_WG && (D == 128 || D == 64)
-// ---------------------------------------------------------------- backward on wgmma (sm_90a)
+// ---------------------------------------------------------------- backward (sm_90a)
 // Same job and tile plan as flash_bwd_dkdv2 (one block per 128-key tile, a loop over the
-// 64-row query tiles of every query head of the KV head). Warpgroup w owns keys 64w..64w+63:
+// 64-row query "items" of every query head of the KV head). Consumer warpgroup c owns keys
+// 64c..64c+63:
 //   S^T = K Q^T, dP^T = V dO^T      (shared x shared, 64 x 64 per warpgroup)
 //   P^T, dS^T = P^T (dP^T - delta)  (registers, reused as the A operand:)
 //   dV += P^T dO, dK += dS^T Q      (registers x shared, 64 x D per warpgroup)
 //   dQ = dS K                       (dS^T through shared memory; d 128: warpgroup w takes dQ
 //                                    columns 64w.. over all 128 keys; d 64: all columns over
 //                                    its own 64 keys, so only its own dS^T rows)
-// followed by f32 reductions of dQ into global memory, issued while the tensor cores do dK.
+// The block is warp-specialized: warpgroup 0 moves memory (warp 0 brings K and V once and, per
+// item, Q and dO with TMA and the item's LSE and delta rows with plain loads, into BS_STAGES
+// stages signalled by mbarriers; warp 1 adds each item's dQ, left by the consumers in shared
+// memory, into dq_acc with TMA reductions), warpgroups 1 and 2 compute. They order their
+// products so that each elementwise step runs while a product is in flight (P^T under dP^T,
+// dS^T under dV). dS^T is double-buffered, so one barrier per item (dS^T of both consumers
+// stored) orders its reuse.
 #define WG_BN 128
 #define WG_BM 64
-
-extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParams p) {
+#define BS_STAGES 2
+// Adds a swizzled f32 tile of R rows x 32 columns (128-byte rows) at src into rows r0.. and
+// columns c0.. of (head h, batch b) of an f32 tensor; rows past its end are dropped.
+template <int R>
+__device__ __forceinline__ void tma_reduce_add(const TmaMap* map, u32 src, int c0, int r0, int h, int b) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+                 ::"l"((u64)map), "r"(src), "r"(c0), "r"(r0), "r"(h), "r"(b) : "memory");
+}
+extern "C" __global__ void __launch_bounds__(384, 1)
+flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo,
+             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,
+             const __grid_constant__ TmaMap tdq) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 raw = smem_u32(smem_raw);
-    const u32 Ks = (raw + 1023) & ~1023u;          // [WG_BN][D]
-    const u32 Vs = Ks + WG_BN * D * 2;             // [WG_BN][D]
-    const u32 Qs = Vs + WG_BN * D * 2;             // 2 stages of [WG_BM][D]
-    const u32 dOs = Qs + 2 * WG_BM * D * 2;        // 2 stages of [WG_BM][D]
-    const u32 dSs = dOs + 2 * WG_BM * D * 2;       // [WG_BN][WG_BM], dS^T
-    float* lse_s = (float*)(smem_raw + (dSs - raw) + WG_BN * WG_BM * 2); // 2 stages
-    float* del_s = lse_s + 2 * WG_BM;                                    // 2 stages
+    const u32 Ks = (raw + 1023) & ~1023u;            // [WG_BN][D]
+    const u32 Vs = Ks + WG_BN * D * 2;               // [WG_BN][D]
+    const u32 Qs = Vs + WG_BN * D * 2;               // BS_STAGES x [WG_BM][D]
+    const u32 dOs = Qs + BS_STAGES * WG_BM * D * 2;  // BS_STAGES x [WG_BM][D]
+    const u32 dSs = dOs + BS_STAGES * WG_BM * D * 2; // 2 x [WG_BN][WG_BM], dS^T
+    const u32 dQs = dSs + 2 * WG_BN * WG_BM * 2;     // 2 consumers x 2 x [WG_BM][32] f32, swizzled
+    const u32 lse_a = dQs + 2 * WG_BM * 64 * 4;      // BS_STAGES x [WG_BM] f32
+    const u32 del_a = lse_a + BS_STAGES * WG_BM * 4; // BS_STAGES x [WG_BM] f32
+    const u32 bars = del_a + BS_STAGES * WG_BM * 4;  // mbarriers, 8 bytes each:
+    const u32 full_kv = bars;                         //   K, V landed
+    const u32 full = bars + 8, freed = full + 8 * BS_STAGES; // item stage landed / read
+    const u32 dq_full = freed + 8 * BS_STAGES, dq_free = dq_full + 16; // per consumer
+    const float* lse_s = (const float*)(smem_raw + (lse_a - raw));
+    const float* del_s = (const float*)(smem_raw + (del_a - raw));
 
     const int kt = blockIdx.x; // key tile 0 first: the heaviest under a causal mask
     const int kvh = blockIdx.y, b = blockIdx.z;
     const int G = p.heads / p.kv_heads;
     const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;
     const int k0 = kt * WG_BN;
-    const size_t qstr = (size_t)p.heads * D, kstr = (size_t)p.kv_heads * D;
     const int e0 = p.tile_ptr[kt], ne = p.tile_ptr[kt + 1] - e0;
     const int total = G * ne;
+    constexpr u32 ITEM_BYTES = 2 * WG_BM * D * 2;
 
-    const elem_t* kbase = p.k + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
-    const elem_t* vbase = p.v + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
-    load_rows_sw<WG_BN>(Ks, kbase, kstr, k0, p.k_len, tid);
-    load_rows_sw<WG_BN>(Vs, vbase, kstr, k0, p.k_len, tid);
-    cp_async_commit();
-
-    auto load_item = [&](int h, int qt, int st) {
-        const elem_t* qb = p.q + ((size_t)b * p.q_len * p.heads + h) * D;
-        const elem_t* db = p.dout + ((size_t)b * p.q_len * p.heads + h) * D;
-        load_rows_sw<WG_BM>(Qs + st * WG_BM * D * 2, qb, qstr, qt * WG_BM, p.q_len, tid);
-        load_rows_sw<WG_BM>(dOs + st * WG_BM * D * 2, db, qstr, qt * WG_BM, p.q_len, tid);
-        if (tid < 2 * WG_BM) {
-            const int i = tid % WG_BM;
-            const int row = qt * WG_BM + i;
-            const bool ok = row < p.q_len;
-            const size_t off = ((size_t)b * p.heads + h) * p.q_len + (ok ? row : 0);
-            if (tid < WG_BM) cp_async4(lse_s + st * WG_BM + i, p.lse + off, ok ? 4 : 0);
-            else cp_async4(del_s + st * WG_BM + i, p.delta + off, ok ? 4 : 0);
+    if (tid == 0) {
+        mbar_init(full_kv, 1);
+        for (int i = 0; i < BS_STAGES; ++i) {
+            mbar_init(full + 8 * i, 1);
+            mbar_init(freed + 8 * i, 8); // one arrival per consumer warp
         }
-    };
-    // (head, tile entry) of items it (…_c) and it+1 (…_n), advanced without divisions.
-    int h_c = kvh * G, h_n = kvh * G, ei_n = 1;
-    if (ei_n == ne) { ei_n = 0; ++h_n; }
-    int2 te_c = total > 0 ? p.tiles[e0] : make_int2(0, -1);
-    int2 te_n = total > 1 ? p.tiles[e0 + ei_n] : te_c;
-    if (total > 0) load_item(h_c, te_c.x, 0);
-    cp_async_commit();
+        for (int c = 0; c < 2; ++c) {
+            mbar_init(dq_full + 8 * c, 4); // one arrival per warp of consumer c
+            mbar_init(dq_free + 8 * c, 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    // Registers: 384 x 168 at launch, rebalanced (the d 128 consumers need 240).
+    constexpr int PROD_REGS = D == 128 ? 24 : 40, CONS_REGS = D == 128 ? 240 : 232;
+    if (wg == 0) {
+        reg_dealloc<PROD_REGS>();
+        if (wi == 0 && total > 0) { // loads
+            if (lane == 0) {
+                mbar_expect_tx(full_kv, 2 * WG_BN * D * 2);
+                tma_load_rows<WG_BN>(Ks, &tk, full_kv, k0, kvh, b);
+                tma_load_rows<WG_BN>(Vs, &tv, full_kv, k0, kvh, b);
+            }
+            // (24 registers: the item's head and tile entry are stepped, not divided out.)
+            int h = kvh * G, ei = 0;
+#pragma unroll 1
+            for (int it = 0; it < total; ++it) {
+                const int st = it % BS_STAGES, ph = (it / BS_STAGES) & 1;
+                const int qt = p.tiles[e0 + ei].x;
+                if (it >= BS_STAGES) mbar_wait(freed + 8 * st, ph ^ 1);
+                // LSE and delta of the item's rows; rows past the end see no key (LSE -inf: P = 0).
+#pragma unroll
+                for (int r = lane; r < WG_BM; r += 32) {
+                    const int row = qt * WG_BM + r;
+                    const size_t off = ((size_t)b * p.heads + h) * p.q_len + row;
+                    const bool ok = row < p.q_len;
+                    const float lv = ok ? p.lse[off] : NEG_INF, dl = ok ? p.delta[off] : 0.f;
+                    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(lse_a + (st * WG_BM + r) * 4), "f"(lv));
+                    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(del_a + (st * WG_BM + r) * 4), "f"(dl));
+                }
+                __syncwarp();
+                if (lane == 0) { // the arrival releases the rows stored above with the copies' bytes
+                    mbar_expect_tx(full + 8 * st, ITEM_BYTES);
+                    tma_load_rows<WG_BM>(Qs + st * WG_BM * D * 2, &tq, full + 8 * st, qt * WG_BM, h, b);
+                    tma_load_rows<WG_BM>(dOs + st * WG_BM * D * 2, &tdo, full + 8 * st, qt * WG_BM, h, b);
+                }
+                if (++ei == ne) { ei = 0; ++h; }
+            }
+        } else if (wi == 1 && lane == 0 && total > 0) { // dQ reductions: 2 boxes per consumer
+            int h = kvh * G, ei = 0;
+#pragma unroll 1
+            for (int it = 0; it < total; ++it) {
+                const int qt = p.tiles[e0 + ei].x;
+#pragma unroll 1
+                for (int c = 0; c < 2; ++c) {
+                    mbar_wait(dq_full + 8 * c, it & 1);
+                    for (int cb = 0; cb < 2; ++cb)
+                        tma_reduce_add<WG_BM>(&tdq, dQs + (2 * c + cb) * WG_BM * 128, (D == 128 ? 64 * c : 0) + 32 * cb,
+                                              qt * WG_BM, h, b);
+                    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+                    mbar_arrive(dq_free + 8 * c);
+                }
+                if (++ei == ne) { ei = 0; ++h; }
+            }
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+        }
+        return;
+    }
+    reg_alloc<CONS_REGS>();
+    const int cw = wg - 1;
+    const int g = lane >> 2, t = lane & 3;
+    const int rk = 64 * cw + 16 * wi + g; // this thread's key rows in the tile: rk, rk + 8
 
     float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-    const int rk = 64 * wg + 16 * wi + g; // this thread's key rows in the tile: rk, rk + 8
-    // This thread's dS^T pair (key row rk, query column 8j + 2t) sits in chunk j ^ g of row rk.
-    const u32 ds_row = dSs + rk * 128 + 4 * t;
-
+    // This thread's staged dQ pairs: rows 16wi + g (+8), columns 8i + 2t, in box i / 4 at 16-byte
+    // chunk (2(i % 4) + t / 2) ^ g (the row's swizzle; rows g and g + 8 share it).
+    const u32 dq_row = dQs + cw * 2 * WG_BM * 128 + (16 * wi + g) * 128 + 8 * (t & 1);
+    if (total > 0) mbar_wait(full_kv, 0);
     for (int it = 0; it < total; ++it) {
-        const int st = it & 1;
-        // (1) This item's tiles have landed, and every warp is done with item it-1 (whose
-        // stage st^1 is refilled next).
-        cp_async_wait<0>();
-        fence_async_smem();
-        __syncthreads();
-        if (it + 1 < total) load_item(h_n, te_n.x, st ^ 1);
-        cp_async_commit();
-        const int h = h_c;
-        const int2 te = te_c;
+        const int st = it % BS_STAGES, ph = (it / BS_STAGES) & 1;
+        const int2 te = p.tiles[e0 + it % ne];
         const u32 qst = Qs + st * WG_BM * D * 2, dost = dOs + st * WG_BM * D * 2;
+        const u32 dsb = dSs + (it & 1) * WG_BN * WG_BM * 2;
         const float* lse_st = lse_s + st * WG_BM;
         const float* del_st = del_s + st * WG_BM;
+        mbar_wait(full + 8 * st, ph);
 
         float s[32], dp[32];
         wg_fence();
-        wg_gemm_kmajor(s, Ks, WG_BN, 64 * wg, qst, WG_BM);
-        wg_gemm_kmajor(dp, Vs, WG_BN, 64 * wg, dost, WG_BM);
+        wg_gemm_kmajor(s, Ks, WG_BN, 64 * cw, qst, WG_BM);
         wg_commit();
-        wg_wait<0>();
+        wg_gemm_kmajor(dp, Vs, WG_BN, 64 * cw, dost, WG_BM);
+        wg_commit();
+        wg_wait<1>(); // S^T (dP^T may run)
         wg_pin(s);
-        wg_pin(dp);
 
-        // P^T and dS^T as A fragments: k-step kq covers query columns 16kq..16kq+15, i.e. the
+        // P^T as A fragments: k-step kq covers query columns 16kq..16kq+15, i.e. the
         // accumulator column blocks j = 2kq (fragments 0, 1) and 2kq + 1 (fragments 2, 3).
         u32 pa[4][4], sa[4][4];
         constexpr int W = WG_BN / 32;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            float pv[4], dsv[4];
 #pragma unroll
             for (int c2 = 0; c2 < 2; ++c2) {
                 const int c = 8 * j + 2 * t + c2;
                 const float lv = lse_st[c];
                 const float l2 = lv == NEG_INF ? POS_INF : lv * LOG2E;
-                const float dl = del_st[c];
                 float p0 = fast_exp2(fmaf(s[4 * j + c2], p.scale_log2, -l2));
                 float p1 = fast_exp2(fmaf(s[4 * j + 2 + c2], p.scale_log2, -l2));
                 if (te.y >= 0) {
@@ -275,81 +357,79 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
                     if (!(w & 1)) p0 = 0.f;
                     if (!(w & 0x100)) p1 = 0.f;
                 }
-                pv[c2] = p0;
-                pv[2 + c2] = p1;
-                dsv[c2] = p0 * (dp[4 * j + c2] - dl);
-                dsv[2 + c2] = p1 * (dp[4 * j + 2 + c2] - dl);
+                s[4 * j + c2] = p0;
+                s[4 * j + 2 + c2] = p1;
             }
-            pa[j >> 1][(j & 1) * 2] = pack2(pv[0], pv[1]);
-            pa[j >> 1][(j & 1) * 2 + 1] = pack2(pv[2], pv[3]);
-            sa[j >> 1][(j & 1) * 2] = pack2(dsv[0], dsv[1]);
-            sa[j >> 1][(j & 1) * 2 + 1] = pack2(dsv[2], dsv[3]);
+            pa[j >> 1][(j & 1) * 2] = pack2(s[4 * j], s[4 * j + 1]);
+            pa[j >> 1][(j & 1) * 2 + 1] = pack2(s[4 * j + 2], s[4 * j + 3]);
         }
         // dV += P^T dO (B = dO, N-major: D columns in D/64 blocks of WG_BM rows).
         wg_fence();
 #pragma unroll
         for (int kq = 0; kq < 4; ++kq)
             wgmma_rs_nD<1>(dv, pa[kq], wg_desc(dost + kq * 16 * 128, WG_BM * 128, 1024), 1);
-        // dS^T -> shared memory for dQ.
+        wg_commit();
+        wg_wait<1>(); // dP^T (dV may run)
+        wg_pin(dp);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const u32 a = ds_row + ((j ^ g) << 4); // rows rk and rk + 8 share the swizzle (rk % 8 = g)
+            float dsv[4];
+#pragma unroll
+            for (int c2 = 0; c2 < 2; ++c2) {
+                const float dl = del_st[8 * j + 2 * t + c2];
+                dsv[c2] = s[4 * j + c2] * (dp[4 * j + c2] - dl);
+                dsv[2 + c2] = s[4 * j + 2 + c2] * (dp[4 * j + 2 + c2] - dl);
+            }
+            sa[j >> 1][(j & 1) * 2] = pack2(dsv[0], dsv[1]);
+            sa[j >> 1][(j & 1) * 2 + 1] = pack2(dsv[2], dsv[3]);
+            // dS^T -> shared memory for dQ; rows rk and rk + 8 share the swizzle (rk % 8 = g).
+            const u32 a = dsb + rk * 128 + 4 * t + ((j ^ g) << 4);
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(sa[j >> 1][(j & 1) * 2]));
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(sa[j >> 1][(j & 1) * 2 + 1]));
         }
-        wg_commit();
-        fence_async_smem();
-#if D == 128
-        // (2) dS^T of both warpgroups is in shared memory.
-        __syncthreads();
-#else
-        // (2) this warpgroup's dS^T rows are in shared memory (the only ones it reads).
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
-#endif
-        h_c = h_n;
-        te_c = te_n;
-        if (++ei_n == ne) { ei_n = 0; ++h_n; }
-        if (it + 2 < total) te_n = p.tiles[e0 + ei_n];
-
-#if D == 128
-        // dQ[:, 64wg..] = dS K[:, 64wg..]: A = dS (M-major: dS^T rows are keys), B = K (N-major).
-        float dq[32];
+        // dK += dS^T Q.
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < WG_BN / 16; ++kk)
-            wgmma_ss64<1, 1>(dq, wg_desc(dSs + kk * 16 * 128, WG_BN * 128, 1024),
-                               wg_desc(Ks + wg * WG_BN * 128 + kk * 16 * 128, WG_BN * 128, 1024), kk);
-#else
-        // dQ (partial) = dS[:, 64wg..] K[64wg.., :]: this warpgroup's keys only.
-        float dq[32];
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            wgmma_ss64<1, 1>(dq, wg_desc(dSs + (64 * wg + 16 * kk) * 128, WG_BN * 128, 1024),
-                               wg_desc(Ks + (64 * wg + 16 * kk) * 128, WG_BN * 128, 1024), kk);
-#endif
-        wg_commit();
-        // dK += dS^T Q after dQ: the dQ reductions below run while the tensor cores do dK.
 #pragma unroll
         for (int kq = 0; kq < 4; ++kq)
             wgmma_rs_nD<1>(dk, sa[kq], wg_desc(qst + kq * 16 * 128, WG_BM * 128, 1024), 1);
         wg_commit();
-        wg_wait<1>(); // dV and dQ (dK may still run)
+        fence_async_smem();
+        float dq[32];
+#if D == 128
+        named_sync(1, 256); // dS^T of both warpgroups is in shared memory
+        // dQ[:, 64cw..] = dS K[:, 64cw..]: A = dS (M-major: dS^T rows are keys), B = K (N-major).
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_BN / 16; ++kk)
+            wgmma_ss64<1, 1>(dq, wg_desc(dsb + kk * 16 * 128, WG_BN * 128, 1024),
+                               wg_desc(Ks + cw * WG_BN * 128 + kk * 16 * 128, WG_BN * 128, 1024), kk);
+#else
+        named_sync(1 + cw, 128); // this warpgroup's dS^T rows (the only ones it reads) are stored
+        // dQ (partial) = dS[:, 64cw..] K[64cw.., :]: this warpgroup's keys only.
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma_ss64<1, 1>(dq, wg_desc(dsb + (64 * cw + 16 * kk) * 128, WG_BN * 128, 1024),
+                               wg_desc(Ks + (64 * cw + 16 * kk) * 128, WG_BN * 128, 1024), kk);
+#endif
+        wg_commit();
+        wg_wait<1>(); // dV and dK: the stage's Q and dO are no longer read
+        if (lane == 0) mbar_arrive(freed + 8 * st);
+        if (it > 0) mbar_wait(dq_free + 8 * cw, (it - 1) & 1); // the previous dQ has been read
+        wg_wait<0>();
         wg_pin(dq);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = te.x * WG_BM + 16 * wi + g + 8 * r;
-            if (row < p.q_len) {
-                float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + (D == 128 ? 64 * wg : 0) + 2 * t;
+        for (int i = 0; i < 8; ++i) {
+            const u32 a = dq_row + (i >> 2) * WG_BM * 128 + (((2 * (i & 3) + (t >> 1)) ^ g) << 4);
 #pragma unroll
-                for (int i = 0; i < 8; ++i)
-                    red_add2(dst + i * 8, dq[4 * i + 2 * r] * p.scale, dq[4 * i + 2 * r + 1] * p.scale);
-            }
+            for (int r = 0; r < 2; ++r)
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a + r * 8 * 128),
+                             "f"(dq[4 * i + 2 * r] * p.scale), "f"(dq[4 * i + 2 * r + 1] * p.scale));
         }
-        wg_wait<0>(); // dK: its operand stage is refilled after the next barrier
+        fence_async_smem();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(dq_full + 8 * cw);
     }
-    cp_async_wait<0>();
-    wg_wait<0>();
     wg_pin(dk);
     wg_pin(dv);
 #pragma unroll
@@ -368,15 +448,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wg(const BwdParam
 #endif // BWD_WG && (D == 128 || D == 64)
 
 #if FWD_WG && (D == 128 || D == 64)
-// ---------------------------------------------------------------- forward on wgmma (sm_90a)
-// One block per 128-row query tile, two warpgroups of 64 rows each, 128-key K/V tiles streamed
-// through cp.async. Per key tile and warpgroup: S = Q K^T (shared x shared), online softmax in
-// registers, O += P V with P as the register A operand and V read N-major. The P V product of
-// tile e-1 runs on the tensor cores while the softmax of tile e runs on the other pipes, so K/V
-// take 3 stages (V of tile e-1 is still read during tile e).
+// ---------------------------------------------------------------- forward (sm_90a)
+// One block per 128-row query tile. Per 128-key tile and consumer warpgroup (64 rows each):
+// S = Q K^T (shared x shared), online softmax in registers, O += P V with P as the register A
+// operand and V read N-major. The P V product of tile e-1 runs on the tensor cores while the
+// softmax of tile e runs on the other pipes.
 #define FW_BM 128
 #define FW_BN 128
-#define FW_STAGES 3
 
 // Masks and exponentiates one 64 x FW_BN tile of scores (a warpgroup's accumulators) in place,
 // updating the running max m (log2 units) and sum l of the thread's two rows; returns in
@@ -442,83 +520,17 @@ __device__ __forceinline__ void fwd_issue_pv(float (&o)[D / 2], const u32 (&pa)[
         wgmma_rs_nD<1>(o, pa[kk], wg_desc(vst + kk * 16 * 128, FW_BN * 128, 1024), 1);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wg(const FwdParams p) {
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const u32 raw = smem_u32(smem_raw);
-    const u32 Qs = (raw + 1023) & ~1023u;          // [FW_BM][D]
-    const u32 Ks = Qs + FW_BM * D * 2;             // FW_STAGES x [FW_BN][D]
-    const u32 Vs = Ks + FW_STAGES * FW_BN * D * 2; // FW_STAGES x [FW_BN][D]
-
-    const int qt = p.n_tiles - 1 - blockIdx.x; // heavy (late causal) tiles first
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int kvh = h / (p.heads / p.kv_heads);
-    const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int q0 = qt * FW_BM;
-    const int rq = 64 * wg + 16 * wi + g; // this thread's query rows in the tile: rq, rq + 8
-    const size_t qs = (size_t)p.heads * D, ks = (size_t)p.kv_heads * D;
-    const elem_t* qbase = p.q + ((size_t)b * p.q_len * p.heads + h) * D;
-    const elem_t* kbase = p.k + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
-    const elem_t* vbase = p.v + ((size_t)b * p.k_len * p.kv_heads + kvh) * D;
-    const int e0 = p.tile_ptr[qt], e1 = p.tile_ptr[qt + 1];
-    auto load_kv = [&](int e, int st) {
-        const int kt = p.tiles[e].x;
-        load_rows_sw<FW_BN>(Ks + st * FW_BN * D * 2, kbase, ks, kt * FW_BN, p.k_len, tid);
-        load_rows_sw<FW_BN>(Vs + st * FW_BN * D * 2, vbase, ks, kt * FW_BN, p.k_len, tid);
-    };
-
-    load_rows_sw<FW_BM>(Qs, qbase, qs, q0, p.q_len, tid);
-    if (e0 < e1) load_kv(e0, 0);
-    cp_async_commit();
-
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, alpha[2];
-    u32 pa[FW_BN / 16][4];
-    const float sl2 = p.scale_log2;
-
-    for (int e = e0; e < e1; ++e) {
-        const int st = (e - e0) % FW_STAGES;
-        // Tile e has landed, and every warp is done with the stage refilled next (tile e-2's).
-        cp_async_wait<0>();
-        fence_async_smem();
-        __syncthreads();
-        if (e + 1 < e1) load_kv(e + 1, (e + 1 - e0) % FW_STAGES);
-        cp_async_commit();
-        const u32 kst = Ks + st * FW_BN * D * 2;
-
-        float s[64];
-        wg_fence();
-        wg_gemm_kmajor(s, Qs, FW_BM, 64 * wg, kst, FW_BN);
-        wg_commit();
-        if (e > e0) fwd_issue_pv(o, pa, Vs + ((e - 1 - e0) % FW_STAGES) * FW_BN * D * 2);
-        wg_commit();
-        wg_wait<1>();
-        wg_pin(s);
-        fwd_softmax(s, m, l, alpha, p.bits, p.tiles[e].y, rq, t, sl2);
-        wg_wait<0>();
-        wg_pin(o);
-        fwd_rescale(o, alpha);
-        fwd_pack_p(pa, s);
-    }
-    if (e1 > e0) { // the last tile's P V
-        wg_fence();
-        fwd_issue_pv(o, pa, Vs + ((e1 - 1 - e0) % FW_STAGES) * FW_BN * D * 2);
-        wg_commit();
-        wg_wait<0>();
-        wg_pin(o);
-    }
-    cp_async_wait<0>();
-
-    // Finalize: normalise, write O (and the optional f32 copy) and LSE.
+// Normalises and writes the thread's two output rows (row, row + 8) of O (and the optional f32
+// copy) and their LSE.
+__device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D / 2], const float (&m)[2],
+                                          const float (&l)[2], int b, int h, int row0, int t) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float lt = l[r];
         lt += __shfl_xor_sync(0xffffffff, lt, 1);
         lt += __shfl_xor_sync(0xffffffff, lt, 2);
         const float inv = lt > 0.f ? 1.f / lt : 0.f;
-        const int row = q0 + rq + 8 * r;
+        const int row = row0 + 8 * r;
         if (row >= p.q_len) continue;
         if (t == 0)
             p.lse[((size_t)b * p.heads + h) * p.q_len + row] = lt > 0.f ? (m[r] + __log2f(lt)) * LN2 : NEG_INF;
@@ -530,6 +542,130 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wg(const FwdParam
             if (p.o_f32) *(float2*)(p.o_f32 + off + i * 8) = make_float2(x0, x1);
         }
     }
+}
+
+// The block is warp-specialized: warp 0 of warpgroup 0 (the producer, 24 registers) streams Q
+// and the K/V tiles with TMA into 2 stages each, signalled by mbarriers; warpgroups 1 and 2
+// (240 registers) compute 64 rows each and release a stage as soon as the product reading it
+// has completed. The two consumers take turns issuing their products (named barriers 1 and 2),
+// so one's softmax runs under the other's tensor-core work.
+#define FS_STAGES 2
+extern "C" __global__ void __launch_bounds__(384, 1)
+flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+             const __grid_constant__ TmaMap tv) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 raw = smem_u32(smem_raw);
+    const u32 Qs = (raw + 1023) & ~1023u;             // [FW_BM][D]
+    const u32 Ks = Qs + FW_BM * D * 2;                // FS_STAGES x [FW_BN][D]
+    const u32 Vs = Ks + FS_STAGES * FW_BN * D * 2;    // FS_STAGES x [FW_BN][D]
+    const u32 bars = Vs + FS_STAGES * FW_BN * D * 2;  // mbarriers, 8 bytes each:
+    const u32 full_q = bars;                          //   Q landed
+    const u32 full_k = bars + 8, full_v = full_k + 8 * FS_STAGES;   // stage landed
+    const u32 free_k = full_v + 8 * FS_STAGES, free_v = free_k + 8 * FS_STAGES; // stage read
+
+    const int qt = p.n_tiles - 1 - blockIdx.x; // heavy (late causal) tiles first
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (p.heads / p.kv_heads);
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int q0 = qt * FW_BM;
+    const int e0 = p.tile_ptr[qt], e1 = p.tile_ptr[qt + 1];
+    constexpr u32 TILE_BYTES = FW_BN * D * 2;
+
+    if (tid == 0) {
+        mbar_init(full_q, 1);
+        for (int i = 0; i < FS_STAGES; ++i) {
+            mbar_init(full_k + 8 * i, 1);
+            mbar_init(full_v + 8 * i, 1);
+            mbar_init(free_k + 8 * i, 8); // one arrival per consumer warp
+            mbar_init(free_v + 8 * i, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) { // producer
+        reg_dealloc<24>();
+        if (tid == 0 && e1 > e0) { // (no tiles: the consumers only write empty rows)
+            mbar_expect_tx(full_q, FW_BM * D * 2);
+            tma_load_rows<FW_BM>(Qs, &tq, full_q, q0, h, b);
+            for (int e = e0; e < e1; ++e) {
+                const int i = e - e0, st = i % FS_STAGES, ph = (i / FS_STAGES) & 1;
+                const int kt = p.tiles[e].x;
+                if (i >= FS_STAGES) mbar_wait(free_k + 8 * st, ph ^ 1);
+                mbar_expect_tx(full_k + 8 * st, TILE_BYTES);
+                tma_load_rows<FW_BN>(Ks + st * TILE_BYTES, &tk, full_k + 8 * st, kt * FW_BN, kvh, b);
+                if (i >= FS_STAGES) mbar_wait(free_v + 8 * st, ph ^ 1);
+                mbar_expect_tx(full_v + 8 * st, TILE_BYTES);
+                tma_load_rows<FW_BN>(Vs + st * TILE_BYTES, &tv, full_v + 8 * st, kt * FW_BN, kvh, b);
+            }
+        }
+        return;
+    }
+    reg_alloc<240>();
+    const int cw = wg - 1, wi = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int rq = 64 * cw + 16 * wi + g; // this thread's query rows in the tile: rq, rq + 8
+    // Turn-taking: consumer cw issues after named barrier 1 + cw, then lets the other one go.
+    const int my_turn = 1 + cw, other_turn = 2 - cw;
+
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, alpha[2];
+    u32 pa[FW_BN / 16][4];
+    const float sl2 = p.scale_log2;
+
+    // Step i issues S(i) = Q K(i)^T and O += P(i-1) V(i-1), for i = 0..n; the first and last
+    // steps are peeled so that no product is issued under a branch (ptxas would serialize them).
+    const int n = e1 - e0;
+    if (n > 0) {
+        if (cw == 1) named_arrive(1, 256);
+        mbar_wait(full_q, 0);
+        mbar_wait(full_k, 0);
+        named_sync(my_turn, 256);
+        float s[64];
+        wg_fence();
+        wg_gemm_kmajor(s, Qs, FW_BM, 64 * cw, Ks, FW_BN);
+        wg_commit();
+        named_arrive(other_turn, 256);
+        wg_wait<0>();
+        wg_pin(s);
+        if (lane == 0) mbar_arrive(free_k);
+        fwd_softmax(s, m, l, alpha, p.bits, p.tiles[e0].y, rq, t, sl2);
+        fwd_pack_p(pa, s);
+        for (int i = 1; i < n; ++i) {
+            const int st = i % FS_STAGES, ph = (i / FS_STAGES) & 1;
+            const int sp = (i - 1) % FS_STAGES, php = ((i - 1) / FS_STAGES) & 1;
+            mbar_wait(full_k + 8 * st, ph);
+            mbar_wait(full_v + 8 * sp, php);
+            named_sync(my_turn, 256);
+            wg_fence();
+            wg_gemm_kmajor(s, Qs, FW_BM, 64 * cw, Ks + st * TILE_BYTES, FW_BN);
+            wg_commit();
+            fwd_issue_pv(o, pa, Vs + sp * TILE_BYTES);
+            wg_commit();
+            named_arrive(other_turn, 256);
+            wg_wait<1>();
+            wg_pin(s);
+            if (lane == 0) mbar_arrive(free_k + 8 * st);
+            fwd_softmax(s, m, l, alpha, p.bits, p.tiles[e0 + i].y, rq, t, sl2);
+            wg_wait<0>();
+            wg_pin(o);
+            if (lane == 0) mbar_arrive(free_v + 8 * sp);
+            fwd_rescale(o, alpha);
+            fwd_pack_p(pa, s);
+        }
+        const int sp = (n - 1) % FS_STAGES;
+        mbar_wait(full_v + 8 * sp, ((n - 1) / FS_STAGES) & 1);
+        named_sync(my_turn, 256);
+        wg_fence();
+        fwd_issue_pv(o, pa, Vs + sp * TILE_BYTES);
+        wg_commit();
+        if (cw == 0) named_arrive(other_turn, 256); // consumer 1 issues last: nothing to hand on
+        wg_wait<0>();
+        wg_pin(o);
+    }
+    fwd_store(p, o, m, l, b, h, q0 + rq, t);
 }
 #endif // FWD_WG && (D == 128 || D == 64)
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
