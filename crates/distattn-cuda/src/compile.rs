@@ -555,6 +555,7 @@ mod tests {
                     c.bwd_smem()
                 );
                 let h = c.for_arch("sm_90a");
+                assert!(h.fwd_smem() <= 227 * 1024, "{h:?} fwd smem {}", h.fwd_smem());
                 assert!(
                     h.bwd_smem() <= 227 * 1024,
                     "{h:?} bwd smem {}",
