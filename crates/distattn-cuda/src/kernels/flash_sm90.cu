@@ -227,8 +227,8 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const u32 full_kv = bars;                         //   K, V landed
     const u32 full = bars + 8, freed = full + 8 * BS_STAGES; // item stage landed / read
     const u32 dq_full = freed + 8 * BS_STAGES, dq_free = dq_full + 16; // per consumer
-    const float* lse_s = (const float*)(smem_raw + (lse_a - raw));
-    const float* del_s = (const float*)(smem_raw + (del_a - raw));
+    float* lse_s = (float*)(smem_raw + (lse_a - raw));
+    float* del_s = (float*)(smem_raw + (del_a - raw));
 
     const int kt = blockIdx.x; // key tile 0 first: the heaviest under a causal mask
     const int kvh = blockIdx.y, b = blockIdx.z;
@@ -276,9 +276,8 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
                     const int row = qt * WG_BM + r;
                     const size_t off = ((size_t)b * p.heads + h) * p.q_len + row;
                     const bool ok = row < p.q_len;
-                    const float lv = ok ? p.lse[off] : NEG_INF, dl = ok ? p.delta[off] : 0.f;
-                    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(lse_a + (st * WG_BM + r) * 4), "f"(lv));
-                    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(del_a + (st * WG_BM + r) * 4), "f"(dl));
+                    lse_s[st * WG_BM + r] = ok ? p.lse[off] : NEG_INF;
+                    del_s[st * WG_BM + r] = ok ? p.delta[off] : 0.f;
                 }
                 __syncwarp();
                 if (lane == 0) { // the arrival releases the rows stored above with the copies' bytes
