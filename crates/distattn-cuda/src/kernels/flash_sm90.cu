@@ -20,6 +20,19 @@ typedef unsigned long long u64;
 __device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
 }
+// The descriptor of the tile `bytes` further on. Only the low word changes (shared addresses stay
+// below 2^18, so the 14-bit address field never carries): with a base descriptor built once per
+// tile, each k-step's descriptor is one integer add, not a rebuild.
+__device__ __forceinline__ u64 wg_desc_add(u64 d, u32 bytes) {
+    u32 lo, hi;
+    asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "l"(d));
+    lo += bytes >> 4;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(hi));
+    return d;
+}
+// The warpgroup index, read through a shuffle so that the compiler knows it is the same in the
+// whole warp and keeps values derived from it (tile addresses, descriptors) in uniform registers.
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0); }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -164,10 +177,11 @@ __device__ __forceinline__ void wgmma_ss128(float (&d)[64], u64 da, u64 db, int 
 // rows from a_row0 of a tile of a_rows rows, B all b_rows (= N) rows of its tile.
 template <int NA>
 __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_rows, int a_row0, u32 b, int b_rows) {
+    const u64 da0 = wg_desc(a + a_row0 * 128, 16, 1024), db0 = wg_desc(b, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        const u64 da = wg_desc(a + (kk >> 2) * a_rows * 128 + a_row0 * 128 + (kk & 3) * 32, 16, 1024);
-        const u64 db = wg_desc(b + (kk >> 2) * b_rows * 128 + (kk & 3) * 32, 16, 1024);
+        const u64 da = wg_desc_add(da0, (kk >> 2) * a_rows * 128 + (kk & 3) * 32);
+        const u64 db = wg_desc_add(db0, (kk >> 2) * b_rows * 128 + (kk & 3) * 32);
         if constexpr (NA == 32) wgmma_ss64<0, 0>(acc, da, db, kk);
         else wgmma_ss128<0, 0>(acc, da, db, kk);
     }
@@ -233,7 +247,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const int kt = blockIdx.x; // key tile 0 first: the heaviest under a causal mask
     const int kvh = blockIdx.y, b = blockIdx.z;
     const int G = p.heads / p.kv_heads;
-    const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
+    const int tid = threadIdx.x, wg = warpgroup_index(), wi = (tid >> 5) & 3, lane = tid & 31;
     const int k0 = kt * WG_BN;
     const int e0 = p.tile_ptr[kt], ne = p.tile_ptr[kt + 1] - e0;
     const int total = G * ne;
@@ -270,13 +284,15 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
                 const int st = it % BS_STAGES, ph = (it / BS_STAGES) & 1;
                 const int qt = p.tiles[e0 + ei].x;
                 if (it >= BS_STAGES) mbar_wait(freed + 8 * st, ph ^ 1);
-                // LSE and delta of the item's rows; rows past the end see no key (LSE -inf: P = 0).
+                // LSE (in log2 units) and delta of the item's rows; rows past the end, and rows
+                // that see no key (LSE -inf), get +inf: P = 2^(s - inf) = 0.
 #pragma unroll
                 for (int r = lane; r < WG_BM; r += 32) {
                     const int row = qt * WG_BM + r;
                     const size_t off = ((size_t)b * p.heads + h) * p.q_len + row;
                     const bool ok = row < p.q_len;
-                    lse_s[st * WG_BM + r] = ok ? p.lse[off] : NEG_INF;
+                    const float lv = ok ? p.lse[off] : NEG_INF;
+                    lse_s[st * WG_BM + r] = lv == NEG_INF ? POS_INF : lv * LOG2E;
                     del_s[st * WG_BM + r] = ok ? p.delta[off] : 0.f;
                 }
                 __syncwarp();
@@ -341,44 +357,47 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         // P^T as A fragments: k-step kq covers query columns 16kq..16kq+15, i.e. the
         // accumulator column blocks j = 2kq (fragments 0, 1) and 2kq + 1 (fragments 2, 3).
         u32 pa[4][4], sa[4][4];
-        constexpr int W = WG_BN / 32;
+        // This thread's query columns are 8j + 2t (+1): one 8-byte load per j.
+        const float2* lse2 = (const float2*)(lse_st + 2 * t);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
+            const float2 l2 = lse2[4 * j];
+            s[4 * j] = fast_exp2(fmaf(s[4 * j], p.scale_log2, -l2.x));
+            s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], p.scale_log2, -l2.y));
+            s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], p.scale_log2, -l2.x));
+            s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], p.scale_log2, -l2.y));
+        }
+        if (te.y >= 0) { // a partial tile: zero P where the mask drops the pair (a branch, not predication)
+            constexpr int W = WG_BN / 32;
+            const u32* bits = p.bits + te.y + (rk >> 5);
 #pragma unroll
-            for (int c2 = 0; c2 < 2; ++c2) {
-                const int c = 8 * j + 2 * t + c2;
-                const float lv = lse_st[c];
-                const float l2 = lv == NEG_INF ? POS_INF : lv * LOG2E;
-                float p0 = fast_exp2(fmaf(s[4 * j + c2], p.scale_log2, -l2));
-                float p1 = fast_exp2(fmaf(s[4 * j + 2 + c2], p.scale_log2, -l2));
-                if (te.y >= 0) {
-                    const u32 w = p.bits[te.y + c * W + (rk >> 5)] >> (rk & 31);
-                    if (!(w & 1)) p0 = 0.f;
-                    if (!(w & 0x100)) p1 = 0.f;
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int c2 = 0; c2 < 2; ++c2) {
+                    const u32 w = bits[(8 * j + 2 * t + c2) * W] >> (rk & 31);
+                    if (!(w & 1)) s[4 * j + c2] = 0.f;
+                    if (!(w & 0x100)) s[4 * j + 2 + c2] = 0.f;
                 }
-                s[4 * j + c2] = p0;
-                s[4 * j + 2 + c2] = p1;
-            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
             pa[j >> 1][(j & 1) * 2] = pack2(s[4 * j], s[4 * j + 1]);
             pa[j >> 1][(j & 1) * 2 + 1] = pack2(s[4 * j + 2], s[4 * j + 3]);
         }
         // dV += P^T dO (B = dO, N-major: D columns in D/64 blocks of WG_BM rows).
+        const u64 ddo = wg_desc(dost, WG_BM * 128, 1024);
         wg_fence();
 #pragma unroll
-        for (int kq = 0; kq < 4; ++kq)
-            wgmma_rs_nD<1>(dv, pa[kq], wg_desc(dost + kq * 16 * 128, WG_BM * 128, 1024), 1);
+        for (int kq = 0; kq < 4; ++kq) wgmma_rs_nD<1>(dv, pa[kq], wg_desc_add(ddo, kq * 16 * 128), 1);
         wg_commit();
         wg_wait<1>(); // dP^T (dV may run)
         wg_pin(dp);
+        const float2* del2 = (const float2*)(del_st + 2 * t);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            float dsv[4];
-#pragma unroll
-            for (int c2 = 0; c2 < 2; ++c2) {
-                const float dl = del_st[8 * j + 2 * t + c2];
-                dsv[c2] = s[4 * j + c2] * (dp[4 * j + c2] - dl);
-                dsv[2 + c2] = s[4 * j + 2 + c2] * (dp[4 * j + 2 + c2] - dl);
-            }
+            const float2 dl = del2[4 * j];
+            const float dsv[4] = {s[4 * j] * (dp[4 * j] - dl.x), s[4 * j + 1] * (dp[4 * j + 1] - dl.y),
+                                  s[4 * j + 2] * (dp[4 * j + 2] - dl.x), s[4 * j + 3] * (dp[4 * j + 3] - dl.y)};
             sa[j >> 1][(j & 1) * 2] = pack2(dsv[0], dsv[1]);
             sa[j >> 1][(j & 1) * 2 + 1] = pack2(dsv[2], dsv[3]);
             // dS^T -> shared memory for dQ; rows rk and rk + 8 share the swizzle (rk % 8 = g).
@@ -387,29 +406,29 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(sa[j >> 1][(j & 1) * 2 + 1]));
         }
         // dK += dS^T Q.
+        const u64 dq_b = wg_desc(qst, WG_BM * 128, 1024);
         wg_fence();
 #pragma unroll
-        for (int kq = 0; kq < 4; ++kq)
-            wgmma_rs_nD<1>(dk, sa[kq], wg_desc(qst + kq * 16 * 128, WG_BM * 128, 1024), 1);
+        for (int kq = 0; kq < 4; ++kq) wgmma_rs_nD<1>(dk, sa[kq], wg_desc_add(dq_b, kq * 16 * 128), 1);
         wg_commit();
         fence_async_smem();
         float dq[32];
 #if D == 128
         named_sync(1, 256); // dS^T of both warpgroups is in shared memory
         // dQ[:, 64cw..] = dS K[:, 64cw..]: A = dS (M-major: dS^T rows are keys), B = K (N-major).
+        const u64 dds = wg_desc(dsb, WG_BN * 128, 1024), dk_b = wg_desc(Ks + cw * WG_BN * 128, WG_BN * 128, 1024);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < WG_BN / 16; ++kk)
-            wgmma_ss64<1, 1>(dq, wg_desc(dsb + kk * 16 * 128, WG_BN * 128, 1024),
-                               wg_desc(Ks + cw * WG_BN * 128 + kk * 16 * 128, WG_BN * 128, 1024), kk);
+            wgmma_ss64<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
 #else
         named_sync(1 + cw, 128); // this warpgroup's dS^T rows (the only ones it reads) are stored
         // dQ (partial) = dS[:, 64cw..] K[64cw.., :]: this warpgroup's keys only.
+        const u64 dds = wg_desc(dsb + 64 * cw * 128, WG_BN * 128, 1024), dk_b = wg_desc(Ks + 64 * cw * 128, WG_BN * 128, 1024);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
-            wgmma_ss64<1, 1>(dq, wg_desc(dsb + (64 * cw + 16 * kk) * 128, WG_BN * 128, 1024),
-                               wg_desc(Ks + (64 * cw + 16 * kk) * 128, WG_BN * 128, 1024), kk);
+            wgmma_ss64<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
 #endif
         wg_commit();
         wg_wait<1>(); // dV and dK: the stage's Q and dO are no longer read
@@ -514,9 +533,9 @@ __device__ __forceinline__ void fwd_rescale(float (&o)[D / 2], const float (&alp
 }
 
 __device__ __forceinline__ void fwd_issue_pv(float (&o)[D / 2], const u32 (&pa)[FW_BN / 16][4], u32 vst) {
+    const u64 dv = wg_desc(vst, FW_BN * 128, 1024);
 #pragma unroll
-    for (int kk = 0; kk < FW_BN / 16; ++kk)
-        wgmma_rs_nD<1>(o, pa[kk], wg_desc(vst + kk * 16 * 128, FW_BN * 128, 1024), 1);
+    for (int kk = 0; kk < FW_BN / 16; ++kk) wgmma_rs_nD<1>(o, pa[kk], wg_desc_add(dv, kk * 16 * 128), 1);
 }
 
 // Normalises and writes the thread's two output rows (row, row + 8) of O (and the optional f32
@@ -565,7 +584,7 @@ flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const int qt = p.n_tiles - 1 - blockIdx.x; // heavy (late causal) tiles first
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (p.heads / p.kv_heads);
-    const int tid = threadIdx.x, wg = tid >> 7;
+    const int tid = threadIdx.x, wg = warpgroup_index();
     const int q0 = qt * FW_BM;
     const int e0 = p.tile_ptr[qt], e1 = p.tile_ptr[qt + 1];
     constexpr u32 TILE_BYTES = FW_BN * D * 2;
