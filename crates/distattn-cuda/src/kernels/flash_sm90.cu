@@ -333,12 +333,17 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
     // This thread's staged dQ pairs: rows 16wi + g (+8), columns 8i + 2t, in box i / 4 at 16-byte
-    // chunk (2(i % 4) + t / 2) ^ g (the row's swizzle; rows g and g + 8 share it).
+    // chunk (2(i % 4) + t / 2) ^ g (the row's swizzle; rows g and g + 8 share it). Rows g and g ^ 1
+    // would hit the same banks if stored in the same order, so store k writes column block
+    // i = k ^ (g % 4) (within the box): the 16 lanes of each half-warp then cover all 32 banks.
     const u32 dq_row = dQs + cw * 2 * WG_BM * 128 + (16 * wi + g) * 128 + 8 * (t & 1);
+    const int dq_rot = g & 3;
     if (total > 0) mbar_wait(full_kv, 0);
+    int2 te_next = total > 0 ? p.tiles[e0] : make_int2(0, -1); // loaded an item ahead
     for (int it = 0; it < total; ++it) {
         const int st = it % BS_STAGES, ph = (it / BS_STAGES) & 1;
-        const int2 te = p.tiles[e0 + it % ne];
+        const int2 te = te_next;
+        if (it + 1 < total) te_next = p.tiles[e0 + (it + 1) % ne];
         const u32 qst = Qs + st * WG_BM * D * 2, dost = dOs + st * WG_BM * D * 2;
         const u32 dsb = dSs + (it & 1) * WG_BN * WG_BM * 2;
         const float* lse_st = lse_s + st * WG_BM;
@@ -436,13 +441,20 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         if (it > 0) mbar_wait(dq_free + 8 * cw, (it - 1) & 1); // the previous dQ has been read
         wg_wait<0>();
         wg_pin(dq);
+        // Column blocks permuted by dq_rot (two rounds of selects: registers are not indexable).
+        float dqr[32];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const u32 a = dq_row + (i >> 2) * WG_BM * 128 + (((2 * (i & 3) + (t >> 1)) ^ g) << 4);
+        for (int k = 0; k < 32; ++k) dqr[k] = (dq_rot & 1) ? dq[k ^ 4] : dq[k];
+#pragma unroll
+        for (int k = 0; k < 32; ++k) dq[k] = (dq_rot & 2) ? dqr[k ^ 8] : dqr[k];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int i = (k & 4) | ((k & 3) ^ dq_rot);
+            const u32 a = dq_row + (k >> 2) * WG_BM * 128 + (((2 * (i & 3) + (t >> 1)) ^ g) << 4);
 #pragma unroll
             for (int r = 0; r < 2; ++r)
                 asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a + r * 8 * 128),
-                             "f"(dq[4 * i + 2 * r] * p.scale), "f"(dq[4 * i + 2 * r + 1] * p.scale));
+                             "f"(dq[4 * k + 2 * r] * p.scale), "f"(dq[4 * k + 2 * r + 1] * p.scale));
         }
         fence_async_smem();
         __syncwarp();
