@@ -175,14 +175,16 @@ __device__ __forceinline__ void wgmma_ss128(float (&d)[64], u64 da, u64 db, int 
 
 // acc = A B^T over the head dim, both operands K-major in swizzled [rows][D] tiles: A is the 64
 // rows from a_row0 of a tile of a_rows rows, B all b_rows (= N) rows of its tile.
-template <int NA>
+// ACC: add to acc's values instead of starting from zero.
+template <int NA, bool ACC = false>
 __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_rows, int a_row0, u32 b, int b_rows) {
     const u64 da0 = wg_desc(a + a_row0 * 128, 16, 1024), db0 = wg_desc(b, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const u64 da = wg_desc_add(da0, (kk >> 2) * a_rows * 128 + (kk & 3) * 32);
         const u64 db = wg_desc_add(db0, (kk >> 2) * b_rows * 128 + (kk & 3) * 32);
-        if constexpr (NA == 32) wgmma_ss64<0, 0>(acc, da, db, kk);
+        if constexpr (ACC && NA == 32) wgmma_ss_n64<0, 0>(acc, da, db, 1);
+        else if constexpr (NA == 32) wgmma_ss64<0, 0>(acc, da, db, kk);
         else wgmma_ss128<0, 0>(acc, da, db, kk);
     }
 }
@@ -284,7 +286,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
                 const int st = it % BS_STAGES, ph = (it / BS_STAGES) & 1;
                 const int qt = p.tiles[e0 + ei].x;
                 if (it >= BS_STAGES) mbar_wait(freed + 8 * st, ph ^ 1);
-                // LSE (in log2 units) and delta of the item's rows; rows past the end, and rows
+                // LSE (in log2 units) and minus delta of the item's rows; rows past the end, and rows
                 // that see no key (LSE -inf), get +inf: P = 2^(s - inf) = 0.
 #pragma unroll
                 for (int r = lane; r < WG_BM; r += 32) {
@@ -293,7 +295,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
                     const bool ok = row < p.q_len;
                     const float lv = ok ? p.lse[off] : NEG_INF;
                     lse_s[st * WG_BM + r] = lv == NEG_INF ? POS_INF : lv * LOG2E;
-                    del_s[st * WG_BM + r] = ok ? p.delta[off] : 0.f;
+                    del_s[st * WG_BM + r] = ok ? -p.delta[off] : 0.f;
                 }
                 __syncwarp();
                 if (lane == 0) { // the arrival releases the rows stored above with the copies' bytes
@@ -347,26 +349,38 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         const u32 qst = Qs + st * WG_BM * D * 2, dost = dOs + st * WG_BM * D * 2;
         const u32 dsb = dSs + (it & 1) * WG_BN * WG_BM * 2;
         const float* lse_st = lse_s + st * WG_BM;
-        const float* del_st = del_s + st * WG_BM;
+        const float* ndel_st = del_s + st * WG_BM; // minus delta
         mbar_wait(full + 8 * st, ph);
 
         float s[32], dp[32];
         wg_fence();
         wg_gemm_kmajor(s, Ks, WG_BN, 64 * cw, qst, WG_BM);
         wg_commit();
-        wg_gemm_kmajor(dp, Vs, WG_BN, 64 * cw, dost, WG_BM);
+        // dP^T starts from -delta (per query column), so it ends as dP^T - delta: no delta load
+        // or subtraction between the wait and dS^T. This thread's query columns are 8j + 2t (+1).
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 nd = ((const float2*)(ndel_st + 2 * t))[4 * j];
+            dp[4 * j] = dp[4 * j + 2] = nd.x;
+            dp[4 * j + 1] = dp[4 * j + 3] = nd.y;
+        }
+        wg_fence();
+        wg_gemm_kmajor<32, true>(dp, Vs, WG_BN, 64 * cw, dost, WG_BM);
         wg_commit();
+        // The item's LSE, read before the wait (the wait is a compiler barrier to loads): under
+        // the tensor cores' shared-memory traffic these loads take long.
+        float2 lse_j[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) lse_j[j] = ((const float2*)(lse_st + 2 * t))[4 * j];
         wg_wait<1>(); // S^T (dP^T may run)
         wg_pin(s);
 
         // P^T as A fragments: k-step kq covers query columns 16kq..16kq+15, i.e. the
         // accumulator column blocks j = 2kq (fragments 0, 1) and 2kq + 1 (fragments 2, 3).
         u32 pa[4][4], sa[4][4];
-        // This thread's query columns are 8j + 2t (+1): one 8-byte load per j.
-        const float2* lse2 = (const float2*)(lse_st + 2 * t);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const float2 l2 = lse2[4 * j];
+            const float2 l2 = lse_j[j];
             s[4 * j] = fast_exp2(fmaf(s[4 * j], p.scale_log2, -l2.x));
             s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], p.scale_log2, -l2.y));
             s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], p.scale_log2, -l2.x));
@@ -397,12 +411,10 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         wg_commit();
         wg_wait<1>(); // dP^T (dV may run)
         wg_pin(dp);
-        const float2* del2 = (const float2*)(del_st + 2 * t);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const float2 dl = del2[4 * j];
-            const float dsv[4] = {s[4 * j] * (dp[4 * j] - dl.x), s[4 * j + 1] * (dp[4 * j + 1] - dl.y),
-                                  s[4 * j + 2] * (dp[4 * j + 2] - dl.x), s[4 * j + 3] * (dp[4 * j + 3] - dl.y)};
+            const float dsv[4] = {s[4 * j] * dp[4 * j], s[4 * j + 1] * dp[4 * j + 1], s[4 * j + 2] * dp[4 * j + 2],
+                                  s[4 * j + 3] * dp[4 * j + 3]};
             sa[j >> 1][(j & 1) * 2] = pack2(dsv[0], dsv[1]);
             sa[j >> 1][(j & 1) * 2 + 1] = pack2(dsv[2], dsv[3]);
             // dS^T -> shared memory for dQ; rows rk and rk + 8 share the swizzle (rk % 8 = g).
