@@ -212,10 +212,11 @@ pub enum Pass {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum RingBackward {
-    /// K, V and the dK/dV accumulators circulate; Q, dO, LSE, D and dQ stay.
+    /// K and V circulate (each visit's dK/dV goes back to the owner); Q, dO, LSE, D, dQ stay.
     #[default]
     KvCirculate,
-    /// BurstAttention: Q, dO, LSE, D and the dQ accumulator circulate; K, V, dK, dV stay.
+    /// BurstAttention: Q, dO, LSE and D circulate (each visit's dQ goes back to the owner);
+    /// K, V, dK, dV stay.
     QCirculate,
 }
 

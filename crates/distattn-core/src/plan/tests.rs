@@ -171,10 +171,13 @@ fn ring_backward_variants_bytes() {
         let (a, b) = (bytes(RingBackward::KvCirculate), bytes(RingBackward::QCirculate));
         println!("{:<22} {:>12.2}GB {:>12.2}GB", format!("{h} / {kv}"), a as f64 / 1e9, b as f64 / 1e9);
         // Per token and hop: KV side 2·kv·d·2 B (+ dK,dV 2·kv·d·4 B), Q side 2·h·d·2 + 2·h·4 B (+ dQ h·d·4 B).
-        let n = 131072u64 * 7 / 8; // 7 input hops of N/8 tokens on each of 8 ranks = 7N/8 per rank; accumulators make 8 hops
+        let n = 131072u64 * 7 / 8; // 7 input hops of N/8 tokens on each of 8 ranks = 7N/8 per rank
+        // Partial gradients go back to the owner from each non-empty remote visit: under the
+        // causal mask, 0 + 1 + ... + 7 = 28 blocks of N/8 tokens.
+        let parts = 28 * 131072 / 8;
         let (hh, kk, d) = (h as u64, kv as u64, 128u64);
-        assert_eq!(a, n * 8 * (2 * kk * d * 2) + 8 * 131072 * (2 * kk * d * 4));
-        assert_eq!(b, n * 8 * (2 * hh * d * 2 + 2 * hh * 4) + 8 * 131072 * (hh * d * 4));
+        assert_eq!(a, n * 8 * (2 * kk * d * 2) + parts * (2 * kk * d * 4));
+        assert_eq!(b, n * 8 * (2 * hh * d * 2 + 2 * hh * 4) + parts * (hh * d * 4));
         if h == kv {
             assert!(b < a, "without GQA, circulating the query side moves less");
         } else {

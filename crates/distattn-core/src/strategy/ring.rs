@@ -2,11 +2,11 @@
 //! queries against the block it holds, skipping blocks the mask leaves empty (the causal steps
 //! above the diagonal). The ring core here is shared by zigzag, striped and hybrid.
 //!
-//! Backward comes in two variants ([`RingBackward`]): K, V and the dK/dV accumulators
-//! circulate (dQ stays), or BurstAttention's Q, dO, LSE, D and the dQ accumulator circulate
-//! (K, V, dK, dV stay).
+//! Backward comes in two variants ([`RingBackward`]): K and V circulate (dQ stays), or
+//! BurstAttention's Q, dO, LSE and D circulate (K, V, dK, dV stay). Either way the gradient a
+//! rank computes for a visiting block goes straight back to the block's owner.
 
-use crate::plan::{BufDesc, BufId, Builder, Layout, Op, Pass, RingBackward};
+use crate::plan::{BufId, Builder, Layout, Op, Pass, RingBackward};
 use crate::Result;
 
 pub(crate) fn plan(b: &mut Builder) -> Result<()> {
@@ -66,6 +66,12 @@ pub(crate) fn forward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[
 /// Backward ring among `members`; member i holds
 /// `bufs[i] = [q, k, v, dO, lse, delta, dq_acc, dk_acc, dv_acc]` (its own shard and its own
 /// accumulators). Uses steps `step0 .. step0 + members.len()`.
+///
+/// The gradient of a travelling block does not travel with it: at step 0 a member adds into
+/// its own accumulators, and at a later step it computes into a fresh buffer that goes straight
+/// back to the block's owner (phase 1), which adds it after its next step's compute. So no
+/// step waits for a neighbour's previous compute, only for inputs sent a step ahead; just the
+/// last step's partials are waited for, at the end.
 pub(crate) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[[BufId; 9]], name: &str) {
     let n = members.len();
     if n == 1 {
@@ -75,21 +81,16 @@ pub(crate) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &
         return;
     }
     let qc = b.opts.ring_backward == RingBackward::QCirculate;
-    // What travels: the K/V side (k, v, dk acc, dv acc) or the Q side (q, dO, lse, delta, dq acc).
+    // What travels: the K/V side (k, v; gradients dk, dv) or the Q side (q, dO, lse, delta; dq).
     let travel_inputs: &[usize] = if qc { &[0, 3, 4, 5] } else { &[1, 2] };
     let travel_accs: &[usize] = if qc { &[6] } else { &[7, 8] };
-    // cur[i][j]: the buffer member i uses in slot j at this step.
+    // cur[i][j]: the input buffer member i uses in slot j at this step.
     let mut cur: Vec<[BufId; 9]> = bufs.to_vec();
-    for (i, &r) in members.iter().enumerate() {
-        // Fresh travelling accumulators (the owner's own output receives the final sum).
-        for &j in travel_accs {
-            let d = b.desc(r, bufs[i][j]).clone();
-            cur[i][j] = b.alloc(r, step0, BufDesc::new(d.tensor, d.tokens, d.heads), 0.0);
-        }
-    }
+    // Partials received in the previous step: (member, received buffer, its owner's accumulator).
+    let mut pending: Vec<(usize, BufId, BufId)> = Vec::new();
     for t in 0..n {
         let step = step0 + t;
-        let what = if qc { "q,dO,lse,D" } else { "kv,dkv" };
+        let what = if qc { "q,dO,lse,D" } else { "kv" };
         b.label(step, format!("{name} {t}: {what} from -{t}"));
         let mut next = cur.clone();
         if t + 1 < n {
@@ -100,23 +101,34 @@ pub(crate) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &
                 }
             }
         }
+        let mut partials = Vec::new();
         for i in 0..n {
-            let c = cur[i];
+            let owner = (i + n - t % n) % n;
+            let mut c = cur[i];
+            if t > 0 {
+                let (q, k) = if qc { (c[0], bufs[i][1]) } else { (bufs[i][0], c[1]) };
+                if b.area(members[i], q, members[i], k) == 0 {
+                    continue;
+                }
+                for &j in travel_accs {
+                    let d = b.desc(members[owner], bufs[owner][j]).clone();
+                    c[j] = b.alloc(members[i], step, d, 0.0);
+                    partials.push((i, owner, c[j], bufs[owner][j]));
+                }
+            }
             b.bwd(members[i], step, [c[0], c[1], c[2], c[3], c[4], c[5]], c[6], c[7], c[8]);
         }
-        // Accumulators move on after the compute (phase 1); after the last step they reach
-        // their owner, which adds them into its output.
-        for i in 0..n {
-            let to = (i + 1) % n;
-            for &j in travel_accs {
-                next[to][j] = b.transfer(step, 1, members[i], members[to], cur[i][j]);
-            }
+        // The previous step's partials, added after this step's compute (they had it to arrive).
+        for (i, got, acc) in pending.drain(..) {
+            b.push(members[i], step, Op::Add { src: got, dst: acc });
+        }
+        for (i, owner, part, acc) in partials {
+            let got = b.transfer(step, 1, members[i], members[owner], part);
+            pending.push((owner, got, acc));
         }
         if t + 1 == n {
-            for i in 0..n {
-                for &j in travel_accs {
-                    b.push(members[i], step, Op::Add { src: next[i][j], dst: bufs[i][j] });
-                }
+            for (i, got, acc) in pending.drain(..) {
+                b.push(members[i], step, Op::Add { src: got, dst: acc });
             }
         }
         cur = next;
