@@ -189,9 +189,11 @@ extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p
     elem_t* Ks = Qs + FWD_BM * LDS;
     elem_t* Vs = Ks + 2 * FWD_BN * LDS;
 
-    const int qt = p.n_tiles - 1 - blockIdx.x; // heavy (late causal) tiles first
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int kvh = h / (p.heads / p.kv_heads);
+    const int G = p.heads / p.kv_heads;
+    // Heavy (late causal) tiles first; the G query heads of a KV head run side by side, so the
+    // K/V tiles they all read are fetched from memory once (long sequences outgrow the L2).
+    const int qt = p.n_tiles - 1 - blockIdx.x / G;
+    const int kvh = blockIdx.y, h = kvh * G + blockIdx.x % G, b = blockIdx.z;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int q0 = qt * FWD_BM;

@@ -605,9 +605,11 @@ flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const u32 full_k = bars + 8, full_v = full_k + 8 * FS_STAGES;   // stage landed
     const u32 free_k = full_v + 8 * FS_STAGES, free_v = free_k + 8 * FS_STAGES; // stage read
 
-    const int qt = p.n_tiles - 1 - blockIdx.x; // heavy (late causal) tiles first
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int kvh = h / (p.heads / p.kv_heads);
+    const int G = p.heads / p.kv_heads;
+    // Heavy (late causal) tiles first; the G query heads of a KV head run side by side, so the
+    // K/V tiles they all read are fetched from memory once (long sequences outgrow the L2).
+    const int qt = p.n_tiles - 1 - blockIdx.x / G;
+    const int kvh = blockIdx.y, h = kvh * G + blockIdx.x % G, b = blockIdx.z;
     const int tid = threadIdx.x, wg = warpgroup_index();
     const int q0 = qt * FW_BM;
     const int e0 = p.tile_ptr[qt], e1 = p.tile_ptr[qt + 1];
