@@ -7,6 +7,8 @@
 //! rank computes for a visiting block goes straight back to the block's owner.
 
 use crate::plan::{BufId, Builder, Layout, Op, Pass, RingBackward};
+#[cfg(doc)]
+use crate::plan::TokenSet;
 use crate::Result;
 
 pub(crate) fn plan(b: &mut Builder) -> Result<()> {
@@ -70,8 +72,9 @@ pub(crate) fn forward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[
 /// The gradient of a travelling block does not travel with it: at step 0 a member adds into
 /// its own accumulators, and at a later step it computes into a fresh buffer that goes straight
 /// back to the block's owner (phase 1), which adds it after its next step's compute. So no
-/// step waits for a neighbour's previous compute, only for inputs sent a step ahead; just the
-/// last step's partials are waited for, at the end.
+/// step waits for a neighbour's previous compute, only for inputs sent a step ahead. The own
+/// block is split by key tokens ([`TokenSet::split_tail`]): its tail (under a causal zig-zag,
+/// the late chunk, the lighter part) is computed last, while the last step's partials travel.
 pub(crate) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[[BufId; 9]], name: &str) {
     let n = members.len();
     if n == 1 {
@@ -88,6 +91,22 @@ pub(crate) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &
     let mut cur: Vec<[BufId; 9]> = bufs.to_vec();
     // Partials received in the previous step: (member, received buffer, its owner's accumulator).
     let mut pending: Vec<(usize, BufId, BufId)> = Vec::new();
+    // Each member's own block, split by key tokens into the head (step 0) and the tail (last):
+    // K, V copies [k_head, v_head, k_tail, v_tail].
+    let split: Vec<[BufId; 4]> = (0..n)
+        .map(|i| {
+            let (r, x) = (members[i], bufs[i]);
+            let kd = b.desc(r, x[1]).clone();
+            let (head, tail) = kd.tokens.split_tail();
+            let h = kd.heads.clone();
+            [
+                b.extract(r, step0, x[1], head.clone(), h.clone()),
+                b.extract(r, step0, x[2], head, h.clone()),
+                b.extract(r, step0, x[1], tail.clone(), h.clone()),
+                b.extract(r, step0, x[2], tail, h),
+            ]
+        })
+        .collect();
     for t in 0..n {
         let step = step0 + t;
         let what = if qc { "q,dO,lse,D" } else { "kv" };
@@ -105,7 +124,10 @@ pub(crate) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &
         for i in 0..n {
             let owner = (i + n - t % n) % n;
             let mut c = cur[i];
-            if t > 0 {
+            if t == 0 {
+                c[1] = split[i][0];
+                c[2] = split[i][1];
+            } else {
                 let (q, k) = if qc { (c[0], bufs[i][1]) } else { (bufs[i][0], c[1]) };
                 if b.area(members[i], q, members[i], k) == 0 {
                     continue;
@@ -127,6 +149,10 @@ pub(crate) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &
             pending.push((owner, got, acc));
         }
         if t + 1 == n {
+            for i in 0..n {
+                let x = bufs[i];
+                b.bwd(members[i], step, [x[0], split[i][2], split[i][3], x[3], x[4], x[5]], x[6], x[7], x[8]);
+            }
             for (i, got, acc) in pending.drain(..) {
                 b.push(members[i], step, Op::Add { src: got, dst: acc });
             }
