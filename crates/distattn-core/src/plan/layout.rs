@@ -99,30 +99,6 @@ impl TokenSet {
         }
     }
 
-    /// Splits the set into a head and a tail: the tail is its last run when it has several,
-    /// else its upper half (by count).
-    pub fn split_tail(&self) -> (TokenSet, TokenSet) {
-        match self {
-            TokenSet::Runs(r) if r.len() > 1 => {
-                (TokenSet::Runs(r[..r.len() - 1].to_vec()), TokenSet::Runs(vec![r[r.len() - 1].clone()]))
-            }
-            TokenSet::Runs(r) => match r.first() {
-                Some(x) => {
-                    let mid = x.start + x.len().div_ceil(2);
-                    (TokenSet::range(x.start..mid), TokenSet::range(mid..x.end))
-                }
-                None => (TokenSet::empty(), TokenSet::empty()),
-            },
-            TokenSet::Strided { start, step, count } => {
-                let head = count.div_ceil(2);
-                (
-                    TokenSet::Strided { start: *start, step: *step, count: head },
-                    TokenSet::Strided { start: start + head * step, step: *step, count: count - head },
-                )
-            }
-        }
-    }
-
     /// Local interval of the members in the global interval `[lo, hi)`.
     pub fn local_range(&self, lo: usize, hi: usize) -> Range<usize> {
         if lo >= hi {
@@ -506,26 +482,6 @@ mod tests {
         l.validate(37, 37).unwrap();
         assert_eq!(members(&Layout::zigzag(16, 16, 4).q[1]), vec![2, 3, 12, 13]);
         assert_eq!(members(&Layout::striped(10, 10, 4).q[1]), vec![1, 5, 9]);
-    }
-
-    #[test]
-    fn split_tail_partitions() {
-        let sets = [
-            TokenSet::from_runs(vec![2..5, 8..10, 20..23]),
-            TokenSet::range(4..11),
-            TokenSet::range(4..5),
-            TokenSet::empty(),
-            TokenSet::Strided { start: 1, step: 4, count: 5 },
-        ];
-        for s in &sets {
-            let (h, t) = s.split_tail();
-            let (mh, mt) = (members(&h), members(&t));
-            assert_eq!([mh.clone(), mt.clone()].concat(), members(s), "{s:?}");
-            assert!(mh.len() >= mt.len() || s.to_runs().len() > 1, "{s:?}");
-        }
-        assert_eq!(members(&sets[0].split_tail().1), vec![20, 21, 22]);
-        assert_eq!(members(&sets[1].split_tail().1), vec![8, 9, 10]);
-        assert_eq!(members(&sets[4].split_tail().1), vec![13, 17]);
     }
 
     #[test]

@@ -6,9 +6,7 @@
 //! BurstAttention's Q, dO, LSE and D circulate (K, V, dK, dV stay). Either way the gradient a
 //! rank computes for a visiting block goes straight back to the block's owner.
 
-use crate::plan::{BufDesc, BufId, Builder, Layout, Op, Pass, RingBackward};
-#[cfg(doc)]
-use crate::plan::TokenSet;
+use crate::plan::{BufId, Builder, Layout, Op, Pass, RingBackward};
 use crate::Result;
 
 pub(crate) fn plan(b: &mut Builder) -> Result<()> {
@@ -71,11 +69,9 @@ pub(crate) fn forward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[
 ///
 /// The gradient of a travelling block does not travel with it: at step 0 a member adds into
 /// its own accumulators, and at a later step it computes into a fresh buffer that goes straight
-/// back to the block's owner, which adds it after its next step's compute. So no step waits
-/// for a neighbour's previous compute, only for inputs sent a step ahead. At the last step
-/// the visiting block is computed in two parts by tokens ([`TokenSet::split_tail`]; under a
-/// zig-zag layout, its two chunks), so that the first part's gradient travels while the second
-/// is computed and only half of it is waited for at the end.
+/// back to the block's owner (phase 1), which adds it after its next step's compute. So no
+/// step waits for a neighbour's previous compute, only for inputs sent a step ahead; just the
+/// last step's partials are waited for, at the end.
 pub(crate) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[[BufId; 9]], name: &str) {
     let n = members.len();
     if n == 1 {
@@ -94,11 +90,10 @@ pub(crate) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &
     let mut pending: Vec<(usize, BufId, BufId)> = Vec::new();
     for t in 0..n {
         let step = step0 + t;
-        let last = t + 1 == n;
         let what = if qc { "q,dO,lse,D" } else { "kv" };
         b.label(step, format!("{name} {t}: {what} from -{t}"));
         let mut next = cur.clone();
-        if !last {
+        if t + 1 < n {
             for i in 0..n {
                 let to = (i + 1) % n;
                 for &j in travel_inputs {
@@ -106,59 +101,32 @@ pub(crate) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &
                 }
             }
         }
-        // Visits to compute: (member, owner, inputs) with the travelling slots narrowed to one
-        // part of the visiting block's tokens at the last step.
-        let mut parts: Vec<Vec<(usize, usize, [BufId; 9])>> = vec![Vec::new(); if last && t > 0 { 2 } else { 1 }];
+        let mut partials = Vec::new();
         for i in 0..n {
             let owner = (i + n - t % n) % n;
-            let c = cur[i];
-            if parts.len() == 1 {
-                parts[0].push((i, owner, c));
-                continue;
-            }
-            let r = members[i];
-            let tokens = b.desc(r, c[travel_inputs[0]]).tokens.clone();
-            let (head, tail) = tokens.split_tail();
-            for (k, set) in [head, tail].into_iter().enumerate() {
-                let mut x = c;
-                for &j in travel_inputs {
-                    let heads = b.desc(r, c[j]).heads.clone();
-                    x[j] = b.extract(r, step, c[j], set.clone(), heads);
+            let mut c = cur[i];
+            if t > 0 {
+                let (q, k) = if qc { (c[0], bufs[i][1]) } else { (bufs[i][0], c[1]) };
+                if b.area(members[i], q, members[i], k) == 0 {
+                    continue;
                 }
-                parts[k].push((i, owner, x));
+                for &j in travel_accs {
+                    let d = b.desc(members[owner], bufs[owner][j]).clone();
+                    c[j] = b.alloc(members[i], step, d, 0.0);
+                    partials.push((i, owner, c[j], bufs[owner][j]));
+                }
             }
+            b.bwd(members[i], step, [c[0], c[1], c[2], c[3], c[4], c[5]], c[6], c[7], c[8]);
         }
-        for (k, part) in parts.into_iter().enumerate() {
-            let mut sent = Vec::new();
-            for (i, owner, mut c) in part {
-                if t > 0 {
-                    let (q, kb) = if qc { (c[0], bufs[i][1]) } else { (bufs[i][0], c[1]) };
-                    if b.area(members[i], q, members[i], kb) == 0 {
-                        continue;
-                    }
-                    for &j in travel_accs {
-                        // The partial covers the part's tokens of the owner's accumulator.
-                        let src = travel_inputs[0];
-                        let tokens = b.desc(members[i], c[src]).tokens.clone();
-                        let d = b.desc(members[owner], bufs[owner][j]).clone();
-                        c[j] = b.alloc(members[i], step, BufDesc::new(d.tensor, tokens, d.heads), 0.0);
-                        sent.push((i, owner, c[j], bufs[owner][j]));
-                    }
-                }
-                b.bwd(members[i], step, [c[0], c[1], c[2], c[3], c[4], c[5]], c[6], c[7], c[8]);
-            }
-            if k == 0 {
-                // The previous step's partials, added after this step's (first) compute.
-                for (i, got, acc) in pending.drain(..) {
-                    b.push(members[i], step, Op::Add { src: got, dst: acc });
-                }
-            }
-            for (i, owner, part, acc) in sent {
-                let got = b.transfer(step, 1 + k, members[i], members[owner], part);
-                pending.push((owner, got, acc));
-            }
+        // The previous step's partials, added after this step's compute (they had it to arrive).
+        for (i, got, acc) in pending.drain(..) {
+            b.push(members[i], step, Op::Add { src: got, dst: acc });
         }
-        if last {
+        for (i, owner, part, acc) in partials {
+            let got = b.transfer(step, 1, members[i], members[owner], part);
+            pending.push((owner, got, acc));
+        }
+        if t + 1 == n {
             for (i, got, acc) in pending.drain(..) {
                 b.push(members[i], step, Op::Add { src: got, dst: acc });
             }
