@@ -213,7 +213,7 @@ __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_ro
 // stages signalled by mbarriers; warp 1 adds each item's dQ, left by the consumers in shared
 // memory, into dq_acc with TMA reductions), warpgroups 1 and 2 compute. They order their
 // products so that each elementwise step runs while a product is in flight (P^T under dP^T,
-// dS^T under dV). dS^T is double-buffered, so one barrier per item (dS^T of both consumers
+// dS^T under dV, the dQ staging under dK). dS^T is double-buffered, so one barrier per item (dS^T of both consumers
 // stored) orders its reuse.
 #define WG_BN 128
 #define WG_BM 64
@@ -422,12 +422,6 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(sa[j >> 1][(j & 1) * 2]));
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(sa[j >> 1][(j & 1) * 2 + 1]));
         }
-        // dK += dS^T Q.
-        const u64 dq_b = wg_desc(qst, WG_BM * 128, 1024);
-        wg_fence();
-#pragma unroll
-        for (int kq = 0; kq < 4; ++kq) wgmma_rs_nD<1>(dk, sa[kq], wg_desc_add(dq_b, kq * 16 * 128), 1);
-        wg_commit();
         fence_async_smem();
         float dq[32];
 #if D == 128
@@ -448,10 +442,14 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
             wgmma_ss64<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
 #endif
         wg_commit();
-        wg_wait<1>(); // dV and dK: the stage's Q and dO are no longer read
-        if (lane == 0) mbar_arrive(freed + 8 * st);
+        // dK += dS^T Q, issued after dQ: dQ is staged while dK runs on the tensor cores.
+        const u64 dq_b = wg_desc(qst, WG_BM * 128, 1024);
+        wg_fence();
+#pragma unroll
+        for (int kq = 0; kq < 4; ++kq) wgmma_rs_nD<1>(dk, sa[kq], wg_desc_add(dq_b, kq * 16 * 128), 1);
+        wg_commit();
         if (it > 0) mbar_wait(dq_free + 8 * cw, (it - 1) & 1); // the previous dQ has been read
-        wg_wait<0>();
+        wg_wait<1>(); // dV and dQ (dK may run)
         wg_pin(dq);
         // Column blocks permuted by dq_rot (two rounds of selects: registers are not indexable).
         float dqr[32];
@@ -471,6 +469,8 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         fence_async_smem();
         __syncwarp();
         if (lane == 0) mbar_arrive(dq_full + 8 * cw);
+        wg_wait<0>(); // dK: the stage's Q and dO are no longer read
+        if (lane == 0) mbar_arrive(freed + 8 * st);
     }
     wg_pin(dk);
     wg_pin(dv);
