@@ -213,8 +213,8 @@ __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_ro
 // stages signalled by mbarriers; warp 1 adds each item's dQ, left by the consumers in shared
 // memory, into dq_acc with TMA reductions), warpgroups 1 and 2 compute. They order their
 // products so that each elementwise step runs while a product is in flight (P^T under dP^T,
-// dS^T under dV, the dQ staging under dK). dS^T is double-buffered, so one barrier per item (dS^T of both consumers
-// stored) orders its reuse.
+// dS^T under dV, the dQ staging under dK). dS^T is double-buffered, so one barrier per item
+// (dS^T of both consumers stored) orders its reuse.
 #define WG_BN 128
 #define WG_BM 64
 #define BS_STAGES 2
