@@ -141,10 +141,18 @@ impl GpuRank {
     /// Forward of one block into fresh f32 (O, LSE).
     fn block_fwd<T: CudaElement + GpuElem>(&self, q: &GpuBuf, k: &GpuBuf, v: &GpuBuf, shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<(GpuBuf, GpuBuf)> {
         let s = self.be.stream();
-        let mut ot = GpuBuf::alloc(s, T::DTYPE, shape.q_elems())?;
         let mut of = GpuBuf::alloc(s, DType::F32, shape.q_elems())?;
         let mut l = GpuBuf::alloc(s, DType::F32, shape.lse_elems())?;
-        self.be.forward::<T>(
+        self.block_fwd_into::<T>(q, k, v, shape, mask, opts, &mut of, &mut l)?;
+        Ok((of, l))
+    }
+
+    /// Forward of one block written into f32 (O, LSE) buffers of the block's rows.
+    #[allow(clippy::too_many_arguments)]
+    fn block_fwd_into<T: CudaElement + GpuElem>(&self, q: &GpuBuf, k: &GpuBuf, v: &GpuBuf, shape: &AttnShape, mask: &Mask, opts: &AttnOptions, of: &mut GpuBuf, l: &mut GpuBuf) -> Result<()> {
+        let s = self.be.stream();
+        let mut ot = GpuBuf::alloc(s, T::DTYPE, shape.q_elems())?;
+        let r = self.be.forward::<T>(
             T::of(q)?,
             T::of(k)?,
             T::of(v)?,
@@ -152,11 +160,11 @@ impl GpuRank {
             mask,
             opts,
             T::of_mut(&mut ot)?,
-            f32::of_mut(&mut l)?,
-            Some(f32::of_mut(&mut of)?),
-        )?;
+            f32::of_mut(l)?,
+            Some(f32::of_mut(of)?),
+        );
         ot.free_on(s);
-        Ok((of, l))
+        r
     }
 
     /// Backward of one block: dQ added into `dq_acc` (f32, the block's query layout) and fresh
@@ -245,6 +253,9 @@ impl GpuRank {
         let dtype = |b: usize| desc(b).tensor.dtype(plan.dtype);
         let missing = |b: usize| Error::Comm(format!("rank {rank}: buffer {b} used before it was allocated or after it was freed"));
         let mut events: Vec<Option<CudaEvent>> = (0..sched.ops.len()).map(|_| None).collect();
+        // Buffers holding only their fill (allocated, not yet written): a forward block into a
+        // fresh (O, LSE) accumulator of its own rows writes it directly instead of merging.
+        let mut fresh = vec![false; prog.bufs.len()];
         // Timeline events per step: [lane][first/last].
         let nsteps = prog.steps.len();
         let mut tl: Vec<[[Option<CudaEvent>; 2]; 2]> = (0..nsteps).map(|_| Default::default()).collect();
@@ -270,6 +281,7 @@ impl GpuRank {
             match op {
                 Op::Alloc { buf, fill } => {
                     store[*buf] = Some(GpuBuf::filled(&s, dtype(*buf), desc(*buf).elems(&shape), fill.value())?);
+                    fresh[*buf] = true;
                 }
                 Op::Free { buf } => {
                     if let Some(b) = store[*buf].take() {
@@ -301,12 +313,25 @@ impl GpuRank {
                     let (qd, kd) = (desc(*q), desc(*k));
                     let bshape = BufDesc::block_shape(qd, kd, &shape);
                     let m = sub_mask(mask, &qd.tokens, &kd.tokens)?;
-                    let g = |b: usize| store[b].as_ref().ok_or_else(|| missing(b));
-                    let (po, pl) = self.block_fwd::<T>(g(*q)?, g(*k)?, g(*v)?, &bshape, &m, opts)?;
-                    let part = BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone());
-                    self.run_merge(&po, &pl, g(*o)?, g(*lse)?, &part, desc(*o), &shape)?;
-                    po.free_on(&sc);
-                    pl.free_on(&sc);
+                    let own_rows = |b: usize| desc(b).tokens == qd.tokens && desc(b).heads == qd.heads;
+                    if fresh[*o] && fresh[*lse] && own_rows(*o) && own_rows(*lse) {
+                        let (mut ob, mut lb) = (store[*o].take().ok_or_else(|| missing(*o))?, store[*lse].take().ok_or_else(|| missing(*lse))?);
+                        let g = |b: usize| store[b].as_ref().ok_or_else(|| missing(b));
+                        let r = match (g(*q), g(*k), g(*v)) {
+                            (Ok(a), Ok(b), Ok(c)) => self.block_fwd_into::<T>(a, b, c, &bshape, &m, opts, &mut ob, &mut lb),
+                            _ => Err(Error::Comm(format!("rank {rank}: a forward input is missing"))),
+                        };
+                        store[*o] = Some(ob);
+                        store[*lse] = Some(lb);
+                        r?;
+                    } else {
+                        let g = |b: usize| store[b].as_ref().ok_or_else(|| missing(b));
+                        let (po, pl) = self.block_fwd::<T>(g(*q)?, g(*k)?, g(*v)?, &bshape, &m, opts)?;
+                        let part = BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone());
+                        self.run_merge(&po, &pl, g(*o)?, g(*lse)?, &part, desc(*o), &shape)?;
+                        po.free_on(&sc);
+                        pl.free_on(&sc);
+                    }
                 }
                 Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, .. } => {
                     let (qd, kd) = (desc(*q), desc(*k));
@@ -349,6 +374,19 @@ impl GpuRank {
                         g.free_on(&sc);
                     }
                 }
+            }
+            match op {
+                Op::Fwd { o, lse, .. } | Op::Merge { o_acc: o, lse_acc: lse, .. } => {
+                    fresh[*o] = false;
+                    fresh[*lse] = false;
+                }
+                Op::Copy { dst, .. } | Op::Add { dst, .. } => fresh[*dst] = false,
+                Op::Bwd { dq, dk, dv, .. } => {
+                    for b in [*dq, *dk, *dv] {
+                        fresh[b] = false;
+                    }
+                }
+                Op::Alloc { .. } | Op::Free { .. } | Op::Comm { .. } => {}
             }
             if timed {
                 tl[so.step][so.lane.index()][1] = Some(s.record_event(timing).map_err(ev_err)?);
