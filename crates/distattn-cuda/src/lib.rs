@@ -451,7 +451,7 @@ impl CudaBackend {
             pad_: 0,
         };
         let cfg_l = LaunchConfig {
-            // x: query tile x query head within its KV head group (see the kernel).
+            // x: query tile x query head within its KV head group (see fwd_block in flash.cu).
             grid_dim: ((plan.n_major * (shape.heads / shape.kv_heads)) as u32, shape.kv_heads as u32, shape.batch as u32),
             block_dim: (kern.cfg.fwd_threads() as u32, 1, 1),
             shared_mem_bytes: kern.cfg.fwd_smem() as u32,

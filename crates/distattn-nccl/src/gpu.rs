@@ -281,7 +281,6 @@ impl GpuRank {
             match op {
                 Op::Alloc { buf, fill } => {
                     store[*buf] = Some(GpuBuf::filled(&s, dtype(*buf), desc(*buf).elems(&shape), fill.value())?);
-                    fresh[*buf] = true;
                 }
                 Op::Free { buf } => {
                     if let Some(b) = store[*buf].take() {
@@ -375,18 +374,9 @@ impl GpuRank {
                     }
                 }
             }
-            match op {
-                Op::Fwd { o, lse, .. } | Op::Merge { o_acc: o, lse_acc: lse, .. } => {
-                    fresh[*o] = false;
-                    fresh[*lse] = false;
-                }
-                Op::Copy { dst, .. } | Op::Add { dst, .. } => fresh[*dst] = false,
-                Op::Bwd { dq, dk, dv, .. } => {
-                    for b in [*dq, *dk, *dv] {
-                        fresh[b] = false;
-                    }
-                }
-                Op::Alloc { .. } | Op::Free { .. } | Op::Comm { .. } => {}
+            // Any other use may have written it (conservative: reads count too).
+            for b in op.uses() {
+                fresh[b] = matches!(op, Op::Alloc { .. });
             }
             if timed {
                 tl[so.step][so.lane.index()][1] = Some(s.record_event(timing).map_err(ev_err)?);

@@ -171,6 +171,17 @@ struct FwdParams {
     int pad_;
 };
 
+// A forward block's query tile, head, KV head and batch. Grid: (query tile x query head within
+// its KV head's group, KV head, batch). Heavy (late causal) tiles first; the G query heads of a
+// KV head run side by side, so the K/V tiles they all read are fetched from memory once (long
+// sequences outgrow the L2).
+struct FwdBlock { int qt, h, kvh, b; };
+__device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p) {
+    const int G = p.heads / p.kv_heads, kvh = blockIdx.y;
+    const int rank = blockIdx.x / G, hg = blockIdx.x % G; // (unsigned division: cheaper)
+    return {p.n_tiles - 1 - rank, kvh * G + hg, kvh, (int)blockIdx.z};
+}
+
 #ifndef FWD_MR
 #define FWD_MR 1 // 16-row MMA tiles per warp: K/V fragments read from smem are reused MR times
 #endif
@@ -189,11 +200,8 @@ extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p
     elem_t* Ks = Qs + FWD_BM * LDS;
     elem_t* Vs = Ks + 2 * FWD_BN * LDS;
 
-    const int G = p.heads / p.kv_heads;
-    // Heavy (late causal) tiles first; the G query heads of a KV head run side by side, so the
-    // K/V tiles they all read are fetched from memory once (long sequences outgrow the L2).
-    const int qt = p.n_tiles - 1 - blockIdx.x / G;
-    const int kvh = blockIdx.y, h = kvh * G + blockIdx.x % G, b = blockIdx.z;
+    const FwdBlock fb = fwd_block(p);
+    const int qt = fb.qt, h = fb.h, kvh = fb.kvh, b = fb.b;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int q0 = qt * FWD_BM;

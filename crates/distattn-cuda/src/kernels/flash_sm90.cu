@@ -183,9 +183,9 @@ __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_ro
     for (int kk = 0; kk < D / 16; ++kk) {
         const u64 da = wg_desc_add(da0, (kk >> 2) * a_rows * 128 + (kk & 3) * 32);
         const u64 db = wg_desc_add(db0, (kk >> 2) * b_rows * 128 + (kk & 3) * 32);
-        if constexpr (ACC && NA == 32) wgmma_ss_n64<0, 0>(acc, da, db, 1);
-        else if constexpr (NA == 32) wgmma_ss64<0, 0>(acc, da, db, kk);
-        else wgmma_ss128<0, 0>(acc, da, db, kk);
+        // (a k-step index of 0 starts from zero)
+        if constexpr (NA == 32) wgmma_ss64<0, 0>(acc, da, db, ACC ? 1 : kk);
+        else wgmma_ss128<0, 0>(acc, da, db, ACC ? 1 : kk);
     }
 }
 
@@ -605,11 +605,8 @@ flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const u32 full_k = bars + 8, full_v = full_k + 8 * FS_STAGES;   // stage landed
     const u32 free_k = full_v + 8 * FS_STAGES, free_v = free_k + 8 * FS_STAGES; // stage read
 
-    const int G = p.heads / p.kv_heads;
-    // Heavy (late causal) tiles first; the G query heads of a KV head run side by side, so the
-    // K/V tiles they all read are fetched from memory once (long sequences outgrow the L2).
-    const int qt = p.n_tiles - 1 - blockIdx.x / G;
-    const int kvh = blockIdx.y, h = kvh * G + blockIdx.x % G, b = blockIdx.z;
+    const FwdBlock fb = fwd_block(p);
+    const int qt = fb.qt, h = fb.h, kvh = fb.kvh, b = fb.b;
     const int tid = threadIdx.x, wg = warpgroup_index();
     const int q0 = qt * FW_BM;
     const int e0 = p.tile_ptr[qt], e1 = p.tile_ptr[qt + 1];
