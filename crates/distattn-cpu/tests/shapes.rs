@@ -96,13 +96,21 @@ proptest! {
         fq in 1usize..40, fk in 1usize..70, bq in 1usize..40, bk in 1usize..70, dtype_pick in 0usize..3, seed in any::<u64>(),
     ) {
         use rand::SeedableRng;
+        let dtype = DType::ALL[dtype_pick];
+        // Half types from d = 8, as in head_dims: below, one rounded element carries a score.
+        let d = if dtype == DType::F32 { d } else { d.max(8) };
         let shape = AttnShape::new(batch, nq, nk, kvh * group, kvh, d).unwrap();
         let mask = arb_mask(nq, nk, pick, a, b);
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let x = inputs(&mut rng, &shape);
-        let dtype = DType::ALL[dtype_pick];
         let tiles = TileConfig { fwd_q: fq, fwd_k: fk, bwd_q: bq, bwd_k: bk };
-        let e = errors_dtype(dtype, &x, &shape, &mask, tiles);
+        let mut e = errors_dtype(dtype, &x, &shape, &mask, tiles);
+        // With one key, dS = P·(dP − D) is zero in exact arithmetic, so dK is f32 rounding
+        // noise summed over the nq·group rows that share that key (see awkward_lengths): its
+        // size grows as √rows, so the bound does too. A wrong dK is O(1), far above it.
+        if nk == 1 {
+            e.dk /= ((nq * group) as f64 / 10.0).sqrt().max(1.0);
+        }
         prop_assert!(e.max() <= tolerance(dtype), "{dtype} {shape} {tiles:?}: {e:?}");
     }
 }
