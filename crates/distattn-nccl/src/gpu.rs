@@ -256,9 +256,12 @@ impl GpuRank {
         // Buffers holding only their fill (allocated, not yet written): a forward block into a
         // fresh (O, LSE) accumulator of its own rows writes it directly instead of merging.
         let mut fresh = vec![false; prog.bufs.len()];
-        // Timeline events per step: [lane][first/last].
+        // Timeline events per step: compute [first start, last end], and each transfer's own
+        // (start, end): a step's transfers can lie far apart (the backward ring returns a
+        // gradient partial only after the next step's compute), so no span stands for them.
         let nsteps = prog.steps.len();
-        let mut tl: Vec<[[Option<CudaEvent>; 2]; 2]> = (0..nsteps).map(|_| Default::default()).collect();
+        let mut tl: Vec<[Option<CudaEvent>; 2]> = (0..nsteps).map(|_| Default::default()).collect();
+        let mut transfers: Vec<Vec<(CudaEvent, CudaEvent)>> = (0..nsteps).map(|_| Vec::new()).collect();
         let flat: Vec<&Op> = prog.steps.iter().flatten().collect();
         let mut progress: Vec<CudaEvent> = Vec::new();
         for so in &sched.ops {
@@ -275,8 +278,11 @@ impl GpuRank {
                 s.wait(ev).map_err(ev_err)?;
             }
             let timed = timeline && matches!((op, so.lane), (Op::Comm { .. }, Lane::Comm) | (Op::Fwd { .. } | Op::Bwd { .. } | Op::Merge { .. } | Op::Add { .. } | Op::Copy { .. }, Lane::Compute));
-            if timed && tl[so.step][so.lane.index()][0].is_none() {
-                tl[so.step][so.lane.index()][0] = Some(s.record_event(timing).map_err(ev_err)?);
+            let mut transfer_start = None;
+            if timed && so.lane == Lane::Comm {
+                transfer_start = Some(s.record_event(timing).map_err(ev_err)?);
+            } else if timed && tl[so.step][0].is_none() {
+                tl[so.step][0] = Some(s.record_event(timing).map_err(ev_err)?);
             }
             match op {
                 Op::Alloc { buf, fill } => {
@@ -379,7 +385,11 @@ impl GpuRank {
                 fresh[b] = matches!(op, Op::Alloc { .. });
             }
             if timed {
-                tl[so.step][so.lane.index()][1] = Some(s.record_event(timing).map_err(ev_err)?);
+                let end = s.record_event(timing).map_err(ev_err)?;
+                match transfer_start {
+                    Some(start) => transfers[so.step].push((start, end)),
+                    None => tl[so.step][1] = Some(end),
+                }
             }
             if matches!(op, Op::Fwd { .. } | Op::Bwd { .. }) {
                 progress.push(s.record_event(None).map_err(ev_err)?);
@@ -394,21 +404,15 @@ impl GpuRank {
         self.comm.wait_event_progress(&end, &progress)?;
         let timeline = match t_start {
             Some(t0) => {
-                let ms = |e: &Option<CudaEvent>| -> Result<Option<f64>> {
-                    match e {
-                        Some(e) => Ok(Some(t0.elapsed_ms(e).map_err(ev_err)? as f64)),
-                        None => Ok(None),
-                    }
-                };
+                let ms = |e: &CudaEvent| -> Result<f64> { Ok(t0.elapsed_ms(e).map_err(ev_err)? as f64) };
                 let mut steps = Vec::new();
-                for (t, lanes) in tl.iter().enumerate() {
-                    let iv = |l: usize| -> Result<Option<(f64, f64)>> {
-                        Ok(match (ms(&lanes[l][0])?, ms(&lanes[l][1])?) {
-                            (Some(a), Some(b)) => Some((a, b)),
-                            _ => None,
-                        })
+                for (t, (c, tr)) in tl.iter().zip(&transfers).enumerate() {
+                    let compute = match c {
+                        [Some(a), Some(b)] => Some((ms(a)?, ms(b)?)),
+                        _ => None,
                     };
-                    steps.push(StepTimes { step: t, compute: iv(Lane::Compute.index())?, comm: iv(Lane::Comm.index())? });
+                    let tr = tr.iter().map(|(a, b)| Ok((ms(a)?, ms(b)?))).collect::<Result<Vec<_>>>()?;
+                    steps.push(StepTimes::new(t, compute, tr));
                 }
                 Some(Timeline { rank, total_ms: t0.elapsed_ms(&end).map_err(ev_err)? as f64, steps })
             }

@@ -30,4 +30,4 @@ pub use launch::LaunchEnv;
 pub use nccl::{nccl_available, NcclComm};
 pub use runner::{gpu_backward, gpu_forward, gpu_rank_from_env, time_gpu_strategy, with_gpu_ranks, GpuRunOptions};
 pub use schedule::{schedule, Lane, Schedule};
-pub use timeline::{Overlap, Timeline};
+pub use timeline::{Overlap, Timeline, TimelineRun};

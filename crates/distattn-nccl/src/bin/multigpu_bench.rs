@@ -20,7 +20,7 @@ use distattn_nccl::buf::{Aux, GpuBuf};
 use distattn_nccl::gpu::{pool_peak_bytes, GpuRank};
 use distattn_nccl::launch::LaunchEnv;
 use distattn_nccl::runner::{device_inputs, upload_inputs, with_gpu_ranks};
-use distattn_nccl::{gpu_rank_from_env, schedule, Timeline};
+use distattn_nccl::{gpu_rank_from_env, schedule, Timeline, TimelineRun};
 use half::bf16;
 use serde_json::json;
 use std::collections::HashMap;
@@ -524,26 +524,12 @@ fn bench(a: &Args) -> Res<()> {
                    "max_exposed_comm_ms": exposed_ms, "iters_ms": times}),
         ));
         tls.sort_by_key(|t| t.rank);
-        timelines.push(json!({"strategy": c.strategy.to_string(), "seq": c.seq, "pass": pass, "mask": spec.to_string(),
-            "note": "fwd+bwd: forward timelines first, then backward, per rank", "ranks": tls}));
+        timelines.push(TimelineRun { strategy: c.strategy.to_string(), seq: c.seq, pass: pass.to_string(), mask: spec.to_string(), ranks: std::mem::take(tls) });
     }
-    // Show one timeline so overlap is seen.
-    if let Some(t) = timelines.iter().rev().find(|t| t["pass"] == "fwd") {
-        if let Some(r) = t["ranks"].as_array().and_then(|v| v.first()) {
-            let tl: Timeline = Timeline {
-                rank: r["rank"].as_u64().unwrap_or(0) as usize,
-                total_ms: r["total_ms"].as_f64().unwrap_or(0.0),
-                steps: serde_json::from_value::<Vec<serde_json::Value>>(r["steps"].clone())
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|s| distattn_nccl::timeline::StepTimes {
-                        step: s["step"].as_u64().unwrap_or(0) as usize,
-                        compute: s["compute"].as_array().map(|v| (v[0].as_f64().unwrap_or(0.0), v[1].as_f64().unwrap_or(0.0))),
-                        comm: s["comm"].as_array().map(|v| (v[0].as_f64().unwrap_or(0.0), v[1].as_f64().unwrap_or(0.0))),
-                    })
-                    .collect(),
-            };
-            println!("timeline of {} seq {} fwd:\n{}", t["strategy"], t["seq"], tl.render());
+    // Show one timeline so overlap is seen (`distattn timeline FILE --svg DIR` draws them all).
+    if let Some(run) = timelines.iter().rev().find(|t| t.pass == "fwd") {
+        if let Some(tl) = run.ranks.first() {
+            println!("timeline of {} seq {} fwd:\n{}", run.strategy, run.seq, tl.render());
         }
     }
     let out = json!({"device": dev, "date": today(), "commit": std::env::var("DISTATTN_COMMIT").unwrap_or_else(|_| "unknown".into()), "rows": rows});
