@@ -182,3 +182,45 @@ fn bench_gpus_options_are_checked_before_any_work() {
     let out = distattn(&["bench", "--gpus", "4096"]);
     one_line_error(&out, "--gpus 4096 needs 4096 CUDA GPUs");
 }
+
+#[test]
+fn timeline_tables_and_charts_recorded_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    // Two ranks, forward then backward. Rank 0's forward moves 2 ms, half of it under compute;
+    // its backward step 0 has two transfers 6 ms apart, all under compute.
+    let file = dir.path().join("timelines.json");
+    let step = |step, compute: [f64; 2], transfers: &[[f64; 2]]| serde_json::json!({"step": step, "compute": compute, "transfers": transfers,
+        "comm": transfers.first().map(|t| [t[0], transfers.last().unwrap()[1]])});
+    let tl = |rank, total_ms, steps: Vec<serde_json::Value>| serde_json::json!({"rank": rank, "total_ms": total_ms, "steps": steps});
+    let runs = serde_json::json!([{"strategy": "zigzag", "seq": 4096, "pass": "fwd+bwd", "mask": "causal", "ranks": [
+        tl(0, 4.0, vec![step(0, [1.0, 2.0], &[[0.0, 2.0]]), step(1, [2.0, 4.0], &[])]),
+        tl(0, 9.0, vec![step(0, [0.0, 9.0], &[[1.0, 2.0], [8.0, 8.5]])]),
+        tl(1, 4.0, vec![step(0, [0.0, 2.0], &[[0.0, 1.0]]), step(1, [2.0, 4.0], &[])]),
+        tl(1, 9.0, vec![step(0, [0.0, 9.0], &[])]),
+    ]}]);
+    std::fs::write(&file, runs.to_string()).unwrap();
+    let svg = dir.path().join("charts");
+    let out = distattn(&["timeline", file.to_str().unwrap(), "--svg", svg.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<Vec<&str>> = stdout.lines().skip(1).filter(|l| l.starts_with("zigzag")).map(|l| l.split_whitespace().collect()).collect();
+    // strategy mask seq pass phase rank total compute transfer hidden exposed
+    let cols: Vec<(&str, &str, &str, &str, &str)> = rows.iter().map(|r| (r[4], r[5], r[8], r[9], r[10])).collect();
+    assert_eq!(
+        cols,
+        [("forward", "0", "2.000", "50%", "1.000"), ("forward", "1", "1.000", "100%", "0.000"), ("backward", "0", "1.500", "100%", "0.000"), ("backward", "1", "0.000", "100%", "0.000")],
+        "{stdout}"
+    );
+    let chart = std::fs::read_to_string(svg.join("zigzag-causal-4096-fwd_bwd.svg")).unwrap();
+    for label in ["forward: 67% of transfer time hidden", "backward: 100% of transfer time hidden", "rank 1 transfer", "rank 0 compute"] {
+        assert!(chart.contains(label), "{label} not in the chart");
+    }
+    // One bar per compute span and per transfer: 6 compute, 4 transfer.
+    let bars = |colours: &[&str]| colours.iter().map(|c| chart.matches(&format!("fill=\"#{c}\"")).count()).sum::<usize>();
+    assert_eq!((bars(&["1F77B4", "78AAD7"]), bars(&["E67814", "F5B46E"])), (6, 4));
+
+    one_line_error(&distattn(&["timeline", "/no/such/file.json"]), "reading /no/such/file.json");
+    std::fs::write(dir.path().join("bad.json"), "{\"rows\": []}").unwrap();
+    one_line_error(&distattn(&["timeline", dir.path().join("bad.json").to_str().unwrap()]), "is not a timelines file");
+    one_line_error(&distattn(&["timeline", file.to_str().unwrap(), "--strategy", "ring"]), "no run in");
+}

@@ -2,12 +2,14 @@
 //!
 //! `distattn run` computes attention on `.npy` files (on one call or on in-process ranks),
 //! `distattn bench` runs the benchmark table on the backend present, `distattn plan` shows a
-//! context-parallel plan. Errors print one line and exit with status 1.
+//! context-parallel plan, `distattn timeline` shows and draws recorded multi-GPU timelines.
+//! Errors print one line and exit with status 1.
 
 mod bench;
 mod launch;
 mod plan;
 mod run;
+mod timeline;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -29,6 +31,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Start one process per GPU (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID set for each).
     Launch(launch::LaunchArgs),
+    /// Show recorded multi-GPU timelines: hidden and exposed transfers per rank, SVG charts.
+    Timeline(timeline::TimelineArgs),
 }
 
 fn main() -> ExitCode {
@@ -63,6 +67,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::bench(args),
         Command::Plan(args) => plan::plan(args),
         Command::Launch(args) => launch::launch(args),
+        Command::Timeline(args) => timeline::timeline(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
