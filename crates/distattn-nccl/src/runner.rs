@@ -239,10 +239,22 @@ pub fn device_inputs(g: &GpuRank, plan: &Plan, seed: u64) -> Result<Vec<GpuBuf>>
     Ok(out)
 }
 
+/// What [`time_gpu_strategy`] measured.
+#[derive(Debug, Clone, Default)]
+pub struct GpuTiming {
+    /// Median forward time of the slowest rank, ms.
+    pub fwd_ms: f64,
+    /// Median backward time of the slowest rank, ms (when asked for).
+    pub bwd_ms: Option<f64>,
+    /// With `run.timeline`: every rank's timelines of one more run, ranks in order, each
+    /// rank's forward then backward (the layout of [`crate::TimelineRun::ranks`]).
+    pub timelines: Vec<Timeline>,
+}
+
 /// Times `strategy` on `world` local GPUs for a bf16 problem, with the ranks, communicators and
 /// plans set up once: per pass one warm-up run, then `repeats` runs on inputs generated on the
 /// GPUs, each from a barrier to its end on the slowest rank. Returns the median forward and
-/// (with `backward`) backward times in ms.
+/// (with `backward`) backward times, and with `run.timeline` the timelines of one more run.
 #[allow(clippy::too_many_arguments)]
 pub fn time_gpu_strategy(
     strategy: Strategy,
@@ -253,47 +265,55 @@ pub fn time_gpu_strategy(
     backward: bool,
     repeats: usize,
     run: &GpuRunOptions,
-) -> Result<(f64, Option<f64>)> {
+) -> Result<GpuTiming> {
     let fwd = build(strategy, world, shape, mask, DType::BF16, &run.plan.with_pass(Pass::Forward))?;
     let bwd = if backward {
         Some(build(strategy, world, shape, mask, DType::BF16, &run.plan.with_pass(Pass::Backward))?)
     } else {
         None
     };
+    let plans: Vec<&Plan> = std::iter::once(&fwd).chain(&bwd).collect();
     let per_rank = with_gpu_ranks(world, run.first_gpu, run.timeout, |g| {
-        let time = |plan: &Plan, seed: u64| -> Result<f64> {
+        let time = |plan: &Plan, seed: u64, timeline: bool| -> Result<(f64, Option<Timeline>)> {
             let inputs = device_inputs(g, plan, seed)?;
             g.comm.wait_stream(g.compute_stream())?;
             distattn_core::Communicator::barrier(&g.comm)?;
             let t0 = Instant::now();
-            drop(g.execute(plan, None, mask, opts, inputs, false, None)?.outputs);
-            Ok(t0.elapsed().as_secs_f64() * 1e3)
+            let r = g.execute(plan, None, mask, opts, inputs, timeline, None)?;
+            drop(r.outputs);
+            Ok((t0.elapsed().as_secs_f64() * 1e3, r.timeline))
         };
-        let mut f = Vec::new();
-        let mut b = Vec::new();
+        // times[pass][repetition]; the first run of each pass is the warm-up.
+        let mut times = vec![Vec::new(); plans.len()];
         for it in 0..=repeats.max(1) {
-            let tf = time(&fwd, 2 * it as u64)?;
-            let tb = match &bwd {
-                Some(p) => Some(time(p, 2 * it as u64 + 1)?),
-                None => None,
-            };
-            if it > 0 {
-                f.push(tf);
-                b.extend(tb);
+            for (p, plan) in plans.iter().enumerate() {
+                let (ms, _) = time(plan, (plans.len() * it + p) as u64, false)?;
+                if it > 0 {
+                    times[p].push(ms);
+                }
             }
         }
-        Ok((f, b))
+        let mut timelines = Vec::new();
+        if run.timeline {
+            for plan in &plans {
+                timelines.extend(time(plan, 0, true)?.1);
+            }
+        }
+        Ok((times, timelines))
     })?;
     // Slowest rank per repetition, then the median.
-    let slowest = |pick: &dyn Fn(&(Vec<f64>, Vec<f64>)) -> &Vec<f64>| -> Option<f64> {
-        let n = pick(&per_rank[0]).len();
+    let slowest = |p: usize| -> Option<f64> {
+        let n = per_rank[0].0.get(p)?.len();
         if n == 0 {
             return None;
         }
-        let mut v: Vec<f64> = (0..n).map(|i| per_rank.iter().map(|r| pick(r)[i]).fold(0.0, f64::max)).collect();
+        let mut v: Vec<f64> = (0..n).map(|i| per_rank.iter().map(|r| r.0[p][i]).fold(0.0, f64::max)).collect();
         v.sort_by(|a, b| a.total_cmp(b));
         Some(v[n / 2])
     };
-    let f = slowest(&|r| &r.0).ok_or_else(|| Error::Comm("no timing".into()))?;
-    Ok((f, slowest(&|r| &r.1)))
+    Ok(GpuTiming {
+        fwd_ms: slowest(0).ok_or_else(|| Error::Comm("no timing".into()))?,
+        bwd_ms: slowest(1),
+        timelines: per_rank.into_iter().flat_map(|r| r.1).collect(),
+    })
 }

@@ -178,6 +178,8 @@ fn bench_gpus_options_are_checked_before_any_work() {
     one_line_error(&out, "pass one of them");
     let out = distattn(&["bench", "--gpus", "2", "--backend", "cpu"]);
     one_line_error(&out, "drop --backend cpu");
+    let out = distattn(&["bench", "--timelines", "t.json"]);
+    one_line_error(&out, "add --gpus N");
     // More GPUs than this machine has: a clear error, not a hang or a panic.
     let out = distattn(&["bench", "--gpus", "4096"]);
     one_line_error(&out, "--gpus 4096 needs 4096 CUDA GPUs");

@@ -6,6 +6,7 @@ use clap::Args;
 use crate::run::BackendArg;
 use distattn::cuda::{CudaBackend, CudaElement};
 use distattn::host::{self, Execution};
+use distattn::nccl::{Timeline, TimelineRun};
 use distattn::TensorData;
 use distattn::{AttnOptions, AttnShape, DType, HostTensor, Mask, MaskSpec, Strategy};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -66,6 +67,10 @@ pub struct BenchArgs {
     /// end on the slowest rank.
     #[arg(long)]
     gpus: Option<usize>,
+    /// With --gpus: write every strategy's per-step timelines (one more run each) to this
+    /// file; `distattn timeline FILE --svg DIR` prints and draws them.
+    #[arg(long, value_name = "FILE")]
+    timelines: Option<PathBuf>,
     /// Strategies timed when --world or --gpus > 1.
     #[arg(long, value_delimiter = ',', default_values_t = ["ring".parse::<Strategy>().unwrap(), "zigzag".parse().unwrap(), "balanced".parse().unwrap(), "ulysses".parse().unwrap(), "allgather".parse().unwrap(), "dispatch".parse().unwrap()])]
     strategies: Vec<Strategy>,
@@ -293,7 +298,8 @@ fn time_cuda<T: CudaElement>(
     Ok((fwd, Some(bwd)))
 }
 
-/// Times forward (and backward unless `forward_only`) of one execution; milliseconds.
+/// Times forward (and backward unless `forward_only`) of one execution; milliseconds, and the
+/// GPU ranks' timelines when their options ask for them.
 #[allow(clippy::too_many_arguments)]
 fn time_exec(
     exec: &Execution,
@@ -306,11 +312,29 @@ fn time_exec(
     opts: &AttnOptions,
     repeats: usize,
     forward_only: bool,
-) -> Result<(f64, Option<f64>)> {
+) -> Result<(f64, Option<f64>, Vec<Timeline>)> {
     if let Execution::GpuRanks { strategy, world, run } = exec {
         // Ranks, communicators and plans set up once; inputs generated on the GPUs.
-        return Ok(distattn::nccl::time_gpu_strategy(*strategy, *world, shape, mask, opts, !forward_only, repeats, run)?);
+        let t = distattn::nccl::time_gpu_strategy(*strategy, *world, shape, mask, opts, !forward_only, repeats, run)?;
+        return Ok((t.fwd_ms, t.bwd_ms, t.timelines));
     }
+    let (fwd_ms, bwd_ms) = time_host_or_cuda(exec, q, k, v, g, shape, mask, opts, repeats, forward_only)?;
+    Ok((fwd_ms, bwd_ms, Vec::new()))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn time_host_or_cuda(
+    exec: &Execution,
+    q: &HostTensor,
+    k: &HostTensor,
+    v: &HostTensor,
+    g: &HostTensor,
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+    repeats: usize,
+    forward_only: bool,
+) -> Result<(f64, Option<f64>)> {
     if let Execution::Cuda(gpu) = exec {
         return match (&q.data, &k.data, &v.data, &g.data) {
             (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v), TensorData::BF16(g)) => {
@@ -348,6 +372,9 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
     }
     if gpus > 0 && args.backend == BackendArg::Cpu {
         bail!("--gpus runs on the GPUs: drop --backend cpu");
+    }
+    if args.timelines.is_some() && gpus < 2 {
+        bail!("--timelines records runs across GPUs: add --gpus N (N >= 2)");
     }
     if gpus > 0 {
         let found = distattn::cuda::gpu_count();
@@ -392,6 +419,7 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
     bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {msg}")?);
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     let mut rows = Vec::new();
+    let mut timelines = Vec::new();
     let opts = AttnOptions::default();
     for (seq, spec, d, dtype) in configs {
         bar.set_message(format!("{dtype} {spec} seq {seq} d {d}"));
@@ -413,7 +441,7 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
         if gpus > 0 && dtype == DType::BF16 {
             for &strategy in &args.strategies {
                 let plan = distattn::PlanOptions { documents: spec.doc_lens(seq), ..Default::default() };
-                let run = distattn::nccl::GpuRunOptions { plan, ..Default::default() };
+                let run = distattn::nccl::GpuRunOptions { plan, timeline: args.timelines.is_some(), ..Default::default() };
                 execs.push(Execution::GpuRanks { strategy, world: gpus, run });
             }
         }
@@ -426,7 +454,7 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
                 Execution::GpuRanks { strategy, world, .. } => ("cuda", strategy.to_string(), *world, *world),
             };
             let timed = time_exec(exec, &q, &k, &v, &g, &shape, &mask, &opts, args.repeats, args.forward_only);
-            let (fwd_ms, bwd_ms) = match timed {
+            let (fwd_ms, bwd_ms, ranks) = match timed {
                 Ok(t) => t,
                 // A strategy that cannot serve this shape (e.g. Ulysses with heads not divisible
                 // by the world size) is reported and skipped; other errors end the run.
@@ -436,6 +464,10 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
                 }
                 Err(e) => return Err(e),
             };
+            if !ranks.is_empty() {
+                let pass = if args.forward_only { "fwd" } else { "fwd+bwd" }.to_string();
+                timelines.push(TimelineRun { strategy: strategy.clone(), seq, pass, mask: spec.to_string(), ranks });
+            }
             let row = Row {
                 implementation: "distattn".into(),
                 backend: backend.into(),
@@ -480,6 +512,11 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     print_table(&rows);
+    if let Some(path) = &args.timelines {
+        std::fs::write(path, serde_json::to_string(&timelines)?).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let path = path.display();
+        eprintln!("timelines of {} runs in {path} (distattn timeline {path} --svg DIR draws them)", timelines.len());
+    }
     if let Some(path) = &args.json {
         let report = Report {
             device,
