@@ -264,7 +264,7 @@ impl GpuRank {
         let mut transfers: Vec<Vec<(CudaEvent, CudaEvent)>> = (0..nsteps).map(|_| Vec::new()).collect();
         let flat: Vec<&Op> = prog.steps.iter().flatten().collect();
         let mut progress: Vec<CudaEvent> = Vec::new();
-        for so in &sched.ops {
+        for so in sched.issue.iter().map(|&i| &sched.ops[i]) {
             if let Some(f) = fail.filter(|f| f.rank == rank && f.step == so.step) {
                 match f.kind {
                     FailureKind::Error => return Err(Error::Backend { backend: "test", reason: format!("injected failure at step {}", so.step) }),
