@@ -10,15 +10,15 @@ use std::path::{Path, PathBuf};
 
 #[derive(Args)]
 #[command(after_help = "\
-FILE is the --timelines file of distattn-multigpu-bench (bench/multigpu.sh writes it as
-timelines-<mask>.json): a list of runs, each with every rank's compute and transfer interval
+FILE is the --timelines file of `distattn bench --gpus N` or of distattn-multigpu-bench
+(bench/multigpu.sh writes it as timelines-<mask>.json): a list of runs, each with every rank's compute and transfer interval
 per step (each transfer on its own; older files hold one span per step), in ms from that
 rank's start event. Hidden = transfer time during which the rank computed; exposed = transfer
 time with no compute running.
 With --svg, each run becomes DIR/<strategy>-<mask>-<seq>-<pass>.svg: one panel per phase
 (forward, backward), two lanes per rank (compute, transfer), alternate shades per step.")]
 pub struct TimelineArgs {
-    /// Timelines file (JSON) written by the multi-GPU benchmark.
+    /// Timelines file (JSON) written by a multi-GPU benchmark.
     file: PathBuf,
     /// Draw one SVG chart per run into this folder (created if missing).
     #[arg(long, value_name = "DIR")]
