@@ -318,30 +318,13 @@ fn time_exec(
         let t = distattn::nccl::time_gpu_strategy(*strategy, *world, shape, mask, opts, !forward_only, repeats, run)?;
         return Ok((t.fwd_ms, t.bwd_ms, t.timelines));
     }
-    let (fwd_ms, bwd_ms) = time_host_or_cuda(exec, q, k, v, g, shape, mask, opts, repeats, forward_only)?;
-    Ok((fwd_ms, bwd_ms, Vec::new()))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn time_host_or_cuda(
-    exec: &Execution,
-    q: &HostTensor,
-    k: &HostTensor,
-    v: &HostTensor,
-    g: &HostTensor,
-    shape: &AttnShape,
-    mask: &Mask,
-    opts: &AttnOptions,
-    repeats: usize,
-    forward_only: bool,
-) -> Result<(f64, Option<f64>)> {
     if let Execution::Cuda(gpu) = exec {
         return match (&q.data, &k.data, &v.data, &g.data) {
             (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v), TensorData::BF16(g)) => {
-                time_cuda(gpu, q, k, v, g, shape, mask, opts, repeats, !forward_only)
+                time_cuda(gpu, q, k, v, g, shape, mask, opts, repeats, !forward_only).map(|(f, b)| (f, b, Vec::new()))
             }
             (TensorData::F16(q), TensorData::F16(k), TensorData::F16(v), TensorData::F16(g)) => {
-                time_cuda(gpu, q, k, v, g, shape, mask, opts, repeats, !forward_only)
+                time_cuda(gpu, q, k, v, g, shape, mask, opts, repeats, !forward_only).map(|(f, b)| (f, b, Vec::new()))
             }
             _ => bail!("the cuda backend takes bf16 or f16, not {}", q.dtype()),
         };
@@ -352,14 +335,14 @@ fn time_host_or_cuda(
         Ok(())
     })?;
     if forward_only {
-        return Ok((fwd_ms, None));
+        return Ok((fwd_ms, None, Vec::new()));
     }
     let fwd = fwd.expect("forward ran");
     let bwd_ms = median_ms(repeats, || {
         host::backward(q, k, v, &fwd.o, g, &fwd.lse, shape, mask, opts, exec)?;
         Ok(())
     })?;
-    Ok((fwd_ms, Some(bwd_ms)))
+    Ok((fwd_ms, Some(bwd_ms), Vec::new()))
 }
 
 pub fn bench(mut args: BenchArgs) -> Result<()> {
