@@ -1,5 +1,5 @@
 //! Shared helpers of the distattn-cpu tests: seeded random inputs, relative errors, and the
-//! one table of tolerances.
+//! one tolerance.
 //!
 //! Seeds: every test draws fresh inputs from a seed printed on stderr (`cargo test -- --nocapture`
 //! shows it; a failing test prints it in its message). Set `DISTATTN_SEED=<n>` to replay.
@@ -11,19 +11,15 @@ use half::{bf16, f16};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
-/// Relative error bounds, `‖x − ref‖ / ‖ref‖`, where `ref` is the f64 reference computed from
-/// the *unrounded* f32 inputs. So for bf16/f16 the bound covers the storage rounding of Q, K,
-/// V and dO (2^-9 and 2^-12 relative per element) plus f32 accumulation; for f32 it covers
-/// accumulation order and the polynomial exp2 (≈ 2e-7).
-pub const FLOOR: f64 = 1e-1;
+/// The relative error bound, `‖x − ref‖ / max(‖ref‖, FLOOR·√n)`, for every storage dtype:
+/// `ref` is the f64 reference on the inputs *as stored* (bf16/f16 values widened), so the
+/// bound covers what the kernels add, f32 accumulation order and the polynomial exp2
+/// (≈ 2e-7), and not the storage rounding of the inputs, whose effect depends on the
+/// conditioning of each case (a single key, a head dim of 1) rather than on the kernels.
+pub const TOLERANCE: f64 = 1e-5;
 
-pub fn tolerance(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => 1e-5,
-        DType::BF16 => 1e-2,
-        DType::F16 => 2e-3,
-    }
-}
+/// Floor of the norm in relative errors: an RMS of 0.1.
+pub const FLOOR: f64 = 1e-1;
 
 /// The run's seed: `DISTATTN_SEED` if set, else fresh; printed either way.
 pub fn seed(test: &str) -> u64 {
@@ -120,21 +116,29 @@ pub fn inputs(rng: &mut StdRng, shape: &AttnShape) -> Inputs {
     }
 }
 
-/// Runs flash forward + backward in storage type `T` and the f64 reference on the unrounded
-/// inputs; returns the relative errors. Panics on any NaN.
+/// Runs flash forward + backward in storage type `T` and the f64 reference on the same stored
+/// inputs; returns the relative errors. Panics on any NaN, or if storing the inputs changed
+/// them by more than bf16's rounding.
 pub fn errors<T: Element>(x: &Inputs, shape: &AttnShape, mask: &Mask, tiles: TileConfig) -> Errs {
     let opts = AttnOptions::default();
     let (q, k, v, d_o) = (cast::<T>(&x.q), cast::<T>(&x.k), cast::<T>(&x.v), cast::<T>(&x.d_o));
     let f = forward_with(&q, &k, &v, shape, mask, &opts, tiles).unwrap();
     assert!(f.o.iter().all(|x| x.is_finite()), "non-finite O");
     assert!(f.lse.iter().all(|x| !x.is_nan()), "NaN LSE");
-    let r = reference::forward(&x.q, &x.k, &x.v, shape, mask, &opts).unwrap();
+    let stored = |t: &[T], orig: &[f32]| {
+        let s: Vec<f32> = t.iter().map(|v| v.to_f32()).collect();
+        let e = rel_err(&s, &orig.iter().map(|&v| v as f64).collect::<Vec<_>>());
+        assert!(e <= 2f64.powi(-8), "storing as {} changed the inputs by {e:.1e}", T::DTYPE);
+        s
+    };
+    let (sq, sk, sv, sd_o) = (stored(&q, &x.q), stored(&k, &x.k), stored(&v, &x.v), stored(&d_o, &x.d_o));
+    let r = reference::forward(&sq, &sk, &sv, shape, mask, &opts).unwrap();
     let delta = row_delta(&f.o, &d_o, shape).unwrap();
     let g = backward_with(&q, &k, &v, &d_o, &f.lse, &delta, shape, mask, &opts, tiles).unwrap();
     for t in [&g.dq, &g.dk, &g.dv] {
         assert!(t.iter().all(|x| x.is_finite()), "non-finite gradient");
     }
-    let rg = reference::backward(&x.q, &x.k, &x.v, &x.d_o, shape, mask, &opts).unwrap();
+    let rg = reference::backward(&sq, &sk, &sv, &sd_o, shape, mask, &opts).unwrap();
     Errs {
         o: rel_err(&f.o, &r.o),
         lse: lse_err(&f.lse, &r.lse),
@@ -155,7 +159,7 @@ pub fn errors_dtype(dtype: DType, x: &Inputs, shape: &AttnShape, mask: &Mask, ti
 /// Asserts one case within the dtype's tolerance, naming the case and seed on failure.
 pub fn check(name: &str, seed: u64, dtype: DType, x: &Inputs, shape: &AttnShape, mask: &Mask, tiles: TileConfig) {
     let e = errors_dtype(dtype, x, shape, mask, tiles);
-    let tol = tolerance(dtype);
+    let tol = TOLERANCE;
     if std::env::var_os("DISTATTN_TEST_VERBOSE").is_some() {
         eprintln!("{name} [{dtype}, {shape}]: max error {:.2e} ({e:?})", e.max());
     }
