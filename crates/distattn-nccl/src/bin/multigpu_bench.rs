@@ -307,7 +307,6 @@ fn flops_fwd(mask: &Mask, shape: &AttnShape) -> f64 {
     4.0 * mask.area() as f64 * shape.batch as f64 * shape.head_dim as f64 * shape.heads as f64
 }
 
-
 /// Times single-GPU kernels (forward, backward) on GPU 0, ms (median).
 fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)> {
     let be = CudaBackend::new(0)?;
