@@ -13,9 +13,9 @@ pub mod plan;
 pub mod shape;
 pub mod strategy;
 
+pub use comm::Communicator;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use mask::{Mask, MaskSlice, MaskSpec, SliceKind, TileClass, TileInfo};
 pub use plan::{Plan, PlanOptions, PlanSummary, Strategy};
 pub use shape::{AttnOptions, AttnShape};
-pub use comm::Communicator;

@@ -53,7 +53,7 @@ impl AttnShape {
                 return Err(Error::ZeroDim { what });
             }
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(Error::HeadsNotDivisible { heads: self.heads, kv_heads: self.kv_heads });
         }
         Ok(())
@@ -141,10 +141,7 @@ mod tests {
     #[test]
     fn gqa_validation() {
         assert!(AttnShape::new(1, 4, 4, 8, 2, 64).is_ok());
-        assert_eq!(
-            AttnShape::new(1, 4, 4, 6, 4, 64),
-            Err(Error::HeadsNotDivisible { heads: 6, kv_heads: 4 })
-        );
+        assert_eq!(AttnShape::new(1, 4, 4, 6, 4, 64), Err(Error::HeadsNotDivisible { heads: 6, kv_heads: 4 }));
         assert_eq!(AttnShape::new(1, 0, 4, 1, 1, 64), Err(Error::ZeroDim { what: "query length" }));
         let s = AttnShape::new(2, 3, 5, 4, 2, 8).unwrap();
         assert_eq!(s.group(), 2);

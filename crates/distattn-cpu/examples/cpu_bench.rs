@@ -149,7 +149,9 @@ fn run<T: Element>(c: &Case, a: &Args, rows: &mut Vec<String>) {
                 std::hint::black_box(distattn_cpu::forward_with(&q, &k, &v, &s, c.mask, &opts, tiles).unwrap());
             } else {
                 let delta = distattn_cpu::row_delta(&f.o, &d_o, &s).unwrap();
-                std::hint::black_box(distattn_cpu::backward_with(&q, &k, &v, &d_o, &f.lse, &delta, &s, c.mask, &opts, tiles).unwrap());
+                std::hint::black_box(
+                    distattn_cpu::backward_with(&q, &k, &v, &d_o, &f.lse, &delta, &s, c.mask, &opts, tiles).unwrap(),
+                );
             }
             times.push(if a.cpu_time { c0.elapsed().as_secs_f64() } else { t.elapsed().as_secs_f64() });
         }
@@ -199,7 +201,8 @@ fn serve() {
         let w: Vec<&str> = line.split_whitespace().collect();
         let reply = match w.as_slice() {
             ["case", n, h, d, c, dt, b] => {
-                let (n, h, d, b): (usize, usize, usize, usize) = (n.parse().unwrap(), h.parse().unwrap(), d.parse().unwrap(), b.parse().unwrap());
+                let (n, h, d, b): (usize, usize, usize, usize) =
+                    (n.parse().unwrap(), h.parse().unwrap(), d.parse().unwrap(), b.parse().unwrap());
                 let mask = if *c == "1" { Mask::causal(n, n).unwrap() } else { Mask::full(n, n).unwrap() };
                 let s = AttnShape::self_attn(b, n, h, d).unwrap();
                 run = Some(match *dt {
@@ -230,7 +233,12 @@ fn main() {
             for &causal in &a.causal {
                 let mask = if causal { Mask::causal(n, n).unwrap() } else { Mask::full(n, n).unwrap() };
                 for dt in &a.dtypes {
-                    let c = Case { shape: AttnShape::self_attn(a.batch, n, a.heads, d).unwrap(), mask: &mask, causal, dtype: dt };
+                    let c = Case {
+                        shape: AttnShape::self_attn(a.batch, n, a.heads, d).unwrap(),
+                        mask: &mask,
+                        causal,
+                        dtype: dt,
+                    };
                     match dt.as_str() {
                         "f32" => run::<f32>(&c, &a, &mut rows),
                         "bf16" => run::<bf16>(&c, &a, &mut rows),

@@ -5,7 +5,14 @@ use distattn_cpu::flash::gemm::{gemm, simd_available, AOp};
 
 fn main() {
     let simd = simd_available();
-    for &(m, n, k, trans) in &[(96, 64, 64, false), (96, 64, 128, false), (96, 128, 64, false), (64, 64, 64, true), (64, 128, 64, true), (96, 128, 128, false)] {
+    for &(m, n, k, trans) in &[
+        (96, 64, 64, false),
+        (96, 64, 128, false),
+        (96, 128, 64, false),
+        (64, 64, 64, true),
+        (64, 128, 64, true),
+        (96, 128, 128, false),
+    ] {
         let a = vec![0.5f32; m * k];
         let b = vec![0.25f32; k * n];
         let mut c = vec![0f32; m * n];

@@ -57,7 +57,14 @@ pub(crate) fn check_qkv(shape: &AttnShape, mask: &Mask, q: usize, k: usize, v: u
 }
 
 /// Flash attention forward.
-pub fn forward<T: Element>(q: &[T], k: &[T], v: &[T], shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<Forward> {
+pub fn forward<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+) -> Result<Forward> {
     forward_with(q, k, v, shape, mask, opts, TileConfig::for_head_dim(shape.head_dim))
 }
 

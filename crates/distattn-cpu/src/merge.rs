@@ -16,7 +16,13 @@ fn check(shape: &AttnShape, o: (&str, usize), lse: (&str, usize)) -> Result<()> 
 
 /// Merges the partial `(part_o, part_lse)` into the running `(acc_o, acc_lse)` in place.
 /// Layouts: O `[batch, q_len, heads, head_dim]`, LSE `[batch, heads, q_len]`.
-pub fn merge_into(acc_o: &mut [f32], acc_lse: &mut [f32], part_o: &[f32], part_lse: &[f32], shape: &AttnShape) -> Result<()> {
+pub fn merge_into(
+    acc_o: &mut [f32],
+    acc_lse: &mut [f32],
+    part_o: &[f32],
+    part_lse: &[f32],
+    shape: &AttnShape,
+) -> Result<()> {
     check(shape, ("acc_o", acc_o.len()), ("acc_lse", acc_lse.len()))?;
     check(shape, ("part_o", part_o.len()), ("part_lse", part_lse.len()))?;
     let d = shape.head_dim;

@@ -29,7 +29,16 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 
 /// Kept keys and their scaled scores for row `(b, i, h)`.
 #[allow(clippy::too_many_arguments)]
-fn scores(q: &[f64], k: &[f64], shape: &AttnShape, mask: &Mask, scale: f64, b: usize, i: usize, h: usize) -> Vec<(usize, f64)> {
+fn scores(
+    q: &[f64],
+    k: &[f64],
+    shape: &AttnShape,
+    mask: &Mask,
+    scale: f64,
+    b: usize,
+    i: usize,
+    h: usize,
+) -> Vec<(usize, f64)> {
     let d = shape.head_dim;
     let kh = h / shape.group();
     let qr = &q[shape.q_offset(b, i, h)..][..d];
@@ -72,7 +81,14 @@ fn forward_f64(q: &[f64], k: &[f64], v: &[f64], shape: &AttnShape, mask: &Mask, 
 }
 
 /// Dense f64 forward.
-pub fn forward<T: Element>(q: &[T], k: &[T], v: &[T], shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<RefForward> {
+pub fn forward<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+) -> Result<RefForward> {
     check_qkv(shape, mask, q.len(), k.len(), v.len())?;
     let scale = check_scale(opts, shape.head_dim)? as f64;
     Ok(forward_f64(&to_f64(q), &to_f64(k), &to_f64(v), shape, mask, scale))

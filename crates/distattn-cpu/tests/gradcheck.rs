@@ -69,7 +69,8 @@ fn flash_backward_matches_finite_differences() {
     for (shape, mask) in shapes_and_masks() {
         let x = inputs(&mut rng, &shape);
         let opts = AttnOptions::default();
-        for tiles in [TileConfig { fwd_q: 2, fwd_k: 16, bwd_q: 1, bwd_k: 16 }, TileConfig::for_head_dim(shape.head_dim)] {
+        for tiles in [TileConfig { fwd_q: 2, fwd_k: 16, bwd_q: 1, bwd_k: 16 }, TileConfig::for_head_dim(shape.head_dim)]
+        {
             let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
                 let c = |t: &[f64]| t.iter().map(|&a| a as f32).collect::<Vec<f32>>();
                 let f = distattn_cpu::forward_with(&c(q), &c(k), &c(v), &shape, &mask, &opts, tiles).unwrap();
@@ -79,7 +80,8 @@ fn flash_backward_matches_finite_differences() {
             let fd = fd_grads(&loss, &up(&x.q), &up(&x.k), &up(&x.v), 2f64.powi(-7));
             let f = distattn_cpu::forward_with(&x.q, &x.k, &x.v, &shape, &mask, &opts, tiles).unwrap();
             let delta = row_delta(&f.o, &x.d_o, &shape).unwrap();
-            let g = distattn_cpu::backward_with(&x.q, &x.k, &x.v, &x.d_o, &f.lse, &delta, &shape, &mask, &opts, tiles).unwrap();
+            let g = distattn_cpu::backward_with(&x.q, &x.k, &x.v, &x.d_o, &f.lse, &delta, &shape, &mask, &opts, tiles)
+                .unwrap();
             for (name, a, b) in [("dq", &g.dq, &fd[0]), ("dk", &g.dk, &fd[1]), ("dv", &g.dv, &fd[2])] {
                 let e = rel(&up(a), b);
                 assert!(e < 2e-3, "flash {name} vs FD: {e} ({shape}, DISTATTN_SEED={seed})");

@@ -27,7 +27,9 @@ fn partials(x: &Inputs, shape: &AttnShape, mask: &Mask, cuts: &[usize]) -> Vec<(
         let m = mask.restrict(0..shape.q_len, k0..k1).unwrap();
         let per = shape.kv_heads * d;
         let take = |t: &[f32]| -> Vec<f32> {
-            (0..shape.batch).flat_map(|b| t[(b * shape.k_len + k0) * per..(b * shape.k_len + k1) * per].to_vec()).collect()
+            (0..shape.batch)
+                .flat_map(|b| t[(b * shape.k_len + k0) * per..(b * shape.k_len + k1) * per].to_vec())
+                .collect()
         };
         let f = forward(&x.q, &take(&x.k), &take(&x.v), &sub, &m, &AttnOptions::default()).unwrap();
         out.push((f.o, f.lse));
@@ -74,7 +76,18 @@ fn merge_of_key_splits_equals_full() {
                 let take = |t: &[f32]| -> Vec<f32> {
                     (0..shape.batch).flat_map(|b| t[(b * nk + k0) * per..(b * nk + k1) * per].to_vec()).collect()
                 };
-                let g = backward(&x.q, &take(&x.k), &take(&x.v), &x.d_o, &merged.lse, &delta, &sub, &m, &AttnOptions::default()).unwrap();
+                let g = backward(
+                    &x.q,
+                    &take(&x.k),
+                    &take(&x.v),
+                    &x.d_o,
+                    &merged.lse,
+                    &delta,
+                    &sub,
+                    &m,
+                    &AttnOptions::default(),
+                )
+                .unwrap();
                 dq.iter_mut().zip(&g.dq).for_each(|(a, b)| *a += b);
                 dk.push((k0, k1, g.dk));
             }
@@ -84,7 +97,8 @@ fn merge_of_key_splits_equals_full() {
             for (k0, k1, part) in dk {
                 let n = k1 - k0;
                 for b in 0..shape.batch {
-                    dk_full[(b * nk + k0) * per..(b * nk + k1) * per].copy_from_slice(&part[b * n * per..(b + 1) * n * per]);
+                    dk_full[(b * nk + k0) * per..(b * nk + k1) * per]
+                        .copy_from_slice(&part[b * n * per..(b + 1) * n * per]);
                 }
             }
             assert!(rel_err(&dq, &rg.dq) < 1e-5, "dq (DISTATTN_SEED={seed})");
@@ -110,7 +124,8 @@ fn merge_keeps_unreached_rows_and_is_overflow_safe() {
     assert!(m.lse[2].is_finite() && (m.o[4] - 2.0).abs() < 1e-6 && (m.o[5] - 3.0).abs() < 1e-6);
     // In f32 a naive exp(LSE) would overflow at 89.
     let l = [100.0f32, 100.0 + 2f32.ln()];
-    let m = merge::merge(&[(&[1.0, 1.0], &l[..1]), (&[4.0, 4.0], &l[1..])], &AttnShape::new(1, 1, 1, 1, 1, 2).unwrap()).unwrap();
+    let m = merge::merge(&[(&[1.0, 1.0], &l[..1]), (&[4.0, 4.0], &l[1..])], &AttnShape::new(1, 1, 1, 1, 1, 2).unwrap())
+        .unwrap();
     assert!((m.o[0] - 3.0).abs() < 1e-5 && (m.lse[0] - (100.0 + 3f32.ln())).abs() < 1e-4);
     // Bad lengths are errors.
     assert!(merge::merge(&[(&a_o[..4], &a_l)], &shape).is_err());
@@ -122,7 +137,8 @@ fn merge_backward_matches_finite_differences() {
     let shape = AttnShape::new(1, 3, 1, 2, 1, 4).unwrap();
     let n = shape.q_elems();
     let nl = shape.lse_elems();
-    let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..3).map(|_| (randn(&mut rng, n, 1.0), randn(&mut rng, nl, 2.0))).collect();
+    let parts: Vec<(Vec<f32>, Vec<f32>)> =
+        (0..3).map(|_| (randn(&mut rng, n, 1.0), randn(&mut rng, nl, 2.0))).collect();
     let g_o = randn(&mut rng, n, 1.0);
     let g_l = randn(&mut rng, nl, 1.0);
     // Loss = <g_o, O> + <g_l, LSE> in f64 from the f32 merge.
@@ -149,7 +165,10 @@ fn merge_backward_matches_finite_differences() {
             }
             let fd = (loss(&p) - loss(&mn)) / (2.0 * eps as f64);
             let an = if idx < n { g.d_o[idx] } else { g.d_lse[idx - n] } as f64;
-            assert!((fd - an).abs() < 2e-3 * (1.0 + fd.abs()), "part {s} idx {idx}: fd {fd} vs {an} (DISTATTN_SEED={seed})");
+            assert!(
+                (fd - an).abs() < 2e-3 * (1.0 + fd.abs()),
+                "part {s} idx {idx}: fd {fd} vs {an} (DISTATTN_SEED={seed})"
+            );
         }
     }
 }

@@ -12,16 +12,10 @@ use std::path::{Path, PathBuf};
 
 /// The kernel source, embedded: the portable kernels (`mma.sync`, sm_80+) followed by the
 /// Hopper ones (`wgmma`, compiled only for sm_90a).
-pub const FLASH_SRC: &str = concat!(
-    include_str!("kernels/flash.cu"),
-    include_str!("kernels/flash_sm90.cu")
-);
+pub const FLASH_SRC: &str = concat!(include_str!("kernels/flash.cu"), include_str!("kernels/flash_sm90.cu"));
 
 pub(crate) fn backend_err(reason: impl Into<String>) -> Error {
-    Error::Backend {
-        backend: "cuda",
-        reason: reason.into(),
-    }
+    Error::Backend { backend: "cuda", reason: reason.into() }
 }
 
 /// Head dimensions the kernels support (forward; backward: all but 256).
@@ -65,9 +59,7 @@ impl KernelConfig {
     /// The tuned configuration for a dtype and head dim.
     pub fn new(dtype: DType, head_dim: usize) -> Result<Self> {
         if !matches!(dtype, DType::BF16 | DType::F16) {
-            return Err(Error::UnsupportedDType(format!(
-                "{dtype} (the CUDA backend takes bf16 and f16)"
-            )));
+            return Err(Error::UnsupportedDType(format!("{dtype} (the CUDA backend takes bf16 and f16)")));
         }
         let (fwd_warps, fwd_mr, fwd_bn) = match head_dim {
             64 | 128 => (4, 2, 64),
@@ -187,8 +179,7 @@ impl KernelConfig {
             // Q; K and V in 2 stages; 1 KB to align the base; 9 mbarriers.
             return 5 * self.fwd_bm() * self.head_dim * 2 + 1024 + 128;
         }
-        (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2
-            + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
+        (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2 + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
     }
     /// Dynamic shared memory of the dK/dV kernel, bytes.
     pub fn bwd_smem(&self) -> usize {
@@ -362,23 +353,12 @@ pub fn cache_dir() -> Option<PathBuf> {
     if let Ok(d) = std::env::var("DISTATTN_CACHE_DIR") {
         return Some(PathBuf::from(d));
     }
-    std::env::var("HOME")
-        .ok()
-        .map(|h| Path::new(&h).join(".cache").join("distattn"))
+    std::env::var("HOME").ok().map(|h| Path::new(&h).join(".cache").join("distattn"))
 }
 
 /// Options passed to NVRTC for a variant.
-pub fn nvrtc_options(
-    cfg: &KernelConfig,
-    arch: &str,
-    includes: &[PathBuf],
-    verbose: bool,
-) -> Vec<String> {
-    let mut o = vec![
-        format!("--gpu-architecture={arch}"),
-        "-std=c++17".into(),
-        "--use_fast_math".into(),
-    ];
+pub fn nvrtc_options(cfg: &KernelConfig, arch: &str, includes: &[PathBuf], verbose: bool) -> Vec<String> {
+    let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "--use_fast_math".into()];
     o.extend(cfg.defines());
     for i in includes {
         o.push(format!("--include-path={}", i.display()));
@@ -402,26 +382,14 @@ pub fn compile_variant(cfg: &KernelConfig, arch: &str, verbose: bool) -> Result<
     let ver = nvrtc_version()?;
     // The include paths are not part of the key: the kernels include no header.
     let key_opts = nvrtc_options(cfg, arch, &[], false).join(" ");
-    let key = fnv64(&[
-        FLASH_SRC.as_bytes(),
-        key_opts.as_bytes(),
-        format!("{ver:?}").as_bytes(),
-    ]);
-    let cache_file = cache_dir().map(|d| {
-        d.join(format!(
-            "flash-{}-d{}-{arch}-{key:016x}.cubin",
-            cfg.dtype, cfg.head_dim
-        ))
-    });
+    let key = fnv64(&[FLASH_SRC.as_bytes(), key_opts.as_bytes(), format!("{ver:?}").as_bytes()]);
+    let cache_file =
+        cache_dir().map(|d| d.join(format!("flash-{}-d{}-{arch}-{key:016x}.cubin", cfg.dtype, cfg.head_dim)));
     if !verbose {
         if let Some(f) = &cache_file {
             if let Ok(bytes) = std::fs::read(f) {
                 if !bytes.is_empty() {
-                    return Ok(Compiled {
-                        cubin: bytes,
-                        log: String::new(),
-                        from_cache: true,
-                    });
+                    return Ok(Compiled { cubin: bytes, log: String::new(), from_cache: true });
                 }
             }
         }
@@ -451,8 +419,8 @@ pub fn nvrtc_compile(src: &str, name: &str, opts: &[String]) -> Result<Compiled>
     }
     let c_src = CString::new(src).map_err(|_| backend_err("kernel source contains a NUL byte"))?;
     let c_name = CString::new(name).map_err(|_| backend_err("bad program name"))?;
-    let prog = result::create_program(&c_src, Some(&c_name))
-        .map_err(|e| backend_err(format!("nvrtcCreateProgram: {e:?}")))?;
+    let prog =
+        result::create_program(&c_src, Some(&c_name)).map_err(|e| backend_err(format!("nvrtcCreateProgram: {e:?}")))?;
     // SAFETY: `prog` is a live program until destroyed below.
     let res = unsafe { result::compile_program(prog, opts) };
     let log = unsafe { result::get_program_log(prog) }
@@ -462,29 +430,20 @@ pub fn nvrtc_compile(src: &str, name: &str, opts: &[String]) -> Result<Compiled>
         })
         .unwrap_or_default();
     let out = match res {
-        Err(e) => Err(backend_err(format!(
-            "NVRTC compile of {name} failed ({e:?}) with {}:\n{log}",
-            opts.join(" ")
-        ))),
+        Err(e) => Err(backend_err(format!("NVRTC compile of {name} failed ({e:?}) with {}:\n{log}", opts.join(" ")))),
         Ok(()) => {
             let mut size = 0usize;
             // SAFETY: size query then a buffer of that size.
             let r = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) };
             if r != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
-                Err(backend_err(format!(
-                    "nvrtcGetCUBINSize failed ({r:?}); options must name an sm_ architecture"
-                )))
+                Err(backend_err(format!("nvrtcGetCUBINSize failed ({r:?}); options must name an sm_ architecture")))
             } else {
                 let mut buf = vec![0u8; size];
                 let r = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut _) };
                 if r != sys::nvrtcResult::NVRTC_SUCCESS {
                     Err(backend_err(format!("nvrtcGetCUBIN failed ({r:?})")))
                 } else {
-                    Ok(Compiled {
-                        cubin: buf,
-                        log,
-                        from_cache: false,
-                    })
+                    Ok(Compiled { cubin: buf, log, from_cache: false })
                 }
             }
         }
@@ -517,10 +476,7 @@ pub fn parse_ptxas(log: &str) -> Vec<KernelResources> {
         if let Some(i) = line.find("Compiling entry function '") {
             let rest = &line[i + "Compiling entry function '".len()..];
             let name = rest.split('\'').next().unwrap_or("").to_string();
-            out.push(KernelResources {
-                name,
-                ..Default::default()
-            });
+            out.push(KernelResources { name, ..Default::default() });
         } else if let Some(k) = out.last_mut() {
             if line.contains("stack frame") {
                 k.stack_frame = num_before(line, "bytes stack frame").unwrap_or(0);
@@ -543,35 +499,17 @@ mod tests {
     #[test]
     fn configs_and_smem_fit_sm80() {
         for c in KernelConfig::all() {
-            assert!(
-                c.fwd_smem() <= 163 * 1024,
-                "{c:?} fwd smem {}",
-                c.fwd_smem()
-            );
+            assert!(c.fwd_smem() <= 163 * 1024, "{c:?} fwd smem {}", c.fwd_smem());
             if c.has_backward() {
-                assert!(
-                    c.bwd_smem() <= 163 * 1024,
-                    "{c:?} bwd smem {}",
-                    c.bwd_smem()
-                );
+                assert!(c.bwd_smem() <= 163 * 1024, "{c:?} bwd smem {}", c.bwd_smem());
                 let h = c.for_arch("sm_90a");
                 assert!(h.fwd_smem() <= 227 * 1024, "{h:?} fwd smem {}", h.fwd_smem());
-                assert!(
-                    h.bwd_smem() <= 227 * 1024,
-                    "{h:?} bwd smem {}",
-                    h.bwd_smem()
-                );
+                assert!(h.bwd_smem() <= 227 * 1024, "{h:?} bwd smem {}", h.bwd_smem());
             }
             assert_eq!(c.fwd_bn % 32, 0);
         }
-        assert!(matches!(
-            KernelConfig::new(DType::BF16, 80),
-            Err(Error::UnsupportedHeadDim { .. })
-        ));
-        assert!(matches!(
-            KernelConfig::new(DType::F32, 64),
-            Err(Error::UnsupportedDType(_))
-        ));
+        assert!(matches!(KernelConfig::new(DType::BF16, 80), Err(Error::UnsupportedHeadDim { .. })));
+        assert!(matches!(KernelConfig::new(DType::F32, 64), Err(Error::UnsupportedDType(_))));
     }
 
     #[test]

@@ -16,15 +16,15 @@
 //! [`CudaBackend::backward_host`] on host slices.
 
 pub mod compile;
-pub mod plan;
 mod multi;
+pub mod plan;
 mod tma;
 
 use compile::{backend_err, KernelConfig};
 pub use cudarc;
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
-    DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Mask, Result};
 use plan::TilePlan;
@@ -39,11 +39,7 @@ impl CudaElement for half::f16 {}
 fn drv(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| {
         let oom = e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY;
-        backend_err(if oom {
-            format!("{what}: out of GPU memory")
-        } else {
-            format!("{what}: {e:?}")
-        })
+        backend_err(if oom { format!("{what}: out of GPU memory") } else { format!("{what}: {e:?}") })
     }
 }
 
@@ -58,8 +54,7 @@ pub fn gpu_count() -> usize {
     if !unsafe { sys::is_culib_present() } {
         return 0;
     }
-    std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0))
-        .unwrap_or(0)
+    std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)).unwrap_or(0)
 }
 
 /// Output of a forward pass on host slices.
@@ -208,27 +203,19 @@ impl CudaBackend {
     /// Opens GPU `ordinal`. Fails with [`Error::Backend`] when no CUDA driver or GPU is found.
     pub fn new(ordinal: usize) -> Result<Self> {
         if !unsafe { sys::is_culib_present() } {
-            return Err(backend_err(
-                "no CUDA driver found (libcuda.so could not be loaded)",
-            ));
+            return Err(backend_err("no CUDA driver found (libcuda.so could not be loaded)"));
         }
         let n = CudaContext::device_count().map_err(drv("cuDeviceGetCount"))?;
         if ordinal >= n.max(0) as usize {
-            return Err(backend_err(format!(
-                "GPU {ordinal} requested but {n} found"
-            )));
+            return Err(backend_err(format!("GPU {ordinal} requested but {n} found")));
         }
         let ctx = CudaContext::new(ordinal).map_err(drv("creating the CUDA context"))?;
         // One stream: cudarc's per-buffer event tracking only adds launch overhead.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
-        let cc = ctx
-            .compute_capability()
-            .map_err(drv("compute capability"))?;
+        let cc = ctx.compute_capability().map_err(drv("compute capability"))?;
         let max_smem = ctx
-            .attribute(
-                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-            )
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(drv("shared memory limit"))? as usize;
         if cc.0 < 8 {
             return Err(backend_err(format!(
@@ -263,19 +250,14 @@ impl CudaBackend {
     }
     /// Device name as the driver reports it.
     pub fn device_name(&self) -> String {
-        self.ctx
-            .name()
-            .unwrap_or_else(|_| "unknown CUDA device".into())
+        self.ctx.name().unwrap_or_else(|_| "unknown CUDA device".into())
     }
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(drv("synchronize"))
     }
 
     fn kernels(&self, dtype: DType, head_dim: usize) -> Result<Arc<Kernels>> {
-        let mut map = self
-            .modules
-            .lock()
-            .map_err(|_| backend_err("module cache poisoned"))?;
+        let mut map = self.modules.lock().map_err(|_| backend_err("module cache poisoned"))?;
         if let Some(k) = map.get(&(dtype, head_dim)) {
             return Ok(k.clone());
         }
@@ -290,18 +272,13 @@ impl CudaBackend {
             cfg,
             fwd: f(cfg.fwd_kernel())?,
             delta: f("bwd_delta")?,
-            dkdv: if cfg.has_backward() {
-                Some(f(cfg.dkdv_kernel())?)
-            } else {
-                None
-            },
+            dkdv: if cfg.has_backward() { Some(f(cfg.dkdv_kernel())?) } else { None },
             convert: f("convert_f32")?,
             merge: f("lse_merge")?,
             _module: module.clone(),
         };
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        if cfg.fwd_smem() > self.max_smem || (cfg.has_backward() && cfg.bwd_smem() > self.max_smem)
-        {
+        if cfg.fwd_smem() > self.max_smem || (cfg.has_backward() && cfg.bwd_smem() > self.max_smem) {
             return Err(backend_err(format!(
                 "head dim {head_dim} needs {} / {} bytes of shared memory, the GPU allows {}",
                 cfg.fwd_smem(),
@@ -309,12 +286,9 @@ impl CudaBackend {
                 self.max_smem
             )));
         }
-        k.fwd
-            .set_attribute(attr, cfg.fwd_smem() as i32)
-            .map_err(drv("raising the smem limit"))?;
+        k.fwd.set_attribute(attr, cfg.fwd_smem() as i32).map_err(drv("raising the smem limit"))?;
         if let Some(d) = &k.dkdv {
-            d.set_attribute(attr, cfg.bwd_smem() as i32)
-                .map_err(drv("raising the smem limit"))?;
+            d.set_attribute(attr, cfg.bwd_smem() as i32).map_err(drv("raising the smem limit"))?;
         }
         let k = Arc::new(k);
         map.insert((dtype, head_dim), k.clone());
@@ -328,48 +302,25 @@ impl CudaBackend {
 
     fn plan(&self, mask: &Mask, bm: usize, bn: usize, by_key: bool) -> Result<Arc<DevicePlan>> {
         let key = (mask_key(mask), bm, bn, by_key);
-        if let Some(p) = self
-            .plans
-            .lock()
-            .map_err(|_| backend_err("plan cache poisoned"))?
-            .get(&key)
-        {
+        if let Some(p) = self.plans.lock().map_err(|_| backend_err("plan cache poisoned"))?.get(&key) {
             return Ok(p.clone());
         }
-        let tp = if by_key {
-            TilePlan::by_key(mask, bm, bn)?
-        } else {
-            TilePlan::by_query(mask, bm, bn)?
-        };
+        let tp = if by_key { TilePlan::by_key(mask, bm, bn)? } else { TilePlan::by_query(mask, bm, bn)? };
         let flat: Vec<i32> = tp.tiles.iter().flat_map(|e| [e[0], e[1]]).collect();
         let up_i = |v: &[i32]| -> Result<CudaSlice<i32>> {
             if v.is_empty() {
-                self.stream
-                    .alloc_zeros::<i32>(2)
-                    .map_err(drv("allocating a plan"))
+                self.stream.alloc_zeros::<i32>(2).map_err(drv("allocating a plan"))
             } else {
                 self.stream.clone_htod(v).map_err(drv("uploading a plan"))
             }
         };
         let bits = if tp.bits.is_empty() {
-            self.stream
-                .alloc_zeros::<u32>(1)
-                .map_err(drv("allocating a plan"))?
+            self.stream.alloc_zeros::<u32>(1).map_err(drv("allocating a plan"))?
         } else {
-            self.stream
-                .clone_htod(&tp.bits)
-                .map_err(drv("uploading a plan"))?
+            self.stream.clone_htod(&tp.bits).map_err(drv("uploading a plan"))?
         };
-        let dp = Arc::new(DevicePlan {
-            ptr: up_i(&tp.ptr)?,
-            tiles: up_i(&flat)?,
-            bits,
-            n_major: tp.n_major,
-        });
-        let mut cache = self
-            .plans
-            .lock()
-            .map_err(|_| backend_err("plan cache poisoned"))?;
+        let dp = Arc::new(DevicePlan { ptr: up_i(&tp.ptr)?, tiles: up_i(&flat)?, bits, n_major: tp.n_major });
+        let mut cache = self.plans.lock().map_err(|_| backend_err("plan cache poisoned"))?;
         if cache.len() >= 512 {
             cache.clear();
         }
@@ -386,20 +337,12 @@ impl CudaBackend {
         Ok(KernelConfig::new(T::DTYPE, shape.head_dim)?.for_arch(&self.arch))
     }
 
-    fn check_buf<U>(
-        &self,
-        name: &str,
-        s: &CudaSlice<U>,
-        expected: usize,
-        shape: &AttnShape,
-    ) -> Result<()> {
+    fn check_buf<U>(&self, name: &str, s: &CudaSlice<U>, expected: usize, shape: &AttnShape) -> Result<()> {
         shape.check_len(name, s.len(), expected)?;
         let p = ptr_of(s, &self.stream);
         #[allow(clippy::manual_is_multiple_of)] // MSRV 1.80
         if p % 16 != 0 {
-            return Err(backend_err(format!(
-                "misaligned pointer: {name} at {p:#x} is not 16-byte aligned"
-            )));
+            return Err(backend_err(format!("misaligned pointer: {name} at {p:#x} is not 16-byte aligned")));
         }
         Ok(())
     }
@@ -452,7 +395,11 @@ impl CudaBackend {
         };
         let cfg_l = LaunchConfig {
             // x: query tile x query head within its KV head group (see fwd_block in flash.cu).
-            grid_dim: ((plan.n_major * (shape.heads / shape.kv_heads)) as u32, shape.kv_heads as u32, shape.batch as u32),
+            grid_dim: (
+                (plan.n_major * (shape.heads / shape.kv_heads)) as u32,
+                shape.kv_heads as u32,
+                shape.batch as u32,
+            ),
             block_dim: (kern.cfg.fwd_threads() as u32, 1, 1),
             shared_mem_bytes: kern.cfg.fwd_smem() as u32,
         };
@@ -514,11 +461,8 @@ impl CudaBackend {
         }
         let kern = self.kernels(T::DTYPE, shape.head_dim)?;
         let s = &self.stream;
-        let delta =
-            unsafe { s.alloc::<f32>(shape.lse_elems()) }.map_err(drv("allocating delta"))?;
-        let mut dq_acc = s
-            .alloc_zeros::<f32>(shape.q_elems())
-            .map_err(drv("allocating the dQ accumulator"))?;
+        let delta = unsafe { s.alloc::<f32>(shape.lse_elems()) }.map_err(drv("allocating delta"))?;
+        let mut dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).map_err(drv("allocating the dQ accumulator"))?;
         let rows = (shape.batch * shape.q_len * shape.heads) as i64;
         let dp = DeltaParams {
             o: ptr_of(o, s),
@@ -528,30 +472,15 @@ impl CudaBackend {
             q_len: shape.q_len as i32,
             heads: shape.heads as i32,
         };
-        let lc = LaunchConfig {
-            grid_dim: (((rows + 7) / 8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { s.launch_builder(&kern.delta).arg(&dp).launch(lc) }
-            .map_err(drv("launching bwd_delta"))?;
-        self.backward_with_delta(
-            q, k, v, dout, lse, &delta, shape, mask, opts, &mut dq_acc, dk, dv,
-        )?;
+        let lc =
+            LaunchConfig { grid_dim: (((rows + 7) / 8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        unsafe { s.launch_builder(&kern.delta).arg(&dp).launch(lc) }.map_err(drv("launching bwd_delta"))?;
+        self.backward_with_delta(q, k, v, dout, lse, &delta, shape, mask, opts, &mut dq_acc, dk, dv)?;
         let n2 = (shape.q_elems() / 2) as i64;
-        let lc = LaunchConfig {
-            grid_dim: (((n2 + 255) / 256) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe {
-            s.launch_builder(&kern.convert)
-                .arg(&dq_acc)
-                .arg(dq)
-                .arg(&n2)
-                .launch(lc)
-        }
-        .map_err(drv("launching convert_f32"))?;
+        let lc =
+            LaunchConfig { grid_dim: (((n2 + 255) / 256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        unsafe { s.launch_builder(&kern.convert).arg(&dq_acc).arg(dq).arg(&n2).launch(lc) }
+            .map_err(drv("launching convert_f32"))?;
         // Workspace buffers are freed in stream order (async free) when they drop here.
         Ok(())
     }
@@ -573,9 +502,7 @@ impl CudaBackend {
         shape.validate()?;
         KernelConfig::new(T::DTYPE, shape.head_dim)?;
         if n_parts == 0 {
-            return Err(Error::ZeroDim {
-                what: "merge parts",
-            });
+            return Err(Error::ZeroDim { what: "merge parts" });
         }
         self.check_buf("o_parts", o_parts, n_parts * shape.q_elems(), shape)?;
         self.check_buf("lse_parts", lse_parts, n_parts * shape.lse_elems(), shape)?;
@@ -599,37 +526,23 @@ impl CudaBackend {
             heads: shape.heads as i32,
             pad_: 0,
         };
-        let lc = LaunchConfig {
-            grid_dim: (((rows + 7) / 8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { s.launch_builder(&kern.merge).arg(&mp).launch(lc) }
-            .map_err(drv("launching lse_merge"))?;
+        let lc =
+            LaunchConfig { grid_dim: (((rows + 7) / 8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        unsafe { s.launch_builder(&kern.merge).arg(&mp).launch(lc) }.map_err(drv("launching lse_merge"))?;
         Ok(())
     }
 
-    fn upload<T: CudaElement>(
-        &self,
-        name: &str,
-        v: &[T],
-        expected: usize,
-        shape: &AttnShape,
-    ) -> Result<CudaSlice<T>> {
+    fn upload<T: CudaElement>(&self, name: &str, v: &[T], expected: usize, shape: &AttnShape) -> Result<CudaSlice<T>> {
         shape.check_len(name, v.len(), expected)?;
         self.stream.clone_htod(v).map_err(drv("uploading inputs"))
     }
 
     fn alloc<U: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<U>> {
-        self.stream
-            .alloc_zeros::<U>(n)
-            .map_err(drv("allocating outputs"))
+        self.stream.alloc_zeros::<U>(n).map_err(drv("allocating outputs"))
     }
 
     fn download<U: DeviceRepr + Default + Clone>(&self, s: &CudaSlice<U>) -> Result<Vec<U>> {
-        self.stream
-            .clone_dtoh(s)
-            .map_err(drv("downloading results"))
+        self.stream.clone_dtoh(s).map_err(drv("downloading results"))
     }
 
     /// Forward on host slices: upload, run, download.
@@ -649,10 +562,7 @@ impl CudaBackend {
         let mut o = self.alloc::<T>(shape.q_elems())?;
         let mut lse = self.alloc::<f32>(shape.lse_elems())?;
         self.forward(&dq, &dk, &dv, shape, mask, opts, &mut o, &mut lse, None)?;
-        let out = HostForward {
-            o: self.download(&o)?,
-            lse: self.download(&lse)?,
-        };
+        let out = HostForward { o: self.download(&o)?, lse: self.download(&lse)? };
         self.synchronize()?;
         Ok(out)
     }
@@ -678,21 +588,12 @@ impl CudaBackend {
         let d_o = self.upload("o", o, shape.q_elems(), shape)?;
         let d_do = self.upload("dout", dout, shape.q_elems(), shape)?;
         shape.check_len("lse", lse.len(), shape.lse_elems())?;
-        let d_lse = self
-            .stream
-            .clone_htod(lse)
-            .map_err(drv("uploading inputs"))?;
+        let d_lse = self.stream.clone_htod(lse).map_err(drv("uploading inputs"))?;
         let mut gq = self.alloc::<T>(shape.q_elems())?;
         let mut gk = self.alloc::<T>(shape.kv_elems())?;
         let mut gv = self.alloc::<T>(shape.kv_elems())?;
-        self.backward(
-            &d_q, &d_k, &d_v, &d_o, &d_do, &d_lse, shape, mask, opts, &mut gq, &mut gk, &mut gv,
-        )?;
-        let out = HostGrads {
-            dq: self.download(&gq)?,
-            dk: self.download(&gk)?,
-            dv: self.download(&gv)?,
-        };
+        self.backward(&d_q, &d_k, &d_v, &d_o, &d_do, &d_lse, shape, mask, opts, &mut gq, &mut gk, &mut gv)?;
+        let out = HostGrads { dq: self.download(&gq)?, dk: self.download(&gk)?, dv: self.download(&gv)? };
         self.synchronize()?;
         Ok(out)
     }

@@ -32,10 +32,7 @@ impl TilePlan {
     pub fn by_query(mask: &Mask, bm: usize, bn: usize) -> Result<TilePlan> {
         #[allow(clippy::manual_is_multiple_of)] // MSRV 1.80
         if bm == 0 || bn == 0 || bn % 32 != 0 {
-            return Err(Error::Backend {
-                backend: "cuda",
-                reason: format!("bad tile {bm}x{bn}"),
-            });
+            return Err(Error::Backend { backend: "cuda", reason: format!("bad tile {bm}x{bn}") });
         }
         let q_len = mask.q_len();
         let n_qt = q_len.div_ceil(bm);
@@ -76,16 +73,7 @@ impl TilePlan {
             }
             ptr.push(tiles.len() as i32);
         }
-        Ok(TilePlan {
-            bm,
-            bn,
-            n_major: n_qt,
-            ptr,
-            tiles,
-            bits,
-            n_full,
-            n_partial,
-        })
+        Ok(TilePlan { bm, bn, n_major: n_qt, ptr, tiles, bits, n_full, n_partial })
     }
 
     /// Per key tile: the query tiles it meets (same tiles and bitmasks as `by_query`).
@@ -109,16 +97,7 @@ impl TilePlan {
                 fill[kt] += 1;
             }
         }
-        Ok(TilePlan {
-            bm,
-            bn,
-            n_major: n_kt,
-            ptr,
-            tiles,
-            bits: q.bits,
-            n_full: q.n_full,
-            n_partial: q.n_partial,
-        })
+        Ok(TilePlan { bm, bn, n_major: n_kt, ptr, tiles, bits: q.bits, n_full: q.n_full, n_partial: q.n_partial })
     }
 
     /// Whether (row, col) of the `other`-indexed tile of major tile `major` is kept, by the
@@ -127,8 +106,7 @@ impl TilePlan {
         let words = self.bn / 32;
         for e in &self.tiles[self.ptr[major] as usize..self.ptr[major + 1] as usize] {
             if e[0] as usize == other {
-                return e[1] < 0
-                    || self.bits[e[1] as usize + row * words + col / 32] >> (col % 32) & 1 == 1;
+                return e[1] < 0 || self.bits[e[1] as usize + row * words + col / 32] >> (col % 32) & 1 == 1;
             }
         }
         false
@@ -159,9 +137,7 @@ mod tests {
                     .iter()
                     .find(|e| e[0] as usize == i / bm);
                 let got_k = e.is_some_and(|e| {
-                    e[1] < 0
-                        || kp.bits[e[1] as usize + (i % bm) * words + (j % bn) / 32] >> (j % 32) & 1
-                            == 1
+                    e[1] < 0 || kp.bits[e[1] as usize + (i % bm) * words + (j % bn) / 32] >> (j % 32) & 1 == 1
                 });
                 assert_eq!(got_k, row[j], "by_key q={i} k={j}");
             }
@@ -174,16 +150,8 @@ mod tests {
         check_plan(&Mask::causal(130, 130).unwrap(), 64, 64);
         check_plan(&Mask::causal(50, 170).unwrap(), 16, 32);
         check_plan(&Mask::causal(170, 50).unwrap(), 16, 32);
-        check_plan(
-            &Mask::sliding_window(200, 200, Some(37), Some(0)).unwrap(),
-            32,
-            64,
-        );
-        check_plan(
-            &Mask::documents(&[30, 70, 5, 95], DocKind::Causal).unwrap(),
-            64,
-            32,
-        );
+        check_plan(&Mask::sliding_window(200, 200, Some(37), Some(0)).unwrap(), 32, 64);
+        check_plan(&Mask::documents(&[30, 70, 5, 95], DocKind::Causal).unwrap(), 64, 32);
         check_plan(&Mask::prefix_lm(150, 40).unwrap(), 64, 64);
     }
 

@@ -29,21 +29,11 @@ pub(crate) struct RowsTensor {
 impl RowsTensor {
     /// Q, O or dO of an attention call.
     pub fn of_queries(s: &AttnShape) -> Self {
-        RowsTensor {
-            batch: s.batch,
-            rows: s.q_len,
-            heads: s.heads,
-            head_dim: s.head_dim,
-        }
+        RowsTensor { batch: s.batch, rows: s.q_len, heads: s.heads, head_dim: s.head_dim }
     }
     /// K or V of an attention call.
     pub fn of_keys(s: &AttnShape) -> Self {
-        RowsTensor {
-            batch: s.batch,
-            rows: s.k_len,
-            heads: s.kv_heads,
-            head_dim: s.head_dim,
-        }
+        RowsTensor { batch: s.batch, rows: s.k_len, heads: s.kv_heads, head_dim: s.head_dim }
     }
 }
 
@@ -58,12 +48,7 @@ impl TensorMap {
             DType::F32 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
         };
         let e = dtype.size() as u64;
-        let dims = [
-            t.head_dim as u64,
-            t.rows as u64,
-            t.heads as u64,
-            t.batch as u64,
-        ];
+        let dims = [t.head_dim as u64, t.rows as u64, t.heads as u64, t.batch as u64];
         // Byte strides of dims 1..3 (dim 0 is contiguous).
         let row = (t.heads * t.head_dim) as u64 * e;
         let strides = [row, t.head_dim as u64 * e, t.rows as u64 * row];
@@ -89,9 +74,7 @@ impl TensorMap {
             )
         };
         if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(backend_err(format!(
-                "encoding a tensor map ({t:?}, box {box_rows} rows): {r:?}"
-            )));
+            return Err(backend_err(format!("encoding a tensor map ({t:?}, box {box_rows} rows): {r:?}")));
         }
         Ok(TensorMap(map))
     }

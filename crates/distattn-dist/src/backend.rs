@@ -37,9 +37,25 @@ pub trait Backend: Sync {
     /// `dst[d..d+n] += src[s..s+n]` for every piece (f32).
     fn add(&self, src: &Self::Buf, dst: &mut Self::Buf, pieces: &[Piece]) -> Result<()>;
     /// Overflow-safe f32 LSE merge of partial rows into accumulator rows.
-    fn merge(&self, o: &Self::Buf, lse: &Self::Buf, o_acc: &mut Self::Buf, lse_acc: &mut Self::Buf, rows: &[MergeRow], head_dim: usize) -> Result<()>;
+    fn merge(
+        &self,
+        o: &Self::Buf,
+        lse: &Self::Buf,
+        o_acc: &mut Self::Buf,
+        lse_acc: &mut Self::Buf,
+        rows: &[MergeRow],
+        head_dim: usize,
+    ) -> Result<()>;
     /// Attention of one block: returns (O, LSE) in f32.
-    fn forward(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<(Self::Buf, Self::Buf)>;
+    fn forward(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+    ) -> Result<(Self::Buf, Self::Buf)>;
     /// Exact partial gradients of one block given the global LSE and D: (dQ, dK, dV) in f32.
     #[allow(clippy::too_many_arguments)]
     fn backward(
@@ -88,14 +104,24 @@ impl HostBuf {
     fn f32(&self) -> Result<&[f32]> {
         match self {
             HostBuf::F32(v) => Ok(v),
-            other => Err(Error::DTypeMismatch { a: "buffer".into(), a_dtype: other.dtype().to_string(), b: "expected".into(), b_dtype: "f32".into() }),
+            other => Err(Error::DTypeMismatch {
+                a: "buffer".into(),
+                a_dtype: other.dtype().to_string(),
+                b: "expected".into(),
+                b_dtype: "f32".into(),
+            }),
         }
     }
 
     fn f32_mut(&mut self) -> Result<&mut [f32]> {
         match self {
             HostBuf::F32(v) => Ok(v),
-            other => Err(Error::DTypeMismatch { a: "buffer".into(), a_dtype: other.dtype().to_string(), b: "expected".into(), b_dtype: "f32".into() }),
+            other => Err(Error::DTypeMismatch {
+                a: "buffer".into(),
+                a_dtype: other.dtype().to_string(),
+                b: "expected".into(),
+                b_dtype: "f32".into(),
+            }),
         }
     }
 }
@@ -107,7 +133,11 @@ pub struct CpuBackend;
 fn copy_pieces<T: Copy>(src: &[T], dst: &mut [T], pieces: &[Piece]) -> Result<()> {
     for &(s, d, n) in pieces {
         if s + n > src.len() || d + n > dst.len() {
-            return Err(Error::Comm(format!("copy piece {s}+{n} -> {d} outside buffers of {} / {}", src.len(), dst.len())));
+            return Err(Error::Comm(format!(
+                "copy piece {s}+{n} -> {d} outside buffers of {} / {}",
+                src.len(),
+                dst.len()
+            )));
         }
         dst[d..d + n].copy_from_slice(&src[s..s + n]);
     }
@@ -127,7 +157,12 @@ macro_rules! with_input {
 fn typed<'a, T: Element>(b: &'a HostBuf, what: &str) -> Result<&'a [T]> {
     let dtype = b.dtype();
     if dtype != T::DTYPE {
-        return Err(Error::DTypeMismatch { a: what.into(), a_dtype: dtype.to_string(), b: "q".into(), b_dtype: T::DTYPE.to_string() });
+        return Err(Error::DTypeMismatch {
+            a: what.into(),
+            a_dtype: dtype.to_string(),
+            b: "q".into(),
+            b_dtype: T::DTYPE.to_string(),
+        });
     }
     // SAFETY: the dtype tag matches T, so the variant's element type is T.
     Ok(unsafe {
@@ -139,14 +174,41 @@ fn typed<'a, T: Element>(b: &'a HostBuf, what: &str) -> Result<&'a [T]> {
     })
 }
 
-fn cpu_fwd<T: Element>(q: &[T], k: &HostBuf, v: &HostBuf, shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<(HostBuf, HostBuf)> {
+fn cpu_fwd<T: Element>(
+    q: &[T],
+    k: &HostBuf,
+    v: &HostBuf,
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+) -> Result<(HostBuf, HostBuf)> {
     let f = distattn_cpu::forward(q, typed::<T>(k, "k")?, typed::<T>(v, "v")?, shape, mask, opts)?;
     Ok((HostBuf::F32(f.o), HostBuf::F32(f.lse)))
 }
 
 #[allow(clippy::too_many_arguments)]
-fn cpu_bwd<T: Element>(q: &[T], k: &HostBuf, v: &HostBuf, d_o: &HostBuf, lse: &[f32], delta: &[f32], shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<(HostBuf, HostBuf, HostBuf)> {
-    let g = distattn_cpu::backward(q, typed::<T>(k, "k")?, typed::<T>(v, "v")?, typed::<T>(d_o, "d_o")?, lse, delta, shape, mask, opts)?;
+fn cpu_bwd<T: Element>(
+    q: &[T],
+    k: &HostBuf,
+    v: &HostBuf,
+    d_o: &HostBuf,
+    lse: &[f32],
+    delta: &[f32],
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+) -> Result<(HostBuf, HostBuf, HostBuf)> {
+    let g = distattn_cpu::backward(
+        q,
+        typed::<T>(k, "k")?,
+        typed::<T>(v, "v")?,
+        typed::<T>(d_o, "d_o")?,
+        lse,
+        delta,
+        shape,
+        mask,
+        opts,
+    )?;
     Ok((HostBuf::F32(g.dq), HostBuf::F32(g.dk), HostBuf::F32(g.dv)))
 }
 
@@ -201,7 +263,12 @@ impl Backend for CpuBackend {
             (HostBuf::F32(s), HostBuf::F32(d)) => copy_pieces(s, d, pieces),
             (HostBuf::BF16(s), HostBuf::BF16(d)) => copy_pieces(s, d, pieces),
             (HostBuf::F16(s), HostBuf::F16(d)) => copy_pieces(s, d, pieces),
-            (s, d) => Err(Error::DTypeMismatch { a: "copy source".into(), a_dtype: s.dtype().to_string(), b: "destination".into(), b_dtype: d.dtype().to_string() }),
+            (s, d) => Err(Error::DTypeMismatch {
+                a: "copy source".into(),
+                a_dtype: s.dtype().to_string(),
+                b: "destination".into(),
+                b_dtype: d.dtype().to_string(),
+            }),
         }
     }
 
@@ -218,7 +285,15 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn merge(&self, o: &HostBuf, lse: &HostBuf, o_acc: &mut HostBuf, lse_acc: &mut HostBuf, rows: &[MergeRow], d: usize) -> Result<()> {
+    fn merge(
+        &self,
+        o: &HostBuf,
+        lse: &HostBuf,
+        o_acc: &mut HostBuf,
+        lse_acc: &mut HostBuf,
+        rows: &[MergeRow],
+        d: usize,
+    ) -> Result<()> {
         let (po, pl) = (o.f32()?, lse.f32()?);
         let (ao, al) = (o_acc.f32_mut()?, lse_acc.f32_mut()?);
         for &(sl, dl, so, dof) in rows {
@@ -244,7 +319,15 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn forward(&self, q: &HostBuf, k: &HostBuf, v: &HostBuf, shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<(HostBuf, HostBuf)> {
+    fn forward(
+        &self,
+        q: &HostBuf,
+        k: &HostBuf,
+        v: &HostBuf,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+    ) -> Result<(HostBuf, HostBuf)> {
         match q {
             HostBuf::F32(q) => cpu_fwd(q, k, v, shape, mask, opts),
             HostBuf::BF16(q) => cpu_fwd(q, k, v, shape, mask, opts),

@@ -61,14 +61,23 @@ impl ThreadComm {
 
     fn post(&self, st: &mut State, to: usize, chan: u8, data: &[u8]) -> Result<()> {
         if to >= self.shared.world {
-            return Err(Error::Comm(format!("rank {} sends to rank {to} of a world of {}", self.rank, self.shared.world)));
+            return Err(Error::Comm(format!(
+                "rank {} sends to rank {to} of a world of {}",
+                self.rank, self.shared.world
+            )));
         }
         st.mail.entry((self.rank, to, chan)).or_default().push_back(data.to_vec());
         Ok(())
     }
 
     /// Waits for the next message from `from` on `chan` and copies it into `dst`.
-    fn take<'a>(&self, mut st: MutexGuard<'a, State>, from: usize, chan: u8, dst: &mut [u8]) -> Result<MutexGuard<'a, State>> {
+    fn take<'a>(
+        &self,
+        mut st: MutexGuard<'a, State>,
+        from: usize,
+        chan: u8,
+        dst: &mut [u8],
+    ) -> Result<MutexGuard<'a, State>> {
         let deadline = Instant::now() + self.shared.timeout;
         loop {
             if let Some(f) = &st.failed {
@@ -175,7 +184,10 @@ impl Communicator for ThreadComm {
         let w = self.shared.world;
         let n = self.slots(send.len(), "reduce_scatter")?;
         if recv.len() != n || n % 4 != 0 {
-            return Err(Error::Comm(format!("reduce_scatter: receive buffer of {} bytes, expected {n} (f32)", recv.len())));
+            return Err(Error::Comm(format!(
+                "reduce_scatter: receive buffer of {} bytes, expected {n} (f32)",
+                recv.len()
+            )));
         }
         let mut st = self.shared.lock();
         self.check(&st)?;
@@ -183,7 +195,8 @@ impl Communicator for ThreadComm {
             self.post(&mut st, to, COLL, &send[to * n..][..n])?;
         }
         self.shared.cv.notify_all();
-        let mut acc: Vec<f32> = send[self.rank * n..][..n].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let mut acc: Vec<f32> =
+            send[self.rank * n..][..n].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
         let mut tmp = vec![0u8; n];
         // Sum in rank order so every rank's result is bitwise reproducible.
         let mut parts: Vec<(usize, Vec<f32>)> = Vec::new();
@@ -255,7 +268,11 @@ pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 /// If a rank returns an error or panics, it is recorded as the group's failure (the first one
 /// wins), every other rank's pending or next communication returns
 /// [`Error::RankFailed`] naming it, and this function returns that error.
-pub fn run_ranks<R: Send>(world: usize, timeout: Duration, f: impl Fn(&ThreadComm) -> Result<R> + Sync) -> Result<Vec<R>> {
+pub fn run_ranks<R: Send>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(&ThreadComm) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
     if world == 0 {
         return Err(Error::ZeroDim { what: "world size" });
     }

@@ -110,7 +110,11 @@ pub fn execute_rank<B: Backend, C: Communicator<Buf = B::CommBuf>>(
     let prog = &plan.ranks[rank];
     let shape = plan.shape;
     if inputs.len() != prog.inputs.len() {
-        return Err(Error::Comm(format!("rank {rank}: {} inputs given, plan needs {}", inputs.len(), prog.inputs.len())));
+        return Err(Error::Comm(format!(
+            "rank {rank}: {} inputs given, plan needs {}",
+            inputs.len(),
+            prog.inputs.len()
+        )));
     }
     let mut store: Vec<Option<B::Buf>> = (0..prog.bufs.len()).map(|_| None).collect();
     for ((_, id), buf) in prog.inputs.iter().zip(inputs) {
@@ -138,20 +142,29 @@ pub fn execute_rank<B: Backend, C: Communicator<Buf = B::CommBuf>>(
                         .iter()
                         .map(|&(to, b)| Ok((to, backend.comm_view(store[b].as_ref().ok_or_else(|| missing(rank, b))?))))
                         .collect::<Result<Vec<_>>>()?;
-                    let mut recv_views: Vec<(usize, &mut B::CommBuf)> =
-                        recvs.iter().zip(got.iter_mut()).map(|(&(from, _), g)| (from, backend.comm_view_mut(g))).collect();
+                    let mut recv_views: Vec<(usize, &mut B::CommBuf)> = recvs
+                        .iter()
+                        .zip(got.iter_mut())
+                        .map(|(&(from, _), g)| (from, backend.comm_view_mut(g)))
+                        .collect();
                     comm.group(&send_views, &mut recv_views)?;
                     drop(recv_views);
                     for (&(_, b), g) in recvs.iter().zip(got) {
                         store[b] = Some(g);
                     }
                 }
-                Op::Alloc { buf, fill } => store[*buf] = Some(backend.alloc(dtype(*buf), desc(*buf).elems(&shape), fill.value())?),
+                Op::Alloc { buf, fill } => {
+                    store[*buf] = Some(backend.alloc(dtype(*buf), desc(*buf).elems(&shape), fill.value())?)
+                }
                 Op::Copy { src, dst } | Op::Add { src, dst } => {
                     let p = pieces(desc(*src), desc(*dst), &shape);
                     let mut d = store[*dst].take().ok_or_else(|| missing(rank, *dst))?;
                     let s = store[*src].as_ref().ok_or_else(|| missing(rank, *src))?;
-                    let r = if matches!(op, Op::Copy { .. }) { backend.copy(s, &mut d, &p) } else { backend.add(s, &mut d, &p) };
+                    let r = if matches!(op, Op::Copy { .. }) {
+                        backend.copy(s, &mut d, &p)
+                    } else {
+                        backend.add(s, &mut d, &p)
+                    };
                     store[*dst] = Some(d);
                     r?;
                 }
@@ -190,8 +203,17 @@ pub fn execute_rank<B: Backend, C: Communicator<Buf = B::CommBuf>>(
                     let bshape = BufDesc::block_shape(qd, kd, &shape);
                     let m = sub_mask(mask, &qd.tokens, &kd.tokens)?;
                     let get = |b: usize| store[b].as_ref().ok_or_else(|| missing(rank, b));
-                    let (gq, gk, gv) =
-                        backend.backward(get(*q)?, get(*k)?, get(*v)?, get(*d_o)?, get(*lse)?, get(*delta)?, &bshape, &m, opts)?;
+                    let (gq, gk, gv) = backend.backward(
+                        get(*q)?,
+                        get(*k)?,
+                        get(*v)?,
+                        get(*d_o)?,
+                        get(*lse)?,
+                        get(*delta)?,
+                        &bshape,
+                        &m,
+                        opts,
+                    )?;
                     for (g, part_desc, acc) in [(&gq, qd, *dq), (&gk, kd, *dk), (&gv, kd, *dv)] {
                         let p = pieces(part_desc, desc(acc), &shape);
                         let mut a = store[acc].take().ok_or_else(|| missing(rank, acc))?;

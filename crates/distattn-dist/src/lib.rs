@@ -111,12 +111,19 @@ fn run_plan<'a, T: Element, B: Backend<CommBuf = [u8]>>(
             let buf = match (t, delta_from) {
                 (Tensor::Delta, Some((o, d_o))) => {
                     // D = rowsum(dO ∘ O) of this rank's own rows, computed locally.
-                    let (od, dd) = (BufDesc::new(Tensor::O, d.tokens.clone(), d.heads.clone()), BufDesc::new(Tensor::DO, d.tokens.clone(), d.heads.clone()));
+                    let (od, dd) = (
+                        BufDesc::new(Tensor::O, d.tokens.clone(), d.heads.clone()),
+                        BufDesc::new(Tensor::DO, d.tokens.clone(), d.heads.clone()),
+                    );
                     let local = AttnShape { q_len: d.tokens.len(), ..shape };
                     if local.q_len == 0 {
                         backend.upload::<f32>(&[])?
                     } else {
-                        backend.upload(&distattn_cpu::row_delta(&shard(o, &od, &shape), &shard(d_o, &dd, &shape), &local)?)?
+                        backend.upload(&distattn_cpu::row_delta(
+                            &shard(o, &od, &shape),
+                            &shard(d_o, &dd, &shape),
+                            &local,
+                        )?)?
                     }
                 }
                 _ => match full(t) {
@@ -156,7 +163,11 @@ pub fn run_forward<T: Element, B: Backend<CommBuf = [u8]>>(
     run: &RunOptions,
 ) -> Result<Forward> {
     let shape = plan.shape;
-    check_inputs(&shape, mask, &[("q", q.len(), shape.q_elems()), ("k", k.len(), shape.kv_elems()), ("v", v.len(), shape.kv_elems())])?;
+    check_inputs(
+        &shape,
+        mask,
+        &[("q", q.len(), shape.q_elems()), ("k", k.len(), shape.kv_elems()), ("v", v.len(), shape.kv_elems())],
+    )?;
     if plan.pass != Pass::Forward {
         return Err(Error::Comm("run_forward needs a forward plan".into()));
     }
@@ -186,7 +197,8 @@ pub fn gather_forward(shape: &AttnShape, shards: impl IntoIterator<Item = (Tenso
 
 /// The full (dQ, dK, dV) from every rank's output shards (tensor, descriptor, f32 data).
 pub fn gather_grads(shape: &AttnShape, shards: impl IntoIterator<Item = (Tensor, BufDesc, Vec<f32>)>) -> Grads {
-    let mut g = Grads { dq: vec![0f32; shape.q_elems()], dk: vec![0f32; shape.kv_elems()], dv: vec![0f32; shape.kv_elems()] };
+    let mut g =
+        Grads { dq: vec![0f32; shape.q_elems()], dk: vec![0f32; shape.kv_elems()], dv: vec![0f32; shape.kv_elems()] };
     for (t, d, data) in shards {
         match t {
             Tensor::DQ => unshard_into(&data, &d, shape, &mut g.dq),

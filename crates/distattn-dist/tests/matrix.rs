@@ -93,11 +93,20 @@ fn every_strategy_matches_single_rank() {
                         &[RingBackward::KvCirculate]
                     };
                     for &rb in variants {
-                        let run = RunOptions { plan: PlanOptions { ring_backward: rb, ..Default::default() }, ..Default::default() };
-                        let g = distributed_backward(s, p, &q, &k, &v, &want.o, &want.lse, &d_o, &shape, &mask, &opts, &run)
-                            .unwrap_or_else(|e| panic!("{ctx} {rb:?}: {e}"));
-                        let (a, b, c) = (rel_err(&g.dq, &want_g.dq), rel_err(&g.dk, &want_g.dk), rel_err(&g.dv, &want_g.dv));
-                        assert!(a < TOL && b < TOL && c < TOL, "{ctx} {rb:?}: grad errors dQ {a:.2e} dK {b:.2e} dV {c:.2e}");
+                        let run = RunOptions {
+                            plan: PlanOptions { ring_backward: rb, ..Default::default() },
+                            ..Default::default()
+                        };
+                        let g = distributed_backward(
+                            s, p, &q, &k, &v, &want.o, &want.lse, &d_o, &shape, &mask, &opts, &run,
+                        )
+                        .unwrap_or_else(|e| panic!("{ctx} {rb:?}: {e}"));
+                        let (a, b, c) =
+                            (rel_err(&g.dq, &want_g.dq), rel_err(&g.dk, &want_g.dk), rel_err(&g.dv, &want_g.dv));
+                        assert!(
+                            a < TOL && b < TOL && c < TOL,
+                            "{ctx} {rb:?}: grad errors dQ {a:.2e} dK {b:.2e} dV {c:.2e}"
+                        );
                     }
                     cases += 1;
                 }
@@ -121,11 +130,36 @@ fn batch_and_cross_lengths() {
         let want = distattn_cpu::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
         let delta = distattn_cpu::row_delta(&want.o, &d_o, &shape).unwrap();
         let wg = distattn_cpu::backward(&q, &k, &v, &d_o, &want.lse, &delta, &shape, &mask, &opts).unwrap();
-        for s in [Strategy::Ring, Strategy::Zigzag, Strategy::Balanced, Strategy::Ulysses, Strategy::Allgather, Strategy::Dispatch, Strategy::Hybrid { ulysses_degree: 2 }] {
+        for s in [
+            Strategy::Ring,
+            Strategy::Zigzag,
+            Strategy::Balanced,
+            Strategy::Ulysses,
+            Strategy::Allgather,
+            Strategy::Dispatch,
+            Strategy::Hybrid { ulysses_degree: 2 },
+        ] {
             let got = distributed_forward(s, 4, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
             assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
-            let g = distributed_backward(s, 4, &q, &k, &v, &want.o, &want.lse, &d_o, &shape, &mask, &opts, &RunOptions::default()).unwrap();
-            assert!(rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL, "{s}");
+            let g = distributed_backward(
+                s,
+                4,
+                &q,
+                &k,
+                &v,
+                &want.o,
+                &want.lse,
+                &d_o,
+                &shape,
+                &mask,
+                &opts,
+                &RunOptions::default(),
+            )
+            .unwrap();
+            assert!(
+                rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL,
+                "{s}"
+            );
         }
     }
 }
@@ -136,10 +170,32 @@ fn unsupported_cases_are_clear_errors() {
     let mask = Mask::causal(40, 40).unwrap();
     let x = vec![0f32; shape.q_elems()];
     let kv = vec![0f32; shape.kv_elems()];
-    let e = distributed_forward(Strategy::Ulysses, 4, &x, &kv, &kv, &shape, &mask, &AttnOptions::default(), &RunOptions::default()).unwrap_err();
+    let e = distributed_forward(
+        Strategy::Ulysses,
+        4,
+        &x,
+        &kv,
+        &kv,
+        &shape,
+        &mask,
+        &AttnOptions::default(),
+        &RunOptions::default(),
+    )
+    .unwrap_err();
     assert!(matches!(e, Error::Unsupported { ref strategy, .. } if strategy == "ulysses"), "{e}");
     println!("{e}");
-    let e = distributed_forward(Strategy::Hybrid { ulysses_degree: 4 }, 8, &x, &kv, &kv, &shape, &mask, &AttnOptions::default(), &RunOptions::default()).unwrap_err();
+    let e = distributed_forward(
+        Strategy::Hybrid { ulysses_degree: 4 },
+        8,
+        &x,
+        &kv,
+        &kv,
+        &shape,
+        &mask,
+        &AttnOptions::default(),
+        &RunOptions::default(),
+    )
+    .unwrap_err();
     assert!(matches!(e, Error::Unsupported { .. }), "{e}");
 }
 
@@ -231,8 +287,25 @@ fn fewer_tokens_than_ranks() {
         for s in strategies(8) {
             let got = distributed_forward(s, 8, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
             assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
-            let g = distributed_backward(s, 8, &q, &k, &v, &want.o, &want.lse, &d_o, &shape, &mask, &opts, &RunOptions::default()).unwrap();
-            assert!(rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL, "{s}");
+            let g = distributed_backward(
+                s,
+                8,
+                &q,
+                &k,
+                &v,
+                &want.o,
+                &want.lse,
+                &d_o,
+                &shape,
+                &mask,
+                &opts,
+                &RunOptions::default(),
+            )
+            .unwrap();
+            assert!(
+                rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL,
+                "{s}"
+            );
         }
     }
 }
@@ -247,7 +320,8 @@ fn document_aware_zigzag_layout() {
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let want = distattn_cpu::forward(&q, &k, &k, &shape, &mask, &opts).unwrap();
-    let run = RunOptions { plan: PlanOptions { documents: Some(lens.clone()), ..Default::default() }, ..Default::default() };
+    let run =
+        RunOptions { plan: PlanOptions { documents: Some(lens.clone()), ..Default::default() }, ..Default::default() };
     let got = distributed_forward(Strategy::Zigzag, 4, &q, &k, &k, &shape, &mask, &opts, &run).unwrap();
     assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL);
 }
@@ -271,7 +345,8 @@ fn timing_moderate() {
         let got = distributed_forward(s, 4, &q, &k, &k, &shape, &mask, &opts, &RunOptions::default()).unwrap();
         println!("{s} P=4 forward: {:?} (err {:.1e})", t.elapsed(), rel_err(&got.o, &want.o));
         let t = Instant::now();
-        distributed_backward(s, 4, &q, &k, &k, &got.o, &got.lse, &q, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+        distributed_backward(s, 4, &q, &k, &k, &got.o, &got.lse, &q, &shape, &mask, &opts, &RunOptions::default())
+            .unwrap();
         println!("{s} P=4 backward: {:?}", t.elapsed());
     }
 }
@@ -293,7 +368,21 @@ fn rows_with_several_key_runs() {
     for s in strategies(3) {
         let got = distributed_forward(s, 3, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
         assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
-        let g = distributed_backward(s, 3, &q, &k, &v, &want.o, &want.lse, &d_o, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+        let g = distributed_backward(
+            s,
+            3,
+            &q,
+            &k,
+            &v,
+            &want.o,
+            &want.lse,
+            &d_o,
+            &shape,
+            &mask,
+            &opts,
+            &RunOptions::default(),
+        )
+        .unwrap();
         assert!(rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL, "{s}");
     }
 }

@@ -1,7 +1,10 @@
 //! Device buffers of the multi-GPU executor and the small kernels it needs besides attention:
 //! piece copies and adds (with bf16/f16 → f32), LSE merges of partial results, fills.
 
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
 use distattn_core::{DType, Error, Result};
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -9,7 +12,10 @@ use std::sync::Arc;
 pub(crate) fn gpu_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| {
         let oom = e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY;
-        Error::Backend { backend: "cuda", reason: if oom { format!("{what}: out of GPU memory") } else { format!("{what}: {e:?}") } }
+        Error::Backend {
+            backend: "cuda",
+            reason: if oom { format!("{what}: out of GPU memory") } else { format!("{what}: {e:?}") },
+        }
     }
 }
 
@@ -121,9 +127,15 @@ impl GpuBuf {
         // SAFETY: the dtype tag says what T is; the element types have identical layouts.
         let buf = unsafe {
             match T::DTYPE {
-                DType::F32 => GpuData::F32(stream.clone_htod(std::slice::from_raw_parts(src.as_ptr() as *const f32, src.len())).map_err(f)?),
-                DType::BF16 => GpuData::BF16(stream.clone_htod(std::slice::from_raw_parts(src.as_ptr() as *const bf16, src.len())).map_err(f)?),
-                DType::F16 => GpuData::F16(stream.clone_htod(std::slice::from_raw_parts(src.as_ptr() as *const f16, src.len())).map_err(f)?),
+                DType::F32 => GpuData::F32(
+                    stream.clone_htod(std::slice::from_raw_parts(src.as_ptr() as *const f32, src.len())).map_err(f)?,
+                ),
+                DType::BF16 => GpuData::BF16(
+                    stream.clone_htod(std::slice::from_raw_parts(src.as_ptr() as *const bf16, src.len())).map_err(f)?,
+                ),
+                DType::F16 => GpuData::F16(
+                    stream.clone_htod(std::slice::from_raw_parts(src.as_ptr() as *const f16, src.len())).map_err(f)?,
+                ),
             }
         };
         Ok(GpuBuf { data: buf, len: data.len() })
@@ -143,14 +155,24 @@ macro_rules! gpu_elem {
                 let d = b.dtype();
                 match &b.data {
                     GpuData::$v(x) => Ok(x),
-                    _ => Err(Error::DTypeMismatch { a: "buffer".into(), a_dtype: d.to_string(), b: "expected".into(), b_dtype: stringify!($t).into() }),
+                    _ => Err(Error::DTypeMismatch {
+                        a: "buffer".into(),
+                        a_dtype: d.to_string(),
+                        b: "expected".into(),
+                        b_dtype: stringify!($t).into(),
+                    }),
                 }
             }
             fn of_mut(b: &mut GpuBuf) -> Result<&mut CudaSlice<$t>> {
                 let d = b.dtype();
                 match &mut b.data {
                     GpuData::$v(x) => Ok(x),
-                    _ => Err(Error::DTypeMismatch { a: "buffer".into(), a_dtype: d.to_string(), b: "expected".into(), b_dtype: stringify!($t).into() }),
+                    _ => Err(Error::DTypeMismatch {
+                        a: "buffer".into(),
+                        a_dtype: d.to_string(),
+                        b: "expected".into(),
+                        b_dtype: stringify!($t).into(),
+                    }),
                 }
             }
         }
@@ -288,7 +310,11 @@ pub struct MergeSpec {
 
 impl MergeSpec {
     /// Merge of a partial covering `src` into an accumulator covering `dst`.
-    pub fn new(src: &distattn_core::plan::BufDesc, dst: &distattn_core::plan::BufDesc, shape: &distattn_core::AttnShape) -> MergeSpec {
+    pub fn new(
+        src: &distattn_core::plan::BufDesc,
+        dst: &distattn_core::plan::BufDesc,
+        shape: &distattn_core::AttnShape,
+    ) -> MergeSpec {
         let tp = src.tokens.pieces_into(&dst.tokens);
         let (h0, h1) = (src.heads.start.max(dst.heads.start), src.heads.end.min(dst.heads.end));
         let mut quads = Vec::new();
@@ -350,7 +376,8 @@ pub struct Aux {
 
 /// Compiles the auxiliary kernels to PTX (no GPU needed; NVRTC must load).
 pub fn compile_aux() -> Result<cudarc::nvrtc::Ptx> {
-    cudarc::nvrtc::compile_ptx(AUX_SRC).map_err(|e| Error::Backend { backend: "cuda", reason: format!("compiling the auxiliary kernels: {e}") })
+    cudarc::nvrtc::compile_ptx(AUX_SRC)
+        .map_err(|e| Error::Backend { backend: "cuda", reason: format!("compiling the auxiliary kernels: {e}") })
 }
 
 impl Aux {
@@ -373,7 +400,16 @@ impl Aux {
 
     /// Copies (`add = false`, same dtype) or adds into f32 (`add = true`) the given pieces
     /// (`(src, dst, len)` triples uploaded as i64, `n_pieces` of them, longest `max_len`).
-    pub fn pieces(&self, s: &Arc<CudaStream>, src: &GpuBuf, dst: &GpuBuf, pieces: &CudaSlice<i64>, n_pieces: usize, max_len: usize, add: bool) -> Result<()> {
+    pub fn pieces(
+        &self,
+        s: &Arc<CudaStream>,
+        src: &GpuBuf,
+        dst: &GpuBuf,
+        pieces: &CudaSlice<i64>,
+        n_pieces: usize,
+        max_len: usize,
+        add: bool,
+    ) -> Result<()> {
         if n_pieces == 0 || max_len == 0 {
             return Ok(());
         }
@@ -384,7 +420,12 @@ impl Aux {
             (true, DType::BF16, DType::F32) => &self.add_bf16,
             (true, DType::F16, DType::F32) => &self.add_f16,
             (_, a, b) => {
-                return Err(Error::DTypeMismatch { a: "piece source".into(), a_dtype: a.to_string(), b: "destination".into(), b_dtype: b.to_string() })
+                return Err(Error::DTypeMismatch {
+                    a: "piece source".into(),
+                    a_dtype: a.to_string(),
+                    b: "destination".into(),
+                    b_dtype: b.to_string(),
+                })
             }
         };
         let y = max_len.div_ceil(256 * 4).clamp(1, 4096) as u32;
@@ -395,7 +436,8 @@ impl Aux {
             let (sp, dp) = (src.ptr(s), dst.ptr(s));
             let pp = pieces.device_ptr(s).0 + (first * 3 * 8) as u64;
             let cfg = LaunchConfig { grid_dim: (n as u32, y, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            unsafe { s.launch_builder(f).arg(&sp).arg(&dp).arg(&pp).launch(cfg) }.map_err(gpu_err("launching a piece copy"))?;
+            unsafe { s.launch_builder(f).arg(&sp).arg(&dp).arg(&pp).launch(cfg) }
+                .map_err(gpu_err("launching a piece copy"))?;
             left -= n;
             first += n;
         }
@@ -404,7 +446,16 @@ impl Aux {
 
     /// Merges a partial (O, LSE) into accumulators by a compact spec whose quads are uploaded.
     #[allow(clippy::too_many_arguments)]
-    pub fn merge(&self, s: &Arc<CudaStream>, o: &GpuBuf, lse: &GpuBuf, oacc: &GpuBuf, lacc: &GpuBuf, spec: &MergeSpec, quads: &CudaSlice<i64>) -> Result<()> {
+    pub fn merge(
+        &self,
+        s: &Arc<CudaStream>,
+        o: &GpuBuf,
+        lse: &GpuBuf,
+        oacc: &GpuBuf,
+        lacc: &GpuBuf,
+        spec: &MergeSpec,
+        quads: &CudaSlice<i64>,
+    ) -> Result<()> {
         let rows = spec.batch * spec.heads * spec.total;
         if rows == 0 {
             return Ok(());
@@ -432,22 +483,44 @@ impl Aux {
             hd0: spec.hd0 as i32,
             d: spec.head_dim as i32,
         };
-        let cfg = LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        unsafe { s.launch_builder(&self.merge_pieces).arg(&a).launch(cfg) }.map_err(gpu_err("launching merge_pieces"))?;
+        let cfg =
+            LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        unsafe { s.launch_builder(&self.merge_pieces).arg(&a).launch(cfg) }
+            .map_err(gpu_err("launching merge_pieces"))?;
         Ok(())
     }
 
     /// Merges explicit rows (uploaded quads of i64).
     #[allow(clippy::too_many_arguments)]
-    pub fn merge_rows(&self, s: &Arc<CudaStream>, o: &GpuBuf, lse: &GpuBuf, oacc: &GpuBuf, lacc: &GpuBuf, rows: &CudaSlice<i64>, n: usize, d: usize) -> Result<()> {
+    pub fn merge_rows(
+        &self,
+        s: &Arc<CudaStream>,
+        o: &GpuBuf,
+        lse: &GpuBuf,
+        oacc: &GpuBuf,
+        lacc: &GpuBuf,
+        rows: &CudaSlice<i64>,
+        n: usize,
+        d: usize,
+    ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
         let (po, pl, pa, pla, pr) = (o.ptr(s), lse.ptr(s), oacc.ptr(s), lacc.ptr(s), rows.device_ptr(s).0);
         let (n64, d32) = (n as i64, d as i32);
         let cfg = LaunchConfig { grid_dim: (n.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        unsafe { s.launch_builder(&self.merge_list).arg(&po).arg(&pl).arg(&pa).arg(&pla).arg(&pr).arg(&n64).arg(&d32).launch(cfg) }
-            .map_err(gpu_err("launching merge_list"))?;
+        unsafe {
+            s.launch_builder(&self.merge_list)
+                .arg(&po)
+                .arg(&pl)
+                .arg(&pa)
+                .arg(&pla)
+                .arg(&pr)
+                .arg(&n64)
+                .arg(&d32)
+                .launch(cfg)
+        }
+        .map_err(gpu_err("launching merge_list"))?;
         Ok(())
     }
 
@@ -461,7 +534,8 @@ impl Aux {
         }
         let (p, n) = (b.ptr(s), b.len as i64);
         let cfg = LaunchConfig { grid_dim: (1024, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        unsafe { s.launch_builder(&self.rand_bf16).arg(&p).arg(&n).arg(&seed).arg(&a).launch(cfg) }.map_err(gpu_err("launching rand_bf16"))?;
+        unsafe { s.launch_builder(&self.rand_bf16).arg(&p).arg(&n).arg(&seed).arg(&a).launch(cfg) }
+            .map_err(gpu_err("launching rand_bf16"))?;
         Ok(())
     }
 }
@@ -489,8 +563,14 @@ mod tests {
     fn merge_spec_matches_the_executor_rows() {
         let shape = AttnShape::new(2, 64, 64, 8, 4, 16).unwrap();
         let cases = [
-            (BufDesc::new(Tensor::O, TokenSet::range(8..24), 0..8), BufDesc::new(Tensor::O, TokenSet::range(0..32), 0..8)),
-            (BufDesc::new(Tensor::O, TokenSet::range(0..32), 2..6), BufDesc::new(Tensor::O, TokenSet::range(0..64), 0..8)),
+            (
+                BufDesc::new(Tensor::O, TokenSet::range(8..24), 0..8),
+                BufDesc::new(Tensor::O, TokenSet::range(0..32), 0..8),
+            ),
+            (
+                BufDesc::new(Tensor::O, TokenSet::range(0..32), 2..6),
+                BufDesc::new(Tensor::O, TokenSet::range(0..64), 0..8),
+            ),
             (
                 BufDesc::new(Tensor::O, TokenSet::union([&TokenSet::range(0..8), &TokenSet::range(40..48)]), 0..4),
                 BufDesc::new(Tensor::O, TokenSet::union([&TokenSet::range(0..16), &TokenSet::range(32..48)]), 2..8),

@@ -45,13 +45,21 @@ pub fn tune_mem_pool(be: &CudaBackend) -> Result<()> {
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         sys::cuDeviceGetDefaultMemPool(&mut pool, be.context().cu_device()).result().map_err(gpu_err("memory pool"))?;
         let mut zero: i32 = 0;
-        sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, &mut zero as *mut i32 as *mut _)
-            .result()
-            .map_err(gpu_err("memory pool"))?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            &mut zero as *mut i32 as *mut _,
+        )
+        .result()
+        .map_err(gpu_err("memory pool"))?;
         let mut max: u64 = u64::MAX;
-        sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut max as *mut u64 as *mut _)
-            .result()
-            .map_err(gpu_err("memory pool"))?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut max as *mut u64 as *mut _,
+        )
+        .result()
+        .map_err(gpu_err("memory pool"))?;
     }
     Ok(())
 }
@@ -62,14 +70,22 @@ pub fn pool_peak_bytes(be: &CudaBackend, reset: bool) -> Result<u64> {
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         sys::cuDeviceGetDefaultMemPool(&mut pool, be.context().cu_device()).result().map_err(gpu_err("memory pool"))?;
         let mut v: u64 = 0;
-        sys::cuMemPoolGetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut v as *mut u64 as *mut _)
-            .result()
-            .map_err(gpu_err("memory pool"))?;
+        sys::cuMemPoolGetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            &mut v as *mut u64 as *mut _,
+        )
+        .result()
+        .map_err(gpu_err("memory pool"))?;
         if reset {
             let mut z: u64 = 0;
-            sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut z as *mut u64 as *mut _)
-                .result()
-                .map_err(gpu_err("memory pool"))?;
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut z as *mut u64 as *mut _,
+            )
+            .result()
+            .map_err(gpu_err("memory pool"))?;
         }
         Ok(v)
     }
@@ -101,7 +117,8 @@ impl GpuRank {
 
     /// An index list uploaded on `s` (cached by content).
     fn indices(&self, s: &Arc<CudaStream>, lane: usize, v: &[i64]) -> Result<Arc<CudaSlice<i64>>> {
-        let bytes = distattn_core::comm::as_bytes(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u64, v.len()) });
+        let bytes =
+            distattn_core::comm::as_bytes(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u64, v.len()) });
         let key = (distattn_cuda::compile::fnv64(&[bytes]), lane);
         if let Some(x) = self.cache.lock().map_err(|_| Error::Comm("cache poisoned".into()))?.get(&key) {
             return Ok(x.clone());
@@ -128,7 +145,16 @@ impl GpuRank {
         self.aux.pieces(s, src, dst, &dev, p.len(), max, add)
     }
 
-    fn run_merge(&self, o: &GpuBuf, lse: &GpuBuf, oacc: &GpuBuf, lacc: &GpuBuf, src: &BufDesc, dst: &BufDesc, shape: &AttnShape) -> Result<()> {
+    fn run_merge(
+        &self,
+        o: &GpuBuf,
+        lse: &GpuBuf,
+        oacc: &GpuBuf,
+        lacc: &GpuBuf,
+        src: &BufDesc,
+        dst: &BufDesc,
+        shape: &AttnShape,
+    ) -> Result<()> {
         let spec = MergeSpec::new(src, dst, shape);
         if spec.quads.is_empty() {
             return Ok(());
@@ -139,7 +165,15 @@ impl GpuRank {
     }
 
     /// Forward of one block into fresh f32 (O, LSE).
-    fn block_fwd<T: CudaElement + GpuElem>(&self, q: &GpuBuf, k: &GpuBuf, v: &GpuBuf, shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<(GpuBuf, GpuBuf)> {
+    fn block_fwd<T: CudaElement + GpuElem>(
+        &self,
+        q: &GpuBuf,
+        k: &GpuBuf,
+        v: &GpuBuf,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+    ) -> Result<(GpuBuf, GpuBuf)> {
         let s = self.be.stream();
         let mut of = GpuBuf::alloc(s, DType::F32, shape.q_elems())?;
         let mut l = GpuBuf::alloc(s, DType::F32, shape.lse_elems())?;
@@ -149,7 +183,17 @@ impl GpuRank {
 
     /// Forward of one block written into f32 (O, LSE) buffers of the block's rows.
     #[allow(clippy::too_many_arguments)]
-    fn block_fwd_into<T: CudaElement + GpuElem>(&self, q: &GpuBuf, k: &GpuBuf, v: &GpuBuf, shape: &AttnShape, mask: &Mask, opts: &AttnOptions, of: &mut GpuBuf, l: &mut GpuBuf) -> Result<()> {
+    fn block_fwd_into<T: CudaElement + GpuElem>(
+        &self,
+        q: &GpuBuf,
+        k: &GpuBuf,
+        v: &GpuBuf,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+        of: &mut GpuBuf,
+        l: &mut GpuBuf,
+    ) -> Result<()> {
         let s = self.be.stream();
         let mut ot = GpuBuf::alloc(s, T::DTYPE, shape.q_elems())?;
         let r = self.be.forward::<T>(
@@ -207,7 +251,16 @@ impl GpuRank {
     /// this rank's shards (program order), on the compute stream. With `timeline`, per-step
     /// intervals are measured with events. Returns when the run has completed on the GPU.
     #[allow(clippy::too_many_arguments)]
-    pub fn execute(&self, plan: &Plan, sched: Option<&Schedule>, mask: &Mask, opts: &AttnOptions, inputs: Vec<GpuBuf>, timeline: bool, fail: Option<InjectedFailure>) -> Result<RunOutput> {
+    pub fn execute(
+        &self,
+        plan: &Plan,
+        sched: Option<&Schedule>,
+        mask: &Mask,
+        opts: &AttnOptions,
+        inputs: Vec<GpuBuf>,
+        timeline: bool,
+        fail: Option<InjectedFailure>,
+    ) -> Result<RunOutput> {
         // The whole run is under the stall clock, restarted by every block computed (the final
         // wait polls their events): a rank stuck anywhere is aborted, a long healthy run is not.
         let began = self.comm.busy_begin();
@@ -223,11 +276,24 @@ impl GpuRank {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn execute_t<T: CudaElement + GpuElem>(&self, plan: &Plan, sched: Option<&Schedule>, mask: &Mask, opts: &AttnOptions, inputs: Vec<GpuBuf>, timeline: bool, fail: Option<InjectedFailure>) -> Result<RunOutput> {
+    fn execute_t<T: CudaElement + GpuElem>(
+        &self,
+        plan: &Plan,
+        sched: Option<&Schedule>,
+        mask: &Mask,
+        opts: &AttnOptions,
+        inputs: Vec<GpuBuf>,
+        timeline: bool,
+        fail: Option<InjectedFailure>,
+    ) -> Result<RunOutput> {
         let rank = self.rank();
         let prog = plan.ranks.get(rank).ok_or_else(|| Error::Comm(format!("plan has no rank {rank}")))?;
         if inputs.len() != prog.inputs.len() {
-            return Err(Error::Comm(format!("rank {rank}: {} inputs given, plan needs {}", inputs.len(), prog.inputs.len())));
+            return Err(Error::Comm(format!(
+                "rank {rank}: {} inputs given, plan needs {}",
+                inputs.len(),
+                prog.inputs.len()
+            )));
         }
         let own;
         let sched = match sched {
@@ -251,7 +317,9 @@ impl GpuRank {
         }
         let desc = |b: usize| &prog.bufs[b];
         let dtype = |b: usize| desc(b).tensor.dtype(plan.dtype);
-        let missing = |b: usize| Error::Comm(format!("rank {rank}: buffer {b} used before it was allocated or after it was freed"));
+        let missing = |b: usize| {
+            Error::Comm(format!("rank {rank}: buffer {b} used before it was allocated or after it was freed"))
+        };
         let mut events: Vec<Option<CudaEvent>> = (0..sched.ops.len()).map(|_| None).collect();
         // Buffers holding only their fill (allocated, not yet written): a forward block into a
         // fresh (O, LSE) accumulator of its own rows writes it directly instead of merging.
@@ -267,7 +335,12 @@ impl GpuRank {
         for so in sched.issue.iter().map(|&i| &sched.ops[i]) {
             if let Some(f) = fail.filter(|f| f.rank == rank && f.step == so.step) {
                 match f.kind {
-                    FailureKind::Error => return Err(Error::Backend { backend: "test", reason: format!("injected failure at step {}", so.step) }),
+                    FailureKind::Error => {
+                        return Err(Error::Backend {
+                            backend: "test",
+                            reason: format!("injected failure at step {}", so.step),
+                        })
+                    }
                     FailureKind::Panic => panic!("injected panic at step {}", so.step),
                 }
             }
@@ -277,7 +350,15 @@ impl GpuRank {
                 let ev = events[w].as_ref().ok_or_else(|| Error::Comm("schedule waits for an unrecorded op".into()))?;
                 s.wait(ev).map_err(ev_err)?;
             }
-            let timed = timeline && matches!((op, so.lane), (Op::Comm { .. }, Lane::Comm) | (Op::Fwd { .. } | Op::Bwd { .. } | Op::Merge { .. } | Op::Add { .. } | Op::Copy { .. }, Lane::Compute));
+            let timed = timeline
+                && matches!(
+                    (op, so.lane),
+                    (Op::Comm { .. }, Lane::Comm)
+                        | (
+                            Op::Fwd { .. } | Op::Bwd { .. } | Op::Merge { .. } | Op::Add { .. } | Op::Copy { .. },
+                            Lane::Compute
+                        )
+                );
             let mut transfer_start = None;
             if timed && so.lane == Lane::Comm {
                 transfer_start = Some(s.record_event(timing).map_err(ev_err)?);
@@ -298,7 +379,10 @@ impl GpuRank {
                     for &(_, b) in recvs {
                         got.push(GpuBuf::alloc(&s, dtype(b), desc(b).elems(&shape))?);
                     }
-                    let sv = sends.iter().map(|&(to, b)| Ok((to, store[b].as_ref().ok_or_else(|| missing(b))?))).collect::<Result<Vec<_>>>()?;
+                    let sv = sends
+                        .iter()
+                        .map(|&(to, b)| Ok((to, store[b].as_ref().ok_or_else(|| missing(b))?)))
+                        .collect::<Result<Vec<_>>>()?;
                     let rv: Vec<(usize, &GpuBuf)> = recvs.iter().zip(&got).map(|(&(from, _), g)| (from, g)).collect();
                     self.comm.group_async(&sv, &rv)?;
                     for (&(_, b), g) in recvs.iter().zip(got) {
@@ -307,7 +391,10 @@ impl GpuRank {
                 }
                 Op::Copy { src, dst } | Op::Add { src, dst } => {
                     let p = pieces(desc(*src), desc(*dst), &shape);
-                    let (a, b) = (store[*src].as_ref().ok_or_else(|| missing(*src))?, store[*dst].as_ref().ok_or_else(|| missing(*dst))?);
+                    let (a, b) = (
+                        store[*src].as_ref().ok_or_else(|| missing(*src))?,
+                        store[*dst].as_ref().ok_or_else(|| missing(*dst))?,
+                    );
                     self.run_pieces(so.lane, a, b, &p, matches!(op, Op::Add { .. }))?;
                 }
                 Op::Merge { o, lse, o_acc, lse_acc } => {
@@ -320,10 +407,15 @@ impl GpuRank {
                     let m = sub_mask(mask, &qd.tokens, &kd.tokens)?;
                     let own_rows = |b: usize| desc(b).tokens == qd.tokens && desc(b).heads == qd.heads;
                     if fresh[*o] && fresh[*lse] && own_rows(*o) && own_rows(*lse) {
-                        let (mut ob, mut lb) = (store[*o].take().ok_or_else(|| missing(*o))?, store[*lse].take().ok_or_else(|| missing(*lse))?);
+                        let (mut ob, mut lb) = (
+                            store[*o].take().ok_or_else(|| missing(*o))?,
+                            store[*lse].take().ok_or_else(|| missing(*lse))?,
+                        );
                         let g = |b: usize| store[b].as_ref().ok_or_else(|| missing(b));
                         let r = match (g(*q), g(*k), g(*v)) {
-                            (Ok(a), Ok(b), Ok(c)) => self.block_fwd_into::<T>(a, b, c, &bshape, &m, opts, &mut ob, &mut lb),
+                            (Ok(a), Ok(b), Ok(c)) => {
+                                self.block_fwd_into::<T>(a, b, c, &bshape, &m, opts, &mut ob, &mut lb)
+                            }
                             _ => Err(Error::Comm(format!("rank {rank}: a forward input is missing"))),
                         };
                         store[*o] = Some(ob);
@@ -351,7 +443,9 @@ impl GpuRank {
                     let r = {
                         let g = |b: usize| store[b].as_ref().ok_or_else(|| missing(b));
                         match (g(*q), g(*k), g(*v), g(*d_o), g(*lse), g(*delta)) {
-                            (Ok(a), Ok(b), Ok(c), Ok(d), Ok(e), Ok(f)) => self.block_bwd::<T>(a, b, c, d, e, f, &bshape, &m, opts, &mut acc),
+                            (Ok(a), Ok(b), Ok(c), Ok(d), Ok(e), Ok(f)) => {
+                                self.block_bwd::<T>(a, b, c, d, e, f, &bshape, &m, opts, &mut acc)
+                            }
                             _ => Err(Error::Comm(format!("rank {rank}: a backward input is missing"))),
                         }
                     };
@@ -369,13 +463,25 @@ impl GpuRank {
                     } else {
                         let part = BufDesc::new(Tensor::DQ, qd.tokens.clone(), qd.heads.clone());
                         let p = pieces(&part, desc(*dq), &shape);
-                        self.run_pieces(Lane::Compute, &acc, store[*dq].as_ref().ok_or_else(|| missing(*dq))?, &p, true)?;
+                        self.run_pieces(
+                            Lane::Compute,
+                            &acc,
+                            store[*dq].as_ref().ok_or_else(|| missing(*dq))?,
+                            &p,
+                            true,
+                        )?;
                         acc.free_on(&sc);
                     }
                     for (g, acc_id, t) in [(gk, *dk, Tensor::DK), (gv, *dv, Tensor::DV)] {
                         let part = BufDesc::new(t, kd.tokens.clone(), kd.heads.clone());
                         let p = pieces(&part, desc(acc_id), &shape);
-                        self.run_pieces(Lane::Compute, &g, store[acc_id].as_ref().ok_or_else(|| missing(acc_id))?, &p, true)?;
+                        self.run_pieces(
+                            Lane::Compute,
+                            &g,
+                            store[acc_id].as_ref().ok_or_else(|| missing(acc_id))?,
+                            &p,
+                            true,
+                        )?;
                         g.free_on(&sc);
                     }
                 }
@@ -418,7 +524,8 @@ impl GpuRank {
             }
             None => None,
         };
-        let outputs = prog.outputs.iter().map(|&(_, b)| store[b].take().ok_or_else(|| missing(b))).collect::<Result<Vec<_>>>()?;
+        let outputs =
+            prog.outputs.iter().map(|&(_, b)| store[b].take().ok_or_else(|| missing(b))).collect::<Result<Vec<_>>>()?;
         // Remaining buffers (inputs) are freed on the compute stream when dropped.
         Ok(RunOutput { outputs, timeline })
     }
@@ -461,7 +568,15 @@ impl Backend for GpuRank {
         self.run_pieces(Lane::Compute, src, dst, p, true)
     }
 
-    fn merge(&self, o: &GpuBuf, lse: &GpuBuf, o_acc: &mut GpuBuf, lse_acc: &mut GpuBuf, rows: &[MergeRow], head_dim: usize) -> Result<()> {
+    fn merge(
+        &self,
+        o: &GpuBuf,
+        lse: &GpuBuf,
+        o_acc: &mut GpuBuf,
+        lse_acc: &mut GpuBuf,
+        rows: &[MergeRow],
+        head_dim: usize,
+    ) -> Result<()> {
         if rows.is_empty() {
             return Ok(());
         }
@@ -471,7 +586,15 @@ impl Backend for GpuRank {
         self.aux.merge_rows(s, o, lse, o_acc, lse_acc, &dev, rows.len(), head_dim)
     }
 
-    fn forward(&self, q: &GpuBuf, k: &GpuBuf, v: &GpuBuf, shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<(GpuBuf, GpuBuf)> {
+    fn forward(
+        &self,
+        q: &GpuBuf,
+        k: &GpuBuf,
+        v: &GpuBuf,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+    ) -> Result<(GpuBuf, GpuBuf)> {
         match q.dtype() {
             DType::BF16 => self.block_fwd::<bf16>(q, k, v, shape, mask, opts),
             DType::F16 => self.block_fwd::<f16>(q, k, v, shape, mask, opts),

@@ -41,7 +41,8 @@ impl LaunchEnv {
     pub fn parse(get: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
         let Some(rank) = get("RANK") else { return Ok(None) };
         let rank = parse_num("RANK", &rank)?;
-        let world = parse_num("WORLD_SIZE", &get("WORLD_SIZE").ok_or_else(|| bad("RANK is set but WORLD_SIZE is not"))?)?;
+        let world =
+            parse_num("WORLD_SIZE", &get("WORLD_SIZE").ok_or_else(|| bad("RANK is set but WORLD_SIZE is not"))?)?;
         if world == 0 || rank >= world {
             return Err(bad(format!("RANK={rank} outside WORLD_SIZE={world}")));
         }
@@ -89,13 +90,23 @@ mod tests {
     #[test]
     fn parses_launcher_variables() {
         assert_eq!(LaunchEnv::parse(env(&[])).unwrap(), None);
-        let e = LaunchEnv::parse(env(&[("RANK", "2"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("NCCL_COMM_ID", "10.0.0.1:29500")]))
-            .unwrap()
-            .unwrap();
+        let e = LaunchEnv::parse(env(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("NCCL_COMM_ID", "10.0.0.1:29500"),
+        ]))
+        .unwrap()
+        .unwrap();
         assert_eq!(e, LaunchEnv { rank: 2, world: 4, local_rank: 1, comm_id: "10.0.0.1:29500".into() });
-        let e = LaunchEnv::parse(env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "node1"), ("MASTER_PORT", "1234")]))
-            .unwrap()
-            .unwrap();
+        let e = LaunchEnv::parse(env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node1"),
+            ("MASTER_PORT", "1234"),
+        ]))
+        .unwrap()
+        .unwrap();
         assert_eq!((e.local_rank, e.comm_id.as_str()), (0, "node1:1234"));
     }
 

@@ -28,6 +28,8 @@ pub use buf::GpuBuf;
 pub use gpu::{GpuRank, RunOutput};
 pub use launch::LaunchEnv;
 pub use nccl::{nccl_available, NcclComm};
-pub use runner::{gpu_backward, gpu_forward, gpu_rank_from_env, time_gpu_strategy, with_gpu_ranks, GpuRunOptions, GpuTiming};
+pub use runner::{
+    gpu_backward, gpu_forward, gpu_rank_from_env, time_gpu_strategy, with_gpu_ranks, GpuRunOptions, GpuTiming,
+};
 pub use schedule::{schedule, Lane, Schedule};
 pub use timeline::{Overlap, Timeline, TimelineRun};

@@ -161,7 +161,10 @@ impl Inner {
         let since = *self.busy_since.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(t0) = since {
             if t0.elapsed() > self.timeout {
-                let err = self.peer_failure(format!("communication stalled for more than {:?}; communicator aborted", self.timeout));
+                let err = self.peer_failure(format!(
+                    "communication stalled for more than {:?}; communicator aborted",
+                    self.timeout
+                ));
                 if let Some(g) = &self.group {
                     g.fail(self.rank, &err.to_string());
                 }
@@ -289,7 +292,14 @@ fn config() -> nsys::ncclConfig_t {
 impl NcclComm {
     /// Rank `rank` of `world` on GPU context `ctx`, joining the communicator of `id` (every
     /// rank must call this concurrently). Thread ranks pass their process's [`GroupState`].
-    pub fn init(ctx: &Arc<CudaContext>, rank: usize, world: usize, id: UniqueId, group: Option<Arc<GroupState>>, timeout: Duration) -> Result<NcclComm> {
+    pub fn init(
+        ctx: &Arc<CudaContext>,
+        rank: usize,
+        world: usize,
+        id: UniqueId,
+        group: Option<Arc<GroupState>>,
+        timeout: Duration,
+    ) -> Result<NcclComm> {
         nccl_env_defaults();
         check_lib()?;
         ctx.bind_to_thread().map_err(gpu_err("binding the context"))?;
@@ -307,7 +317,10 @@ impl NcclComm {
         if r == nsys::ncclResult_t::ncclInvalidArgument || r == nsys::ncclResult_t::ncclInvalidUsage {
             // A library that rejects this config layout: a blocking communicator still works
             // (calls only enqueue; the watchdog aborts it from its own thread).
-            eprintln!("rank {rank}: ncclCommInitRankConfig rejected the non-blocking config ({}); using ncclCommInitRank", nccl_str(r));
+            eprintln!(
+                "rank {rank}: ncclCommInitRankConfig rejected the non-blocking config ({}); using ncclCommInitRank",
+                nccl_str(r)
+            );
             comm = std::ptr::null_mut();
             r = unsafe { nsys::ncclCommInitRank(&mut comm, world as i32, id.0, rank as i32) };
         }
@@ -431,8 +444,10 @@ impl NcclComm {
                 return Err(Error::Comm(format!("rank {} addresses rank {p} of a world of {w}", self.inner.rank)));
             }
         }
-        let sends: Vec<(i32, u64, usize)> = sends.iter().filter(|x| x.1.bytes() > 0).map(|&(p, b)| (p as i32, b.ptr(s), b.bytes())).collect();
-        let recvs: Vec<(i32, u64, usize)> = recvs.iter().filter(|x| x.1.bytes() > 0).map(|&(p, b)| (p as i32, b.ptr(s), b.bytes())).collect();
+        let sends: Vec<(i32, u64, usize)> =
+            sends.iter().filter(|x| x.1.bytes() > 0).map(|&(p, b)| (p as i32, b.ptr(s), b.bytes())).collect();
+        let recvs: Vec<(i32, u64, usize)> =
+            recvs.iter().filter(|x| x.1.bytes() > 0).map(|&(p, b)| (p as i32, b.ptr(s), b.bytes())).collect();
         if sends.is_empty() && recvs.is_empty() {
             return Ok(());
         }
@@ -617,7 +632,11 @@ impl Communicator for NcclComm {
     fn all_gather(&self, send: &GpuBuf, recv: &mut GpuBuf) -> Result<()> {
         let w = self.inner.world;
         if recv.bytes() != send.bytes() * w || recv.dtype() != send.dtype() {
-            return Err(Error::Comm(format!("all_gather: receive buffer of {} bytes, expected {}", recv.bytes(), send.bytes() * w)));
+            return Err(Error::Comm(format!(
+                "all_gather: receive buffer of {} bytes, expected {}",
+                recv.bytes(),
+                send.bytes() * w
+            )));
         }
         self.before_blocking()?;
         let s = self.stream.clone();
@@ -646,8 +665,22 @@ impl Communicator for NcclComm {
                     return r;
                 }
                 for p in 0..w {
-                    let _ = nsys::ncclSend((sp + (p * n) as u64) as *const _, n, nsys::ncclDataType_t::ncclUint8, p as i32, comm, cs);
-                    let _ = nsys::ncclRecv((rp + (p * n) as u64) as *mut _, n, nsys::ncclDataType_t::ncclUint8, p as i32, comm, cs);
+                    let _ = nsys::ncclSend(
+                        (sp + (p * n) as u64) as *const _,
+                        n,
+                        nsys::ncclDataType_t::ncclUint8,
+                        p as i32,
+                        comm,
+                        cs,
+                    );
+                    let _ = nsys::ncclRecv(
+                        (rp + (p * n) as u64) as *mut _,
+                        n,
+                        nsys::ncclDataType_t::ncclUint8,
+                        p as i32,
+                        comm,
+                        cs,
+                    );
                 }
                 nsys::ncclGroupEnd()
             })?;
@@ -657,15 +690,29 @@ impl Communicator for NcclComm {
 
     fn reduce_scatter_f32(&self, send: &GpuBuf, recv: &mut GpuBuf) -> Result<()> {
         let w = self.inner.world;
-        if send.dtype() != distattn_core::DType::F32 || recv.dtype() != distattn_core::DType::F32 || recv.len * w != send.len {
-            return Err(Error::Comm(format!("reduce_scatter: f32 buffers of {} and {} elements for {w} ranks", send.len, recv.len)));
+        if send.dtype() != distattn_core::DType::F32
+            || recv.dtype() != distattn_core::DType::F32
+            || recv.len * w != send.len
+        {
+            return Err(Error::Comm(format!(
+                "reduce_scatter: f32 buffers of {} and {} elements for {w} ranks",
+                send.len, recv.len
+            )));
         }
         self.before_blocking()?;
         let s = self.stream.clone();
         let (sp, rp, n) = (send.ptr(&s), recv.ptr(&s), recv.len);
         let cs = s.cu_stream() as nsys::cudaStream_t;
         self.enqueue("reduce_scatter", |comm| unsafe {
-            nsys::ncclReduceScatter(sp as *const _, rp as *mut _, n, nsys::ncclDataType_t::ncclFloat32, nsys::ncclRedOp_t::ncclSum, comm, cs)
+            nsys::ncclReduceScatter(
+                sp as *const _,
+                rp as *mut _,
+                n,
+                nsys::ncclDataType_t::ncclFloat32,
+                nsys::ncclRedOp_t::ncclSum,
+                comm,
+                cs,
+            )
         })?;
         self.wait_stream(&s)
     }
@@ -676,7 +723,15 @@ impl Communicator for NcclComm {
         let p = b.ptr(&s);
         let cs = s.cu_stream() as nsys::cudaStream_t;
         self.enqueue("barrier", |comm| unsafe {
-            nsys::ncclAllReduce(p as *const _, p as *mut _, 1, nsys::ncclDataType_t::ncclFloat32, nsys::ncclRedOp_t::ncclSum, comm, cs)
+            nsys::ncclAllReduce(
+                p as *const _,
+                p as *mut _,
+                1,
+                nsys::ncclDataType_t::ncclFloat32,
+                nsys::ncclRedOp_t::ncclSum,
+                comm,
+                cs,
+            )
         })?;
         self.wait_stream(&s)
     }

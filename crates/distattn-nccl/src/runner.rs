@@ -34,14 +34,26 @@ pub struct GpuRunOptions {
 
 impl Default for GpuRunOptions {
     fn default() -> Self {
-        GpuRunOptions { plan: PlanOptions::default(), timeout: Duration::from_secs(60), overlap: true, timeline: false, first_gpu: 0, fail: None }
+        GpuRunOptions {
+            plan: PlanOptions::default(),
+            timeout: Duration::from_secs(60),
+            overlap: true,
+            timeline: false,
+            first_gpu: 0,
+            fail: None,
+        }
     }
 }
 
 /// Opens GPUs `first_gpu..first_gpu + world` as thread ranks, each with its NCCL communicator
 /// (one unique id shared in-process), and runs `f` on every rank. A rank's error or panic
 /// aborts every communicator; the call returns an error naming the first failed rank.
-pub fn with_gpu_ranks<R: Send>(world: usize, first_gpu: usize, timeout: Duration, f: impl Fn(&GpuRank) -> Result<R> + Sync) -> Result<Vec<R>> {
+pub fn with_gpu_ranks<R: Send>(
+    world: usize,
+    first_gpu: usize,
+    timeout: Duration,
+    f: impl Fn(&GpuRank) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
     if world == 0 {
         return Err(Error::ZeroDim { what: "world size" });
     }
@@ -102,16 +114,27 @@ pub fn gpu_rank_from_env(timeout: Duration) -> Result<Option<GpuRank>> {
 
 /// Uploads this rank's input shards of `plan` from full host tensors (`full(t)` gives the full
 /// tensor of `t` as host values of the input dtype, or f32 for LSE/D).
-pub fn upload_inputs<'a, T: Element>(g: &GpuRank, plan: &Plan, full_in: &dyn Fn(Tensor) -> Option<&'a [T]>, full_f32: &dyn Fn(Tensor) -> Option<&'a [f32]>) -> Result<Vec<GpuBuf>> {
+pub fn upload_inputs<'a, T: Element>(
+    g: &GpuRank,
+    plan: &Plan,
+    full_in: &dyn Fn(Tensor) -> Option<&'a [T]>,
+    full_f32: &dyn Fn(Tensor) -> Option<&'a [f32]>,
+) -> Result<Vec<GpuBuf>> {
     let prog = &plan.ranks[g.rank()];
     let s = g.compute_stream();
     let mut out = Vec::new();
     for &(t, id) in &prog.inputs {
         let d = &prog.bufs[id];
         let b = if t.is_input() {
-            GpuBuf::upload(s, &shard(full_in(t).ok_or_else(|| Error::Comm(format!("no input for {t:?}")))?, d, &plan.shape))?
+            GpuBuf::upload(
+                s,
+                &shard(full_in(t).ok_or_else(|| Error::Comm(format!("no input for {t:?}")))?, d, &plan.shape),
+            )?
         } else {
-            GpuBuf::upload(s, &shard(full_f32(t).ok_or_else(|| Error::Comm(format!("no input for {t:?}")))?, d, &plan.shape))?
+            GpuBuf::upload(
+                s,
+                &shard(full_f32(t).ok_or_else(|| Error::Comm(format!("no input for {t:?}")))?, d, &plan.shape),
+            )?
         };
         out.push(b);
     }

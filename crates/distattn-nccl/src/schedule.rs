@@ -94,8 +94,12 @@ struct BufState {
 
 /// Schedules one rank's program.
 pub fn schedule(prog: &RankProgram) -> Schedule {
-    let flat: Vec<(usize, usize, &Op)> =
-        prog.steps.iter().enumerate().flat_map(|(t, ops)| ops.iter().enumerate().map(move |(i, op)| (t, i, op))).collect();
+    let flat: Vec<(usize, usize, &Op)> = prog
+        .steps
+        .iter()
+        .enumerate()
+        .flat_map(|(t, ops)| ops.iter().enumerate().map(move |(i, op)| (t, i, op)))
+        .collect();
     let nb = prog.bufs.len();
     // Lane of each op; allocs follow their buffer's first user.
     let mut lanes: Vec<Option<Lane>> = vec![None; flat.len()];
@@ -286,7 +290,11 @@ mod tests {
                     continue;
                 }
                 let k = known[b_id][la.index()];
-                assert!(k.is_some_and(|k| k >= a_id), "op {b_id} {b:?} on {lb:?} does not wait for op {a_id} {:?} on {la:?}", flat[a_id]);
+                assert!(
+                    k.is_some_and(|k| k >= a_id),
+                    "op {b_id} {b:?} on {lb:?} does not wait for op {a_id} {:?} on {la:?}",
+                    flat[a_id]
+                );
             }
         }
     }
@@ -294,7 +302,11 @@ mod tests {
     #[test]
     fn every_strategy_schedule_covers_dependencies() {
         let shape = AttnShape::new(1, 512, 512, 8, 4, 16).unwrap();
-        let masks = [Mask::causal(512, 512).unwrap(), Mask::full(512, 512).unwrap(), Mask::sliding_window(512, 512, Some(60), Some(0)).unwrap()];
+        let masks = [
+            Mask::causal(512, 512).unwrap(),
+            Mask::full(512, 512).unwrap(),
+            Mask::sliding_window(512, 512, Some(60), Some(0)).unwrap(),
+        ];
         for p in [2usize, 4] {
             for st in Strategy::ALL {
                 for mask in &masks {
@@ -361,10 +373,19 @@ mod tests {
             for (r, prog) in plan.ranks.iter().enumerate() {
                 let s = schedule(prog);
                 for t in 1..plan.steps() {
-                    assert_eq!(s.comm_blocked_by_previous_step(t), 0, "{st} step {t}: transfer waits for the previous compute");
+                    assert_eq!(
+                        s.comm_blocked_by_previous_step(t),
+                        0,
+                        "{st} step {t}: transfer waits for the previous compute"
+                    );
                 }
                 // The own block's kernel is issued before the first NCCL group.
-                let first = |l: Lane| s.issue.iter().position(|&i| s.ops[i].lane == l && matches!(prog.steps.iter().flatten().nth(i), Some(Op::Fwd { .. } | Op::Comm { .. })));
+                let first = |l: Lane| {
+                    s.issue.iter().position(|&i| {
+                        s.ops[i].lane == l
+                            && matches!(prog.steps.iter().flatten().nth(i), Some(Op::Fwd { .. } | Op::Comm { .. }))
+                    })
+                };
                 assert!(first(Lane::Compute) < first(Lane::Comm), "{st} rank {r}: {:?}", s.issue);
                 // Received blocks live on the comm lane, compute reads them after a wait (the last
                 // rank uses every block it receives under every layout).
@@ -379,7 +400,9 @@ mod tests {
     fn kv_circulate_backward_sends_depend_on_compute() {
         let shape = AttnShape::new(1, 1024, 1024, 8, 8, 16).unwrap();
         let mask = Mask::full(1024, 1024).unwrap();
-        let plan = build(Strategy::Ring, 4, &shape, &mask, DType::BF16, &PlanOptions::backward(RingBackward::KvCirculate)).unwrap();
+        let plan =
+            build(Strategy::Ring, 4, &shape, &mask, DType::BF16, &PlanOptions::backward(RingBackward::KvCirculate))
+                .unwrap();
         assert_eq!(plan.pass, Pass::Backward);
         let s = schedule(&plan.ranks[1]);
         // dK/dV accumulators travel with K/V: some transfer must wait for compute.
@@ -395,7 +418,12 @@ mod tests {
         let known = s.known_done();
         for o in s.ops.iter().filter(|o| o.lane == Lane::Comm && o.step >= 2) {
             let k = known[o.id][Lane::Compute.index()].expect("waits for compute");
-            assert!(s.ops[k].step + 2 >= o.step, "comm of step {} starts before compute of step {} ended", o.step, o.step - 2);
+            assert!(
+                s.ops[k].step + 2 >= o.step,
+                "comm of step {} starts before compute of step {} ended",
+                o.step,
+                o.step - 2
+            );
         }
     }
 }

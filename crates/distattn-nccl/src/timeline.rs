@@ -164,7 +164,12 @@ impl Timeline {
             let f = |x: Option<Interval>| x.map_or("-".to_string(), |(a, b)| format!("{a:8.3}..{b:8.3}"));
             let busy = length(&union(st.transfer_intervals()));
             let n = if st.transfers.is_empty() { String::new() } else { format!("{} transfers, ", st.transfers.len()) };
-            s += &format!("  step {:2}  compute {:>20}  comm {:>20} ({n}busy {busy:.3} ms)\n", st.step, f(st.compute), f(st.comm));
+            s += &format!(
+                "  step {:2}  compute {:>20}  comm {:>20} ({n}busy {busy:.3} ms)\n",
+                st.step,
+                f(st.compute),
+                f(st.comm)
+            );
         }
         let o = self.overlap();
         s += &format!(
@@ -194,7 +199,13 @@ mod tests {
     fn overlap_of_a_pipelined_ring() {
         // Step t computes on [t, t+1) and transfers the next block on [t, t+0.6).
         let steps = (0..4)
-            .map(|t| StepTimes::new(t, Some((t as f64, t as f64 + 1.0)), if t < 3 { vec![(t as f64 + 0.1, t as f64 + 0.7)] } else { vec![] }))
+            .map(|t| {
+                StepTimes::new(
+                    t,
+                    Some((t as f64, t as f64 + 1.0)),
+                    if t < 3 { vec![(t as f64 + 0.1, t as f64 + 0.7)] } else { vec![] },
+                )
+            })
             .collect();
         let tl = Timeline { rank: 0, total_ms: 4.0, steps };
         let o = tl.overlap();
@@ -214,7 +225,10 @@ mod tests {
         let step = StepTimes::new(0, Some((0.0, 10.0)), vec![(0.5, 1.0), (9.0, 11.0)]);
         assert_eq!(step.comm, Some((0.5, 11.0)));
         let o = Timeline { rank: 0, total_ms: 11.0, steps: vec![step] }.overlap();
-        assert!((o.comm_ms - 2.5).abs() < 1e-9 && (o.hidden_ms - 1.5).abs() < 1e-9 && (o.exposed_ms - 1.0).abs() < 1e-9, "{o:?}");
+        assert!(
+            (o.comm_ms - 2.5).abs() < 1e-9 && (o.hidden_ms - 1.5).abs() < 1e-9 && (o.exposed_ms - 1.0).abs() < 1e-9,
+            "{o:?}"
+        );
         let j = serde_json::to_string(&Timeline::default()).unwrap();
         assert!(j.contains("steps"));
     }
@@ -232,7 +246,10 @@ mod tests {
         let phases = run.phases();
         let totals: Vec<Vec<f64>> = phases.iter().map(|p| p.iter().map(|t| t.total_ms).collect()).collect();
         assert_eq!(totals, vec![vec![1.0, 1.5], vec![3.0, 3.5]]);
-        assert_eq!((run.phase_name(0), run.phase_name(1), run.phase_name(2)), ("forward".into(), "backward".into(), "phase 2".into()));
+        assert_eq!(
+            (run.phase_name(0), run.phase_name(1), run.phase_name(2)),
+            ("forward".into(), "backward".into(), "phase 2".into())
+        );
         // The bench's file round-trips, and extra fields of older files are ignored.
         let back: TimelineRun = serde_json::from_str(&serde_json::to_string(&run).unwrap()).unwrap();
         assert_eq!(back, run);

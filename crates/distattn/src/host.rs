@@ -77,7 +77,15 @@ fn cuda_dtype_error(q: &HostTensor) -> Error {
     Error::UnsupportedDType(format!("{} on the cuda backend, which takes bf16 or f16 (pass --dtype bf16)", q.dtype()))
 }
 
-fn cuda_forward<T: CudaElement>(gpu: &CudaBackend, q: &[T], k: &[T], v: &[T], shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<Forward> {
+fn cuda_forward<T: CudaElement>(
+    gpu: &CudaBackend,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+) -> Result<Forward> {
     let out = gpu.forward_host(q, k, v, shape, mask, opts)?;
     Ok(Forward { o: to_f32(&out.o), lse: out.lse })
 }
@@ -109,11 +117,23 @@ fn to_f32<T: Element>(x: &[T]) -> Vec<f32> {
     out
 }
 
-fn forward_typed<T: Element>(q: &[T], k: &[T], v: &[T], shape: &AttnShape, mask: &Mask, opts: &AttnOptions, exec: &Execution) -> Result<Forward> {
+fn forward_typed<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: &AttnShape,
+    mask: &Mask,
+    opts: &AttnOptions,
+    exec: &Execution,
+) -> Result<Forward> {
     match exec {
         Execution::Single => distattn_cpu::forward(q, k, v, shape, mask, opts),
-        Execution::Ranks { strategy, world, run } => distributed_forward(*strategy, *world, q, k, v, shape, mask, opts, run),
-        Execution::GpuRanks { strategy, world, run } => Ok(gpu_forward(*strategy, *world, q, k, v, shape, mask, opts, run)?.0),
+        Execution::Ranks { strategy, world, run } => {
+            distributed_forward(*strategy, *world, q, k, v, shape, mask, opts, run)
+        }
+        Execution::GpuRanks { strategy, world, run } => {
+            Ok(gpu_forward(*strategy, *world, q, k, v, shape, mask, opts, run)?.0)
+        }
         Execution::Cuda(_) => unreachable!("dispatched before"),
     }
 }
@@ -160,14 +180,20 @@ pub fn forward(
     same_dtype(q, v, "v")?;
     if let Execution::Cuda(gpu) = exec {
         return match (&q.data, &k.data, &v.data) {
-            (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v)) => cuda_forward(gpu, q, k, v, shape, mask, opts),
-            (TensorData::F16(q), TensorData::F16(k), TensorData::F16(v)) => cuda_forward(gpu, q, k, v, shape, mask, opts),
+            (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v)) => {
+                cuda_forward(gpu, q, k, v, shape, mask, opts)
+            }
+            (TensorData::F16(q), TensorData::F16(k), TensorData::F16(v)) => {
+                cuda_forward(gpu, q, k, v, shape, mask, opts)
+            }
             _ => Err(cuda_dtype_error(q)),
         };
     }
     match (&q.data, &k.data, &v.data) {
         (TensorData::F32(q), TensorData::F32(k), TensorData::F32(v)) => forward_typed(q, k, v, shape, mask, opts, exec),
-        (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v)) => forward_typed(q, k, v, shape, mask, opts, exec),
+        (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v)) => {
+            forward_typed(q, k, v, shape, mask, opts, exec)
+        }
         (TensorData::F16(q), TensorData::F16(k), TensorData::F16(v)) => forward_typed(q, k, v, shape, mask, opts, exec),
         _ => unreachable!("dtypes checked above"),
     }

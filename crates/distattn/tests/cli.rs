@@ -11,7 +11,8 @@ fn distattn(args: &[&str]) -> Output {
 fn save(dir: &Path, name: &str, shape: &[usize], seed: u32, dtype: DType) -> PathBuf {
     let n: usize = shape.iter().product();
     // A cheap deterministic spread of values in [-1, 1): enough to exercise the CLI plumbing.
-    let vals: Vec<f32> = (0..n as u32).map(|i| ((i.wrapping_mul(2654435761) ^ seed) % 2000) as f32 / 1000.0 - 1.0).collect();
+    let vals: Vec<f32> =
+        (0..n as u32).map(|i| ((i.wrapping_mul(2654435761) ^ seed) % 2000) as f32 / 1000.0 - 1.0).collect();
     let path = dir.join(name);
     match dtype {
         DType::F32 => HostTensor::write_npy_f32(&path, shape, &vals).unwrap(),
@@ -20,7 +21,10 @@ fn save(dir: &Path, name: &str, shape: &[usize], seed: u32, dtype: DType) -> Pat
             let t = HostTensor::from_f32(shape.to_vec(), &vals, DType::BF16);
             let distattn::TensorData::BF16(bits) = t.data else { unreachable!() };
             let mut bytes = Vec::new();
-            let header = format!("{{'descr': '<u2', 'fortran_order': False, 'shape': ({}), }}", shape.iter().map(|d| format!("{d},")).collect::<String>());
+            let header = format!(
+                "{{'descr': '<u2', 'fortran_order': False, 'shape': ({}), }}",
+                shape.iter().map(|d| format!("{d},")).collect::<String>()
+            );
             let pad = 64 - (10 + header.len() + 1) % 64;
             let header = format!("{header}{}\n", " ".repeat(pad % 64));
             bytes.extend_from_slice(b"\x93NUMPY\x01\x00");
@@ -54,11 +58,29 @@ fn run_writes_outputs_and_gradients() {
     let o = dir.path().join("o.npy");
     let lse = dir.path().join("lse.npy");
     let p = |p: &PathBuf| p.to_str().unwrap().to_string();
-    let out = distattn(&["run", "--q", &p(&q), "--k", &p(&k), "--v", &p(&v), "--mask", "causal", "--out", &p(&o), "--lse", &p(&lse), "--grad-out", &p(&g)]);
+    let out = distattn(&[
+        "run",
+        "--q",
+        &p(&q),
+        "--k",
+        &p(&k),
+        "--v",
+        &p(&v),
+        "--mask",
+        "causal",
+        "--out",
+        &p(&o),
+        "--lse",
+        &p(&lse),
+        "--grad-out",
+        &p(&g),
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(HostTensor::read_npy(&o).unwrap().shape, vec![1, 37, 4, 32]);
     assert_eq!(HostTensor::read_npy(&lse).unwrap().shape, vec![1, 4, 37]);
-    for (name, shape) in [("dq.npy", vec![1, 37, 4, 32]), ("dk.npy", vec![1, 37, 2, 32]), ("dv.npy", vec![1, 37, 2, 32])] {
+    for (name, shape) in
+        [("dq.npy", vec![1, 37, 4, 32]), ("dk.npy", vec![1, 37, 2, 32]), ("dv.npy", vec![1, 37, 2, 32])]
+    {
         let t = HostTensor::read_npy(dir.path().join(name)).unwrap();
         assert_eq!(t.shape, shape);
         assert!(t.to_f32().iter().all(|x| x.is_finite()));
@@ -90,12 +112,18 @@ fn bad_input_is_one_line_error() {
     one_line_error(&distattn(&["run", "--q", &q, "--k", &k, "--v", &vb]), "dtype mismatch");
     one_line_error(&distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--mask", "diagonal"]), "unknown mask");
     one_line_error(&distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--mask", "docs:3,4"]), "document lengths");
-    one_line_error(&distattn(&["run", "--q", &q, "--k", &k, "--v", &dir.path().join("nope.npy").to_string_lossy()]), "nope.npy");
+    one_line_error(
+        &distattn(&["run", "--q", &q, "--k", &k, "--v", &dir.path().join("nope.npy").to_string_lossy()]),
+        "nope.npy",
+    );
     let mut vals = vec![0.5f32; 16 * 4 * 32];
     vals[77] = f32::NAN;
     let qn = dir.path().join("qn.npy");
     HostTensor::write_npy_f32(&qn, &[1, 16, 4, 32], &vals).unwrap();
-    one_line_error(&distattn(&["run", "--q", &p(&qn), "--k", &k, "--v", &v, "--check-finite"]), "non-finite value at flat index 77");
+    one_line_error(
+        &distattn(&["run", "--q", &p(&qn), "--k", &k, "--v", &v, "--check-finite"]),
+        "non-finite value at flat index 77",
+    );
 }
 
 #[test]
@@ -122,23 +150,58 @@ fn run_on_ranks_matches_single_call_and_failed_rank_is_named() {
     let want = HostTensor::read_npy(&single).unwrap().to_f32();
     for strategy in ["ring", "zigzag", "balanced", "ulysses", "hybrid", "allgather", "dispatch"] {
         let o = dir.path().join(format!("o-{strategy}.npy"));
-        let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--mask", "causal", "--world", "2", "--strategy", strategy, "--out", &p(&o)]);
+        let out = distattn(&[
+            "run",
+            "--q",
+            &q,
+            "--k",
+            &k,
+            "--v",
+            &v,
+            "--mask",
+            "causal",
+            "--world",
+            "2",
+            "--strategy",
+            strategy,
+            "--out",
+            &p(&o),
+        ]);
         assert!(out.status.success(), "{strategy}: {}", String::from_utf8_lossy(&out.stderr));
         let got = HostTensor::read_npy(&o).unwrap().to_f32();
         let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(err < 1e-5, "{strategy}: max abs diff {err}");
     }
     let started = std::time::Instant::now();
-    let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--world", "4", "--strategy", "ring", "--fail-rank", "3"]);
+    let out =
+        distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--world", "4", "--strategy", "ring", "--fail-rank", "3"]);
     one_line_error(&out, "rank 3 failed");
     assert!(started.elapsed().as_secs() < 10);
-    one_line_error(&distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--world", "3", "--strategy", "ulysses"]), "divisible by the world size 3");
+    one_line_error(
+        &distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--world", "3", "--strategy", "ulysses"]),
+        "divisible by the world size 3",
+    );
 }
 
 #[test]
 fn plan_json_summary() {
     let plan = |strategy: &str, mask: &str| -> serde_json::Value {
-        let out = distattn(&["plan", "--strategy", strategy, "--world", "8", "--seq", "131072", "--mask", mask, "--heads", "32", "--kv-heads", "8", "--json"]);
+        let out = distattn(&[
+            "plan",
+            "--strategy",
+            strategy,
+            "--world",
+            "8",
+            "--seq",
+            "131072",
+            "--mask",
+            mask,
+            "--heads",
+            "32",
+            "--kv-heads",
+            "8",
+            "--json",
+        ]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice(&out.stdout).unwrap()
     };
@@ -160,10 +223,28 @@ fn plan_json_summary() {
 
 #[test]
 fn launch_sets_rank_environment_and_names_a_failed_rank() {
-    let out = distattn(&["launch", "--nproc", "3", "--", "sh", "-c", "test \"$WORLD_SIZE\" = 3 && test -n \"$NCCL_COMM_ID\" && test \"$LOCAL_RANK\" = \"$RANK\""]);
+    let out = distattn(&[
+        "launch",
+        "--nproc",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "test \"$WORLD_SIZE\" = 3 && test -n \"$NCCL_COMM_ID\" && test \"$LOCAL_RANK\" = \"$RANK\"",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let started = std::time::Instant::now();
-    let out = distattn(&["launch", "--nproc", "4", "--timeout", "1", "--", "sh", "-c", "if [ \"$RANK\" = 2 ]; then exit 7; fi; sleep 30"]);
+    let out = distattn(&[
+        "launch",
+        "--nproc",
+        "4",
+        "--timeout",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 2 ]; then exit 7; fi; sleep 30",
+    ]);
     assert!(started.elapsed().as_secs() < 15, "the launcher stops the other ranks after its timeout");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
@@ -191,8 +272,10 @@ fn timeline_tables_and_charts_recorded_runs() {
     // Two ranks, forward then backward. Rank 0's forward moves 2 ms, half of it under compute;
     // its backward step 0 has two transfers 6 ms apart, all under compute.
     let file = dir.path().join("timelines.json");
-    let step = |step, compute: [f64; 2], transfers: &[[f64; 2]]| serde_json::json!({"step": step, "compute": compute, "transfers": transfers,
-        "comm": transfers.first().map(|t| [t[0], transfers.last().unwrap()[1]])});
+    let step = |step, compute: [f64; 2], transfers: &[[f64; 2]]| {
+        serde_json::json!({"step": step, "compute": compute, "transfers": transfers,
+        "comm": transfers.first().map(|t| [t[0], transfers.last().unwrap()[1]])})
+    };
     let tl = |rank, total_ms, steps: Vec<serde_json::Value>| serde_json::json!({"rank": rank, "total_ms": total_ms, "steps": steps});
     let runs = serde_json::json!([{"strategy": "zigzag", "seq": 4096, "pass": "fwd+bwd", "mask": "causal", "ranks": [
         tl(0, 4.0, vec![step(0, [1.0, 2.0], &[[0.0, 2.0]]), step(1, [2.0, 4.0], &[])]),
@@ -205,20 +288,32 @@ fn timeline_tables_and_charts_recorded_runs() {
     let out = distattn(&["timeline", file.to_str().unwrap(), "--svg", svg.to_str().unwrap()]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let rows: Vec<Vec<&str>> = stdout.lines().skip(1).filter(|l| l.starts_with("zigzag")).map(|l| l.split_whitespace().collect()).collect();
+    let rows: Vec<Vec<&str>> =
+        stdout.lines().skip(1).filter(|l| l.starts_with("zigzag")).map(|l| l.split_whitespace().collect()).collect();
     // strategy mask seq pass phase rank total compute transfer hidden exposed
     let cols: Vec<(&str, &str, &str, &str, &str)> = rows.iter().map(|r| (r[4], r[5], r[8], r[9], r[10])).collect();
     assert_eq!(
         cols,
-        [("forward", "0", "2.000", "50%", "1.000"), ("forward", "1", "1.000", "100%", "0.000"), ("backward", "0", "1.500", "100%", "0.000"), ("backward", "1", "0.000", "100%", "0.000")],
+        [
+            ("forward", "0", "2.000", "50%", "1.000"),
+            ("forward", "1", "1.000", "100%", "0.000"),
+            ("backward", "0", "1.500", "100%", "0.000"),
+            ("backward", "1", "0.000", "100%", "0.000")
+        ],
         "{stdout}"
     );
     let chart = std::fs::read_to_string(svg.join("zigzag-causal-4096-fwd_bwd.svg")).unwrap();
-    for label in ["forward: 67% of transfer time hidden", "backward: 100% of transfer time hidden", "rank 1 transfer", "rank 0 compute"] {
+    for label in [
+        "forward: 67% of transfer time hidden",
+        "backward: 100% of transfer time hidden",
+        "rank 1 transfer",
+        "rank 0 compute",
+    ] {
         assert!(chart.contains(label), "{label} not in the chart");
     }
     // One bar per compute span and per transfer: 6 compute, 4 transfer.
-    let bars = |colours: &[&str]| colours.iter().map(|c| chart.matches(&format!("fill=\"#{c}\"")).count()).sum::<usize>();
+    let bars =
+        |colours: &[&str]| colours.iter().map(|c| chart.matches(&format!("fill=\"#{c}\"")).count()).sum::<usize>();
     assert_eq!((bars(&["1F77B4", "78AAD7"]), bars(&["E67814", "F5B46E"])), (6, 4));
 
     one_line_error(&distattn(&["timeline", "/no/such/file.json"]), "reading /no/such/file.json");

@@ -113,9 +113,7 @@ impl Mask {
     /// Documents given by cumulative offsets `[0, l0, l0+l1, …]` (the packed varlen layout).
     pub fn from_cu_seqlens(cu_seqlens: &[usize], kind: DocKind) -> Result<Mask> {
         if cu_seqlens.first() != Some(&0) || cu_seqlens.windows(2).any(|w| w[1] < w[0]) {
-            return Err(Error::InvalidMask(
-                "cu_seqlens must start at 0 and never decrease".into(),
-            ));
+            return Err(Error::InvalidMask("cu_seqlens must start at 0 and never decrease".into()));
         }
         let lens: Vec<usize> = cu_seqlens.windows(2).map(|w| w[1] - w[0]).collect();
         Mask::documents(&lens, kind)

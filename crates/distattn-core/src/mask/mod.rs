@@ -464,9 +464,7 @@ pub(crate) fn slices_from_rows(q: Range<usize>, f: impl Fn(usize) -> (usize, usi
                     seg.rows.end = i + 1;
                     continue;
                 }
-            } else if lo as i64 == seg.lo as i64 + seg.lo_slope * t
-                && hi as i64 == seg.hi as i64 + seg.hi_slope * t
-            {
+            } else if lo as i64 == seg.lo as i64 + seg.lo_slope * t && hi as i64 == seg.hi as i64 + seg.hi_slope * t {
                 seg.rows.end = i + 1;
                 continue;
             }

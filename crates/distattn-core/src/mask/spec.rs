@@ -197,7 +197,8 @@ impl FromStr for MaskSpec {
             }
             "block-causal-docs" => {
                 need_args()?;
-                let (b, lens) = args.split_once(':').ok_or_else(|| bad(spec, "expected block-causal-docs:B:LEN,LEN,…"))?;
+                let (b, lens) =
+                    args.split_once(':').ok_or_else(|| bad(spec, "expected block-causal-docs:B:LEN,LEN,…"))?;
                 Ok(MaskSpec::BlockCausalDocuments { block: num(spec, b)?, lens: list(spec, lens)? })
             }
             "blocks" => {

@@ -93,7 +93,13 @@ fn full_and_causal() {
 
 #[test]
 fn sliding_window() {
-    for (q, k, l, r) in [(40, 40, Some(5), Some(0)), (40, 40, Some(3), Some(7)), (20, 33, Some(4), Some(2)), (33, 20, None, Some(1)), (9, 9, Some(100), None)] {
+    for (q, k, l, r) in [
+        (40, 40, Some(5), Some(0)),
+        (40, 40, Some(3), Some(7)),
+        (20, 33, Some(4), Some(2)),
+        (33, 20, None, Some(1)),
+        (9, 9, Some(100), None),
+    ] {
         let off = k as i64 - q as i64;
         let want = from_fn(q, k, |i, j| {
             let p = i as i64 + off;
@@ -134,11 +140,14 @@ fn documents_and_prefix() {
     let m = Mask::prefix_lm_documents(&docs).unwrap();
     let starts = [0, 10, 25];
     let which = |i: usize| starts.iter().rposition(|&s| s <= i).unwrap();
-    check(&m, from_fn(32, 32, |i, j| {
-        let d = which(i);
-        let p = starts[d] + docs[d].1;
-        which(j) == d && (j <= i || (i < p && j < p))
-    }));
+    check(
+        &m,
+        from_fn(32, 32, |i, j| {
+            let d = which(i);
+            let p = starts[d] + docs[d].1;
+            which(j) == d && (j <= i || (i < p && j < p))
+        }),
+    );
 }
 
 #[test]
@@ -159,10 +168,13 @@ fn shared_question_block_causal_blocks() {
     check(&Mask::shared_question(q, &answers).unwrap(), want);
     check(&Mask::block_causal(30, 8).unwrap(), from_fn(30, 30, |i, j| j < (i / 8 + 1) * 8));
     let m = Mask::block_causal_documents(&[10, 13], 4).unwrap();
-    check(&m, from_fn(23, 23, |i, j| {
-        let (a, b) = if i < 10 { (0, 10) } else { (10, 23) };
-        j >= a && j < b && j < a + ((i - a) / 4 + 1) * 4
-    }));
+    check(
+        &m,
+        from_fn(23, 23, |i, j| {
+            let (a, b) = if i < 10 { (0, 10) } else { (10, 23) };
+            j >= a && j < b && j < a + ((i - a) / 4 + 1) * 4
+        }),
+    );
     let keep = [true, false, true, true, true, false, false, true, true];
     check(&Mask::block_mask(7, 10, 3, 4, &keep).unwrap(), from_fn(7, 10, |i, j| keep[(i / 3) * 3 + j / 4]));
 }
@@ -182,9 +194,19 @@ fn bad_masks_are_errors() {
 #[test]
 fn specs_parse_build_and_print() {
     for s in [
-        "full", "causal", "window:8,0", "window:-,3", "window-global:4,4,2", "docs:10,20,34", "docs-causal:64",
-        "prefix:10", "prefix-docs:32/4,32/0", "shared-question:16,24,24", "block-causal:16",
-        "block-causal-docs:8:30,34", "blocks:32,32:1011",
+        "full",
+        "causal",
+        "window:8,0",
+        "window:-,3",
+        "window-global:4,4,2",
+        "docs:10,20,34",
+        "docs-causal:64",
+        "prefix:10",
+        "prefix-docs:32/4,32/0",
+        "shared-question:16,24,24",
+        "block-causal:16",
+        "block-causal-docs:8:30,34",
+        "blocks:32,32:1011",
     ] {
         let spec: MaskSpec = s.parse().unwrap();
         assert_eq!(spec.to_string(), s);

@@ -73,7 +73,8 @@ impl Plan {
                                 c.blocks += 1;
                             }
                             if let Op::Comm { sends, .. } = op {
-                                c.bytes_sent += sends.iter().map(|&(_, b)| p.bufs[b].bytes(&self.shape, self.dtype)).sum::<u64>();
+                                c.bytes_sent +=
+                                    sends.iter().map(|&(_, b)| p.bufs[b].bytes(&self.shape, self.dtype)).sum::<u64>();
                             }
                         }
                         c

@@ -112,9 +112,7 @@ impl TokenSet {
     pub fn span(&self) -> Option<Range<usize>> {
         match self {
             TokenSet::Runs(r) => Some(r.first()?.start..r.last()?.end),
-            TokenSet::Strided { start, step, count } => {
-                (*count > 0).then(|| *start..start + (count - 1) * step + 1)
-            }
+            TokenSet::Strided { start, step, count } => (*count > 0).then(|| *start..start + (count - 1) * step + 1),
         }
     }
 
@@ -290,11 +288,7 @@ pub fn sub_mask(mask: &Mask, q: &TokenSet, k: &TokenSet) -> Result<Mask> {
                 if mask.tile(qa.clone(), kb.clone()).area > 0 {
                     let m = mask.restrict(qa.clone(), kb.clone())?;
                     for s in m.slices() {
-                        slices.push(MaskSlice::new(
-                            s.q.start + qo..s.q.end + qo,
-                            s.k.start + ko..s.k.end + ko,
-                            s.kind,
-                        ));
+                        slices.push(MaskSlice::new(s.q.start + qo..s.q.end + qo, s.k.start + ko..s.k.end + ko, s.kind));
                     }
                 }
                 ko += kb.len();
@@ -526,7 +520,8 @@ mod tests {
                     let (qm, km) = (members(q), members(k));
                     let mut cnt = 0;
                     for (a, &i) in qm.iter().enumerate() {
-                        let kept: Vec<bool> = (0..m.k_len()).map(|j| m.row_intervals(i).any(|(lo, hi)| lo <= j && j < hi)).collect();
+                        let kept: Vec<bool> =
+                            (0..m.k_len()).map(|j| m.row_intervals(i).any(|(lo, hi)| lo <= j && j < hi)).collect();
                         for (b, &j) in km.iter().enumerate() {
                             let got = sm.row_intervals(a).any(|(lo, hi)| lo <= b && b < hi);
                             assert_eq!(got, kept[j], "q={q} k={k} a={a} b={b}");

@@ -396,7 +396,11 @@ impl Plan {
                 match op {
                     Op::Fwd { q, k, v, .. } | Op::Bwd { q, k, v, .. } => {
                         let (q, k, v) = (&prog.bufs[*q], &prog.bufs[*k], &prog.bufs[*v]);
-                        if k.tokens != v.tokens || k.heads != v.heads || q.heads.start != k.heads.start * g || q.heads.len() != k.heads.len() * g {
+                        if k.tokens != v.tokens
+                            || k.heads != v.heads
+                            || q.heads.start != k.heads.start * g
+                            || q.heads.len() != k.heads.len() * g
+                        {
                             return Err(bad(format!("rank {r}: inconsistent block {q:?} × {k:?}")));
                         }
                     }
@@ -405,12 +409,15 @@ impl Plan {
                             let peer = &self.ranks[to];
                             let ok = peer.steps.iter().flatten().any(|o| match o {
                                 Op::Comm { phase: p, recvs, .. } => {
-                                    p == phase && recvs.iter().any(|&(from, rb)| from == r && peer.bufs[rb] == prog.bufs[buf])
+                                    p == phase
+                                        && recvs.iter().any(|&(from, rb)| from == r && peer.bufs[rb] == prog.bufs[buf])
                                 }
                                 _ => false,
                             });
                             if !ok {
-                                return Err(bad(format!("rank {r} sends buffer {buf} to {to}, which never receives it")));
+                                return Err(bad(format!(
+                                    "rank {r} sends buffer {buf} to {to}, which never receives it"
+                                )));
                             }
                         }
                     }
@@ -457,7 +464,14 @@ pub(crate) struct Builder<'a> {
 }
 
 impl<'a> Builder<'a> {
-    fn new(strategy: Strategy, world: usize, shape: &AttnShape, mask: &'a Mask, dtype: DType, opts: &'a PlanOptions) -> Self {
+    fn new(
+        strategy: Strategy,
+        world: usize,
+        shape: &AttnShape,
+        mask: &'a Mask,
+        dtype: DType,
+        opts: &'a PlanOptions,
+    ) -> Self {
         let empty = RankProgram { bufs: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), steps: Vec::new() };
         Builder {
             strategy,
@@ -643,9 +657,8 @@ impl<'a> Builder<'a> {
         let layout = self.layout.take().ok_or_else(|| self.unsupported("planner declared no layout"))?;
         self.ensure(0);
         // Drop steps in which no rank does anything.
-        let keep: Vec<bool> = (0..self.labels.len())
-            .map(|t| self.progs.iter().any(|p| !p.steps[t].is_empty()))
-            .collect();
+        let keep: Vec<bool> =
+            (0..self.labels.len()).map(|t| self.progs.iter().any(|p| !p.steps[t].is_empty())).collect();
         let mut labels = Vec::new();
         for (t, l) in self.labels.iter().enumerate() {
             if keep[t] {

@@ -19,7 +19,10 @@ fn table(mask: &Mask, title: &str, docs: Option<Vec<usize>>) -> Vec<(String, Pla
     let shape = shape_128k();
     let mut rows = Vec::new();
     println!("\n{title}: N=131072, P=8, 32 heads / 8 kv heads, d=128, bf16");
-    println!("{:<28} {:>9} {:>12} {:>11} {:>14} {:>9}", "strategy (pass)", "imbalance", "bytes moved", "TFLOP", "peak/rank", "build ms");
+    println!(
+        "{:<28} {:>9} {:>12} {:>11} {:>14} {:>9}",
+        "strategy (pass)", "imbalance", "bytes moved", "TFLOP", "peak/rank", "build ms"
+    );
     let mut list: Vec<(Strategy, &str, Option<Vec<usize>>)> = strategies().into_iter().map(|s| (s, "", None)).collect();
     if docs.is_some() {
         list.push((Strategy::Zigzag, " doc-layout", docs));
@@ -115,9 +118,11 @@ fn ulysses_needs_divisible_heads() {
     let e = build(Strategy::Ulysses, 4, &shape, &mask, DType::F32, &PlanOptions::forward()).unwrap_err();
     assert!(matches!(e, Error::Unsupported { .. }), "{e}");
     assert!(e.to_string().contains("divisible"));
-    let e = build(Strategy::Hybrid { ulysses_degree: 4 }, 8, &shape, &mask, DType::F32, &PlanOptions::forward()).unwrap_err();
+    let e = build(Strategy::Hybrid { ulysses_degree: 4 }, 8, &shape, &mask, DType::F32, &PlanOptions::forward())
+        .unwrap_err();
     assert!(matches!(e, Error::Unsupported { .. }));
-    let e = build(Strategy::Hybrid { ulysses_degree: 3 }, 8, &shape, &mask, DType::F32, &PlanOptions::forward()).unwrap_err();
+    let e = build(Strategy::Hybrid { ulysses_degree: 3 }, 8, &shape, &mask, DType::F32, &PlanOptions::forward())
+        .unwrap_err();
     assert!(matches!(e, Error::Unsupported { .. }));
 }
 
@@ -135,7 +140,11 @@ fn plans_validate_and_render() {
     for mask in masks {
         for s in strategies() {
             for p in [1, 2, 3, 4, 8] {
-                for opts in [PlanOptions::forward(), PlanOptions::backward(RingBackward::KvCirculate), PlanOptions::backward(RingBackward::QCirculate)] {
+                for opts in [
+                    PlanOptions::forward(),
+                    PlanOptions::backward(RingBackward::KvCirculate),
+                    PlanOptions::backward(RingBackward::QCirculate),
+                ] {
                     let plan = match build(s, p, &shape, &mask, DType::BF16, &opts) {
                         Ok(p) => p,
                         Err(Error::Unsupported { .. }) => continue,
@@ -143,7 +152,8 @@ fn plans_validate_and_render() {
                     };
                     plan.validate().unwrap();
                     let sum = plan.summary();
-                    let fl = 4.0 * mask.area() as f64 * 16.0 * 4.0 * if opts.pass() == Pass::Backward { 2.5 } else { 1.0 };
+                    let fl =
+                        4.0 * mask.area() as f64 * 16.0 * 4.0 * if opts.pass() == Pass::Backward { 2.5 } else { 1.0 };
                     assert!((sum.flops / fl - 1.0).abs() < 1e-9, "{s} P={p}: every kept pair exactly once");
                     let text = plan.to_string();
                     assert!(text.contains("imbalance"));
@@ -167,13 +177,18 @@ fn ring_backward_variants_bytes() {
     println!("{:<22} {:>14} {:>14}", "heads / kv heads", "kv-circulate", "q-circulate");
     for (h, kv) in [(32, 8), (32, 32), (64, 8)] {
         let shape = AttnShape::new(1, 131072, 131072, h, kv, 128).unwrap();
-        let bytes = |rb| build(Strategy::Ring, 8, &shape, &mask, DType::BF16, &PlanOptions::backward(rb)).unwrap().summary().bytes_moved;
+        let bytes = |rb| {
+            build(Strategy::Ring, 8, &shape, &mask, DType::BF16, &PlanOptions::backward(rb))
+                .unwrap()
+                .summary()
+                .bytes_moved
+        };
         let (a, b) = (bytes(RingBackward::KvCirculate), bytes(RingBackward::QCirculate));
         println!("{:<22} {:>12.2}GB {:>12.2}GB", format!("{h} / {kv}"), a as f64 / 1e9, b as f64 / 1e9);
         // Per token and hop: KV side 2·kv·d·2 B (+ dK,dV 2·kv·d·4 B), Q side 2·h·d·2 + 2·h·4 B (+ dQ h·d·4 B).
         let n = 131072u64 * 7 / 8; // 7 input hops of N/8 tokens on each of 8 ranks = 7N/8 per rank
-        // Partial gradients go back to the owner from each non-empty remote visit: under the
-        // causal mask, 0 + 1 + ... + 7 = 28 blocks of N/8 tokens.
+                                   // Partial gradients go back to the owner from each non-empty remote visit: under the
+                                   // causal mask, 0 + 1 + ... + 7 = 28 blocks of N/8 tokens.
         let parts = 28 * 131072 / 8;
         let (hh, kk, d) = (h as u64, kv as u64, 128u64);
         assert_eq!(a, n * 8 * (2 * kk * d * 2) + parts * (2 * kk * d * 4));

@@ -64,10 +64,8 @@ pub(crate) fn plan(b: &mut Builder) -> Result<()> {
     let mut step = 1;
     for mirrored in [false, true] {
         for (t, tasks) in sched.iter().enumerate() {
-            let tasks: Vec<(usize, usize, Who)> = tasks
-                .iter()
-                .map(|&(i, j, w)| if mirrored { (p - 1 - i, p - 1 - j, w) } else { (i, j, w) })
-                .collect();
+            let tasks: Vec<(usize, usize, Who)> =
+                tasks.iter().map(|&(i, j, w)| if mirrored { (p - 1 - i, p - 1 - j, w) } else { (i, j, w) }).collect();
             let side = if mirrored { "upper" } else { "lower" };
             b.label(step, format!("{side} t={}", t + 1));
             run_step(b, step, &tasks, &inputs, &outputs);
@@ -92,10 +90,16 @@ fn split_row(b: &Builder, qi: &BufDesc, kj: &BufDesc) -> usize {
     lo
 }
 
-fn run_step(b: &mut Builder, step: usize, tasks: &[(usize, usize, Who)], inputs: &[Vec<BufId>], outputs: &[Vec<BufId>]) {
+fn run_step(
+    b: &mut Builder,
+    step: usize,
+    tasks: &[(usize, usize, Who)],
+    inputs: &[Vec<BufId>],
+    outputs: &[Vec<BufId>],
+) {
     let fwd = b.pass() == Pass::Forward;
     let q_side: &[usize] = if fwd { &[0] } else { &[0, 3, 4, 5] }; // q (, dO, lse, D)
-    // Resolve each task into (owner rows, helper rows) as lists of q-side buffers.
+                                                                   // Resolve each task into (owner rows, helper rows) as lists of q-side buffers.
     struct Job {
         i: usize,
         j: usize,
@@ -142,7 +146,9 @@ fn run_step(b: &mut Builder, step: usize, tasks: &[(usize, usize, Who)], inputs:
             let v = b.transfer(step, 0, job.j, job.i, inputs[job.j][2]);
             (k, v)
         }));
-        recv_q.push(job.help.as_ref().map(|h| h.iter().map(|&x| b.transfer(step, 0, job.i, job.j, x)).collect::<Vec<_>>()));
+        recv_q.push(
+            job.help.as_ref().map(|h| h.iter().map(|&x| b.transfer(step, 0, job.i, job.j, x)).collect::<Vec<_>>()),
+        );
     }
     // Compute.
     let mut partials: Vec<(Option<Vec<BufId>>, Option<Vec<BufId>>)> = Vec::new(); // (on i for j, on j for i)

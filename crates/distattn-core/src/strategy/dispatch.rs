@@ -30,7 +30,11 @@ const MAX_TOKENS: f64 = 2.0;
 /// K/V tokens (on the chunk grid) that each rank's queries keep a pair with.
 fn needed(mask: &Mask, q: &[TokenSet], c: usize) -> Vec<TokenSet> {
     q.iter()
-        .map(|set| TokenSet::from_runs(set.to_runs().into_iter().flat_map(|run| mask.key_tiles(run, c)).map(|(k, _)| k).collect()))
+        .map(|set| {
+            TokenSet::from_runs(
+                set.to_runs().into_iter().flat_map(|run| mask.key_tiles(run, c)).map(|(k, _)| k).collect(),
+            )
+        })
         .collect()
 }
 
@@ -127,7 +131,8 @@ pub fn dispatch_layout(world: usize, shape: &AttnShape, mask: &Mask, chunk: Opti
             q = cont;
         }
     }
-    let k = if self_attn { q.clone() } else { split_even(shape.k_len, world).into_iter().map(TokenSet::range).collect() };
+    let k =
+        if self_attn { q.clone() } else { split_even(shape.k_len, world).into_iter().map(TokenSet::range).collect() };
     Layout { kind: LayoutKind::Dispatched, q, k }
 }
 
@@ -162,7 +167,10 @@ pub(crate) fn plan(b: &mut Builder) -> Result<()> {
             let (k, v) = if tokens == k_sets[s] {
                 (inputs[s][1], inputs[s][2])
             } else {
-                (b.extract(s, 0, inputs[s][1], tokens.clone(), kvh.clone()), b.extract(s, 0, inputs[s][2], tokens, kvh.clone()))
+                (
+                    b.extract(s, 0, inputs[s][1], tokens.clone(), kvh.clone()),
+                    b.extract(s, 0, inputs[s][2], tokens, kvh.clone()),
+                )
             };
             sends.push((s, r, k, v));
         }

@@ -13,10 +13,7 @@ use std::ops::Range;
 /// The largest proper divisor U of `world` that divides both head counts (1 if none); the
 /// ring part then spans P / U groups.
 pub fn default_ulysses_degree(world: usize, shape: &AttnShape) -> usize {
-    (1..world)
-        .rev()
-        .find(|&u| world % u == 0 && shape.heads % u == 0 && shape.kv_heads % u == 0)
-        .unwrap_or(1)
+    (1..world).rev().find(|&u| world % u == 0 && shape.heads % u == 0 && shape.kv_heads % u == 0).unwrap_or(1)
 }
 
 fn head_slice(n: usize, parts: usize, u: usize) -> Range<usize> {

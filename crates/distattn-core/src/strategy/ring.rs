@@ -21,8 +21,9 @@ pub(crate) fn over_layout(b: &mut Builder, layout: Layout, name: &str) -> Result
     let members: Vec<usize> = (0..b.world).collect();
     match b.pass() {
         Pass::Forward => {
-            let m: Vec<[BufId; 5]> =
-                (0..b.world).map(|r| [inputs[r][0], inputs[r][1], inputs[r][2], outputs[r][0], outputs[r][1]]).collect();
+            let m: Vec<[BufId; 5]> = (0..b.world)
+                .map(|r| [inputs[r][0], inputs[r][1], inputs[r][2], outputs[r][0], outputs[r][1]])
+                .collect();
             forward(b, 0, &members, &m, name);
         }
         Pass::Backward => {

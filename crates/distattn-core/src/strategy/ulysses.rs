@@ -12,9 +12,9 @@ pub(crate) fn plan(b: &mut Builder) -> Result<()> {
     let p = b.world;
     let (h, kvh) = (b.shape.heads, b.shape.kv_heads);
     if h % p != 0 || kvh % p != 0 {
-        return Err(b.unsupported(format!(
-            "heads ({h}) and kv heads ({kvh}) must both be divisible by the world size {p}"
-        )));
+        return Err(
+            b.unsupported(format!("heads ({h}) and kv heads ({kvh}) must both be divisible by the world size {p}"))
+        );
     }
     hybrid::grouped(b, p, Layout::contiguous(b.shape.q_len, b.shape.k_len, p))
 }

@@ -63,10 +63,8 @@ pub(crate) fn run<T: Element>(
 
     let mut order: Vec<(u64, usize)> = (0..nkt).filter(|&t| work[t] > 0).map(|t| (work[t], t)).collect();
     order.sort_by_key(|&(area, _)| std::cmp::Reverse(area));
-    let items: Vec<(usize, usize)> = order
-        .iter()
-        .flat_map(|&(_, t)| (0..batch * kv_heads).map(move |g| (g, t)))
-        .collect();
+    let items: Vec<(usize, usize)> =
+        order.iter().flat_map(|&(_, t)| (0..batch * kv_heads).map(move |g| (g, t))).collect();
     let c = scale * LOG2E;
 
     items.par_iter().for_each_init(
@@ -119,8 +117,30 @@ pub(crate) fn run<T: Element>(
                     unsafe {
                         // dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K
                         gemm(simd, nkv, dp, mq, AOp { ptr: s, rs: 1, cs: bc }, dorow, dp, sc.dv.as_mut_ptr(), dp, true);
-                        gemm(simd, nkv, dp, mq, AOp { ptr: dpm, rs: 1, cs: bc }, qrow, dp, sc.dk.as_mut_ptr(), dp, true);
-                        gemm(simd, mq, dp, nkv, AOp { ptr: dpm, rs: bc, cs: 1 }, krows, dp, dq_acc.add((g * nq + q0) * dp), dp, true);
+                        gemm(
+                            simd,
+                            nkv,
+                            dp,
+                            mq,
+                            AOp { ptr: dpm, rs: 1, cs: bc },
+                            qrow,
+                            dp,
+                            sc.dk.as_mut_ptr(),
+                            dp,
+                            true,
+                        );
+                        gemm(
+                            simd,
+                            mq,
+                            dp,
+                            nkv,
+                            AOp { ptr: dpm, rs: bc, cs: 1 },
+                            krows,
+                            dp,
+                            dq_acc.add((g * nq + q0) * dp),
+                            dp,
+                            true,
+                        );
                     }
                 }
             }
@@ -141,11 +161,8 @@ pub(crate) fn run<T: Element>(
     );
 
     // dQ = scale · Σ_workers acc, back to [batch, q_len, heads, d].
-    let accs: Vec<Vec<f32>> = pool
-        .into_iter()
-        .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()))
-        .filter(|v| !v.is_empty())
-        .collect();
+    let accs: Vec<Vec<f32>> =
+        pool.into_iter().map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner())).filter(|v| !v.is_empty()).collect();
     let mut dq = vec![0f32; shape.q_elems()];
     dq.par_chunks_mut(heads * d).enumerate().for_each(|(bi, dst)| {
         let (b, i) = (bi / nq, bi % nq);

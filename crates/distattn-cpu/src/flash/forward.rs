@@ -40,15 +40,10 @@ pub(crate) fn run<T: Element>(
     let lse_ptr = SendPtr(lse.as_mut_ptr());
 
     // Largest query tiles first: better tail balance under causal-like masks.
-    let mut order: Vec<(u64, usize)> = (0..nqt)
-        .map(|t| (mask.tile(t * br..((t + 1) * br).min(nq), 0..nk).area, t))
-        .filter(|&(a, _)| a > 0)
-        .collect();
+    let mut order: Vec<(u64, usize)> =
+        (0..nqt).map(|t| (mask.tile(t * br..((t + 1) * br).min(nq), 0..nk).area, t)).filter(|&(a, _)| a > 0).collect();
     order.sort_by_key(|&(area, _)| std::cmp::Reverse(area));
-    let items: Vec<(usize, usize)> = order
-        .iter()
-        .flat_map(|&(_, t)| (0..batch * heads).map(move |g| (g, t)))
-        .collect();
+    let items: Vec<(usize, usize)> = order.iter().flat_map(|&(_, t)| (0..batch * heads).map(move |g| (g, t))).collect();
     let c = scale * LOG2E;
 
     items.par_iter().for_each_init(
@@ -70,7 +65,9 @@ pub(crate) fn run<T: Element>(
                 // Panels of 16 keys, each [d, 16]: column `col` starts panel col / 16.
                 let kt_tile = &kt[(kg * nkt + tile) * d * bc + col * d..];
                 // S = Q · Kᵀ (raw scores)
-                unsafe { gemm_panels(simd, mq, ncol, d, qa, kt_tile.as_ptr(), 16, 16 * d, sc.s.as_mut_ptr(), bc, false) };
+                unsafe {
+                    gemm_panels(simd, mq, ncol, d, qa, kt_tile.as_ptr(), 16, 16 * d, sc.s.as_mut_ptr(), bc, false)
+                };
                 if class == TileClass::Partial {
                     mask.fill_tile(q0..q1, kr.clone(), &mut sc.keep);
                     for i in 0..mq {
@@ -96,7 +93,9 @@ pub(crate) fn run<T: Element>(
                 // Panels of 16 dims, each [bc, 16]; this step's keys start at row col.
                 let v_tile = &vp[(kg * nkt + tile) * dp * bc + col * 16..];
                 let pa = AOp { ptr: sc.s.as_ptr(), rs: bc, cs: 1 };
-                unsafe { gemm_panels(simd, mq, dp, nkv, pa, v_tile.as_ptr(), 16, 16 * bc, sc.o.as_mut_ptr(), dp, true) };
+                unsafe {
+                    gemm_panels(simd, mq, dp, nkv, pa, v_tile.as_ptr(), 16, 16 * bc, sc.o.as_mut_ptr(), dp, true)
+                };
             }
             for i in 0..mq {
                 let (l, m) = (sc.l[i], sc.m[i]);

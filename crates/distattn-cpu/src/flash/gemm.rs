@@ -246,11 +246,26 @@ mod tests {
                     let (rs, cs) = if trans { (1, m) } else { (k, 1) };
                     let want = naive(m, n, k, &a, rs, cs, &b, n + 3);
                     let mut c = vec![1f32; m * n];
-                    unsafe { gemm(simd, m, n, k, AOp { ptr: a.as_ptr(), rs, cs }, b.as_ptr(), n + 3, c.as_mut_ptr(), n, true) };
+                    unsafe {
+                        gemm(simd, m, n, k, AOp { ptr: a.as_ptr(), rs, cs }, b.as_ptr(), n + 3, c.as_mut_ptr(), n, true)
+                    };
                     for (x, w) in c.iter().zip(&want) {
                         assert!((x - 1.0 - w).abs() < 1e-4 * (1.0 + w.abs()), "{x} vs {w}");
                     }
-                    unsafe { gemm(simd, m, n, k, AOp { ptr: a.as_ptr(), rs, cs }, b.as_ptr(), n + 3, c.as_mut_ptr(), n, false) };
+                    unsafe {
+                        gemm(
+                            simd,
+                            m,
+                            n,
+                            k,
+                            AOp { ptr: a.as_ptr(), rs, cs },
+                            b.as_ptr(),
+                            n + 3,
+                            c.as_mut_ptr(),
+                            n,
+                            false,
+                        )
+                    };
                     for (x, w) in c.iter().zip(&want) {
                         assert!((x - w).abs() < 1e-4 * (1.0 + w.abs()));
                     }

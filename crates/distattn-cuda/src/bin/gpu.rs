@@ -47,31 +47,13 @@ struct Reference {
 /// Exact attention in f64 (forward and backward), row by row from the mask's intervals.
 #[allow(clippy::needless_range_loop)]
 #[allow(clippy::too_many_arguments)]
-fn reference(
-    s: &AttnShape,
-    mask: &Mask,
-    scale: f64,
-    q: &[f64],
-    k: &[f64],
-    v: &[f64],
-    dout: &[f64],
-) -> Reference {
+fn reference(s: &AttnShape, mask: &Mask, scale: f64, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> Reference {
     let d = s.head_dim;
     let g = s.group();
-    let rows: Vec<Vec<(usize, usize)>> = (0..s.q_len)
-        .map(|i| mask.row_intervals(i).collect())
-        .collect();
+    let rows: Vec<Vec<(usize, usize)>> = (0..s.q_len).map(|i| mask.row_intervals(i).collect()).collect();
     // Per (b, h): o rows, lse, dq rows, dk/dv partial (k_len x d).
     #[allow(clippy::type_complexity)]
-    let per: Vec<(
-        usize,
-        usize,
-        Vec<f64>,
-        Vec<f64>,
-        Vec<f64>,
-        Vec<f64>,
-        Vec<f64>,
-    )> = (0..s.batch * s.heads)
+    let per: Vec<(usize, usize, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>)> = (0..s.batch * s.heads)
         .into_par_iter()
         .map(|bh| {
             let (b, h) = (bh / s.heads, bh % s.heads);
@@ -191,60 +173,24 @@ struct Case {
 fn cases() -> Res<Vec<Case>> {
     let mut v = Vec::new();
     let mut add = |name: &str, mask: Mask, batch: usize, heads: usize, kv: usize, torch: bool| {
-        v.push(Case {
-            name: name.into(),
-            mask,
-            batch,
-            heads,
-            kv_heads: kv,
-            torch,
-        });
+        v.push(Case { name: name.into(), mask, batch, heads, kv_heads: kv, torch });
     };
     add("full-257", Mask::full(257, 257)?, 2, 4, 4, true);
     add("causal-300", Mask::causal(300, 300)?, 2, 4, 4, true);
     add("causal-q130-k333", Mask::causal(130, 333)?, 2, 4, 2, false);
     add("causal-q333-k130", Mask::causal(333, 130)?, 1, 4, 1, false);
     add("full-q100-k389-gqa", Mask::full(100, 389)?, 2, 4, 2, false);
-    add(
-        "swa64-causal-400",
-        Mask::sliding_window(400, 400, Some(64), Some(0))?,
-        1,
-        4,
-        2,
-        false,
-    );
-    add(
-        "docs-causal",
-        Mask::documents(&[100, 37, 180, 83], DocKind::Causal)?,
-        1,
-        4,
-        1,
-        false,
-    );
-    add(
-        "docs-full",
-        Mask::documents(&[70, 130, 1, 55], DocKind::Full)?,
-        1,
-        4,
-        2,
-        false,
-    );
+    add("swa64-causal-400", Mask::sliding_window(400, 400, Some(64), Some(0))?, 1, 4, 2, false);
+    add("docs-causal", Mask::documents(&[100, 37, 180, 83], DocKind::Causal)?, 1, 4, 1, false);
+    add("docs-full", Mask::documents(&[70, 130, 1, 55], DocKind::Full)?, 1, 4, 2, false);
     add("prefix-lm-300", Mask::prefix_lm(300, 90)?, 1, 4, 4, false);
-    add(
-        "window-global-350",
-        Mask::window_global(350, Some(40), Some(40), 16)?,
-        1,
-        4,
-        1,
-        false,
-    );
+    add("window-global-350", Mask::window_global(350, Some(40), Some(40), 16)?, 1, 4, 1, false);
     add("causal-1100", Mask::causal(1100, 1100)?, 1, 2, 2, true);
     Ok(v)
 }
 
 fn write_raw<T: Copy>(path: &std::path::Path, v: &[T]) -> Res<()> {
-    let bytes =
-        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) };
+    let bytes = unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) };
     std::fs::write(path, bytes)?;
     Ok(())
 }
@@ -279,14 +225,7 @@ fn run_case<T: CudaElement>(
     dump: Option<&std::path::Path>,
     tol: f64,
 ) -> Res<CheckRow> {
-    let shape = AttnShape::new(
-        c.batch,
-        c.mask.q_len(),
-        c.mask.k_len(),
-        c.heads,
-        c.kv_heads,
-        d,
-    )?;
+    let shape = AttnShape::new(c.batch, c.mask.q_len(), c.mask.k_len(), c.heads, c.kv_heads, d)?;
     let opts = AttnOptions::default();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let conv = |v: Vec<f32>| -> Vec<T> { v.into_iter().map(T::from_f32).collect() };
@@ -300,30 +239,12 @@ fn run_case<T: CudaElement>(
     let mut o = s.clone_htod(&nan_t)?;
     let mut lse = s.clone_htod(&vec![f32::NAN; shape.lse_elems()])?;
     let mut of32 = s.clone_htod(&vec![f32::NAN; shape.q_elems()])?;
-    be.forward(
-        &dq_,
-        &dk_,
-        &dv_,
-        &shape,
-        &c.mask,
-        &opts,
-        &mut o,
-        &mut lse,
-        Some(&mut of32),
-    )?;
+    be.forward(&dq_, &dk_, &dv_, &shape, &c.mask, &opts, &mut o, &mut lse, Some(&mut of32))?;
     let o_h: Vec<T> = s.clone_dtoh(&o)?;
     let lse_h: Vec<f32> = s.clone_dtoh(&lse)?;
     let of_h: Vec<f32> = s.clone_dtoh(&of32)?;
     let f64v = |x: &[T]| -> Vec<f64> { x.iter().map(|e| e.to_f32() as f64).collect() };
-    let r = reference(
-        &shape,
-        &c.mask,
-        opts.scale_for(d) as f64,
-        &f64v(&q),
-        &f64v(&k),
-        &f64v(&v),
-        &f64v(&dout),
-    );
+    let r = reference(&shape, &c.mask, opts.scale_for(d) as f64, &f64v(&q), &f64v(&k), &f64v(&v), &f64v(&dout));
     let err_o = rel_err(&to_f32(&o_h), &r.o).max(rel_err(&of_h, &r.o));
     let err_lse = rel_err(&lse_h, &r.lse);
     let mut row = CheckRow {
@@ -350,16 +271,12 @@ fn run_case<T: CudaElement>(
         let nan_kv = vec![T::from_f32(f32::NAN); shape.kv_elems()];
         let mut gk = s.clone_htod(&nan_kv)?;
         let mut gv = s.clone_htod(&nan_kv)?;
-        be.backward(
-            &dq_, &dk_, &dv_, &d_o, &d_do, &lse, &shape, &c.mask, &opts, &mut gq, &mut gk, &mut gv,
-        )?;
-        let (gq, gk, gv): (Vec<T>, Vec<T>, Vec<T>) =
-            (s.clone_dtoh(&gq)?, s.clone_dtoh(&gk)?, s.clone_dtoh(&gv)?);
+        be.backward(&dq_, &dk_, &dv_, &d_o, &d_do, &lse, &shape, &c.mask, &opts, &mut gq, &mut gk, &mut gv)?;
+        let (gq, gk, gv): (Vec<T>, Vec<T>, Vec<T>) = (s.clone_dtoh(&gq)?, s.clone_dtoh(&gk)?, s.clone_dtoh(&gv)?);
         row.err_dq = Some(rel_err(&to_f32(&gq), &r.dq));
         row.err_dk = Some(rel_err(&to_f32(&gk), &r.dk));
         row.err_dv = Some(rel_err(&to_f32(&gv), &r.dv));
-        row.pass &=
-            row.err_dq.unwrap() <= tol && row.err_dk.unwrap() <= tol && row.err_dv.unwrap() <= tol;
+        row.pass &= row.err_dq.unwrap() <= tol && row.err_dk.unwrap() <= tol && row.err_dv.unwrap() <= tol;
         grads = Some((gq, gk, gv));
     }
     if let (Some(dir), true) = (dump, c.torch) {
@@ -413,17 +330,7 @@ fn merge_case<T: CudaElement>(be: &CudaBackend, seed: u64, d: usize) -> Res<(f64
         let mut o = s.alloc_zeros::<T>(sub.q_elems())?;
         let mut l = s.alloc_zeros::<f32>(sub.lse_elems())?;
         let mut of = s.alloc_zeros::<f32>(sub.q_elems())?;
-        be.forward(
-            &qd,
-            &ks,
-            &vs,
-            &sub,
-            &m,
-            &opts,
-            &mut o,
-            &mut l,
-            Some(&mut of),
-        )?;
+        be.forward(&qd, &ks, &vs, &sub, &m, &opts, &mut o, &mut l, Some(&mut of))?;
         o_parts.extend(s.clone_dtoh(&of)?);
         lse_parts.extend(s.clone_dtoh(&l)?);
     }
@@ -435,15 +342,7 @@ fn merge_case<T: CudaElement>(be: &CudaBackend, seed: u64, d: usize) -> Res<(f64
     let (oo, lo): (Vec<f32>, Vec<f32>) = (s.clone_dtoh(&oo)?, s.clone_dtoh(&lo)?);
     let f64v = |x: &[T]| -> Vec<f64> { x.iter().map(|e| e.to_f32() as f64).collect() };
     let zeros = vec![0.0; shape.q_elems()];
-    let r = reference(
-        &shape,
-        &mask,
-        opts.scale_for(d) as f64,
-        &f64v(&q),
-        &f64v(&k),
-        &f64v(&v),
-        &zeros,
-    );
+    let r = reference(&shape, &mask, opts.scale_for(d) as f64, &f64v(&q), &f64v(&k), &f64v(&v), &zeros);
     Ok((rel_err(&oo, &r.o), rel_err(&lo, &r.lse)))
 }
 
@@ -451,9 +350,7 @@ fn check(be: &CudaBackend, dump: Option<&std::path::Path>) -> Res<bool> {
     let cs = cases()?;
     let mut rows = Vec::new();
     let mut all = true;
-    let mut seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_nanos() as u64;
+    let mut seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64;
     println!("seed base {seed}");
     println!(
         "{:<20} {:<5} {:>4} {:>5} {:>5} {:>3}/{:<2} {:>9} {:>9} {:>9} {:>9} {:>9}  result",
@@ -471,15 +368,23 @@ fn check(be: &CudaBackend, dump: Option<&std::path::Path>) -> Res<bool> {
                 };
                 match r {
                     Ok(row) => {
-                        let f = |x: Option<f64>| {
-                            x.map(|v| format!("{v:9.2e}"))
-                                .unwrap_or(format!("{:>9}", "-"))
-                        };
+                        let f = |x: Option<f64>| x.map(|v| format!("{v:9.2e}")).unwrap_or(format!("{:>9}", "-"));
                         println!(
                             "{:<20} {:<5} {:>4} {:>5} {:>5} {:>3}/{:<2} {:9.2e} {:9.2e} {} {} {}  {} ({:.1}s)",
-                            row.case, row.dtype, d, row.q_len, row.k_len, row.heads, row.kv_heads, row.err_o,
-                            row.err_lse, f(row.err_dq), f(row.err_dk), f(row.err_dv),
-                            if row.pass { "ok" } else { "FAIL" }, t0.elapsed().as_secs_f64()
+                            row.case,
+                            row.dtype,
+                            d,
+                            row.q_len,
+                            row.k_len,
+                            row.heads,
+                            row.kv_heads,
+                            row.err_o,
+                            row.err_lse,
+                            f(row.err_dq),
+                            f(row.err_dk),
+                            f(row.err_dv),
+                            if row.pass { "ok" } else { "FAIL" },
+                            t0.elapsed().as_secs_f64()
                         );
                         all &= row.pass;
                         rows.push(row);
@@ -513,24 +418,13 @@ fn check(be: &CudaBackend, dump: Option<&std::path::Path>) -> Res<bool> {
     );
     println!("head dim 80 -> {:?}", r.err());
     if let Some(dir) = dump {
-        std::fs::write(
-            dir.join("rust_check.json"),
-            serde_json::to_string_pretty(&rows)?,
-        )?;
+        std::fs::write(dir.join("rust_check.json"), serde_json::to_string_pretty(&rows)?)?;
     }
-    println!(
-        "{} of {} cases passed",
-        rows.iter().filter(|r| r.pass).count(),
-        rows.len()
-    );
+    println!("{} of {} cases passed", rows.iter().filter(|r| r.pass).count(), rows.len());
     Ok(all)
 }
 
-fn fill_random<T: CudaElement>(
-    be: &CudaBackend,
-    n: usize,
-    seed: u64,
-) -> Res<cudarc::driver::CudaSlice<T>> {
+fn fill_random<T: CudaElement>(be: &CudaBackend, n: usize, seed: u64) -> Res<cudarc::driver::CudaSlice<T>> {
     // Fast host generator (xorshift, roughly unit-variance uniform), parallel over chunks.
     let mut v = vec![T::default(); n];
     v.par_chunks_mut(1 << 20).enumerate().for_each(|(ci, ch)| {
@@ -580,18 +474,9 @@ fn time_ms(be: &CudaBackend, reps: usize, mut f: impl FnMut() -> Res<()>) -> Res
     Ok(ts[ts.len() / 2])
 }
 
-fn bench(
-    be: &CudaBackend,
-    out: &str,
-    dims: &[usize],
-    quick: bool,
-    seqs: Option<Vec<usize>>,
-) -> Res<()> {
+fn bench(be: &CudaBackend, out: &str, dims: &[usize], quick: bool, seqs: Option<Vec<usize>>) -> Res<()> {
     let mut rows = Vec::new();
-    let mut grid: Vec<(usize, usize)> = [512, 1024, 2048, 4096, 8192, 16384]
-        .iter()
-        .map(|&s| (16384 / s, s))
-        .collect();
+    let mut grid: Vec<(usize, usize)> = [512, 1024, 2048, 4096, 8192, 16384].iter().map(|&s| (16384 / s, s)).collect();
     if !quick {
         grid.push((1, 65536));
         grid.push((1, 131072));
@@ -614,24 +499,17 @@ fn bench(
             let mut gk = s.alloc_zeros::<bf16>(shape.kv_elems())?;
             let mut gv = s.alloc_zeros::<bf16>(shape.kv_elems())?;
             for causal in [false, true] {
-                let mask = if causal {
-                    Mask::causal(seq, seq)?
-                } else {
-                    Mask::full(seq, seq)?
-                };
+                let mask = if causal { Mask::causal(seq, seq)? } else { Mask::full(seq, seq)? };
                 let opts = AttnOptions::default();
-                let fwd_flops = 4.0 * (batch * heads) as f64 * (seq as f64).powi(2) * d as f64
-                    / if causal { 2.0 } else { 1.0 };
+                let fwd_flops =
+                    4.0 * (batch * heads) as f64 * (seq as f64).powi(2) * d as f64 / if causal { 2.0 } else { 1.0 };
                 let reps = if seq >= 65536 { 3 } else { 10 };
                 let tf = time_ms(be, reps, || {
                     be.forward(&q, &k, &v, &shape, &mask, &opts, &mut o, &mut lse, None)?;
                     Ok(())
                 })?;
                 let tb = time_ms(be, reps, || {
-                    be.backward(
-                        &q, &k, &v, &o, &dout, &lse, &shape, &mask, &opts, &mut gq, &mut gk,
-                        &mut gv,
-                    )?;
+                    be.backward(&q, &k, &v, &o, &dout, &lse, &shape, &mask, &opts, &mut gq, &mut gk, &mut gv)?;
                     Ok(())
                 })?;
                 for (pass, t, fl) in [("fwd", tf, fwd_flops), ("bwd", tb, 2.5 * fwd_flops)] {
@@ -660,12 +538,7 @@ fn bench(
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let get = |flag: &str| {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
+    let get = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let be = match CudaBackend::new(0) {
         Ok(b) => b,
         Err(e) => {
@@ -673,20 +546,11 @@ fn main() {
             std::process::exit(2);
         }
     };
-    println!(
-        "device {} ({}), cache {:?}",
-        be.device_name(),
-        be.arch(),
-        distattn_cuda::compile::cache_dir()
-    );
+    println!("device {} ({}), cache {:?}", be.device_name(), be.arch(), distattn_cuda::compile::cache_dir());
     let t0 = Instant::now();
     let bench_mode = args.get(1).map(|s| s == "bench").unwrap_or(false);
     let prep_dims: Vec<usize> = if bench_mode {
-        get("--dims")
-            .unwrap_or_else(|| "128".into())
-            .split(',')
-            .filter_map(|x| x.parse().ok())
-            .collect()
+        get("--dims").unwrap_or_else(|| "128".into()).split(',').filter_map(|x| x.parse().ok()).collect()
     } else {
         vec![64, 96, 128, 256]
     };
@@ -709,11 +573,8 @@ fn main() {
         }
         Some("bench") => {
             let out = get("--out").unwrap_or_else(|| "distattn_bench.json".into());
-            let dims: Vec<usize> = get("--dims")
-                .unwrap_or_else(|| "128".into())
-                .split(',')
-                .filter_map(|x| x.parse().ok())
-                .collect();
+            let dims: Vec<usize> =
+                get("--dims").unwrap_or_else(|| "128".into()).split(',').filter_map(|x| x.parse().ok()).collect();
             let seqs = get("--seqs").map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect());
             bench(&be, &out, &dims, args.iter().any(|a| a == "--quick"), seqs).map(|_| 0)
         }

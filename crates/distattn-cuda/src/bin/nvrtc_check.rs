@@ -9,19 +9,10 @@ use distattn_cuda::compile::{self, KernelConfig};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let archs: Vec<String> = if args.is_empty() {
-        vec!["sm_90a".into(), "sm_80".into()]
-    } else {
-        args
-    };
+    let archs: Vec<String> = if args.is_empty() { vec!["sm_90a".into(), "sm_80".into()] } else { args };
     if !compile::nvrtc_available() {
-        let require = std::env::var("DISTATTN_REQUIRE_NVRTC")
-            .map(|v| v == "1")
-            .unwrap_or(false);
-        eprintln!(
-            "nvrtc-check: NVRTC library not found (LD_LIBRARY_PATH={:?})",
-            std::env::var("LD_LIBRARY_PATH").ok()
-        );
+        let require = std::env::var("DISTATTN_REQUIRE_NVRTC").map(|v| v == "1").unwrap_or(false);
+        eprintln!("nvrtc-check: NVRTC library not found (LD_LIBRARY_PATH={:?})", std::env::var("LD_LIBRARY_PATH").ok());
         std::process::exit(if require { 1 } else { 0 });
     }
     match compile::nvrtc_version() {
@@ -70,8 +61,7 @@ fn main() {
                     for r in res {
                         // The dK/dV kernel exists for every head dim but is only used up to 128.
                         let used = cfg.has_backward() || !r.name.starts_with("flash_bwd_dkdv");
-                        let bad =
-                            used && (r.spill_stores > 0 || r.spill_loads > 0 || r.stack_frame > 0);
+                        let bad = used && (r.spill_stores > 0 || r.spill_loads > 0 || r.stack_frame > 0);
                         if bad {
                             failures += 1;
                         }

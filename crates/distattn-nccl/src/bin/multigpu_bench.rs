@@ -109,7 +109,12 @@ fn plan_opts(spec: &MaskSpec, n: usize, pass: Pass, rb: RingBackward) -> PlanOpt
 /// Runs `f(rank, case)` for every case on thread ranks. A case that fails ends that group of
 /// ranks (its communicators are aborted); the remaining cases continue on fresh ranks. Returns,
 /// per case, every rank's result in rank order or the error.
-fn run_cases<R: Send>(world: usize, timeout: Duration, n: usize, f: impl Fn(&GpuRank, usize) -> Result<R> + Sync) -> Vec<std::result::Result<Vec<R>, String>> {
+fn run_cases<R: Send>(
+    world: usize,
+    timeout: Duration,
+    n: usize,
+    f: impl Fn(&GpuRank, usize) -> Result<R> + Sync,
+) -> Vec<std::result::Result<Vec<R>, String>> {
     let done: std::sync::Mutex<HashMap<usize, Vec<(usize, R)>>> = Default::default();
     let mut failed: HashMap<usize, String> = HashMap::new();
     let mut start = 0;
@@ -163,8 +168,11 @@ fn check(a: &Args) -> Res<bool> {
     let shape = AttnShape::new(1, n, n, h, kvh, d)?;
     let opts = AttnOptions::default();
     // Masks separated by ';' (specs contain commas).
-    let specs: Vec<MaskSpec> =
-        a.get("masks", "causal;full;window:512,0;docs-random-causal:7").split(';').map(|s| s.parse()).collect::<Result<_>>()?;
+    let specs: Vec<MaskSpec> = a
+        .get("masks", "causal;full;window:512,0;docs-random-causal:7")
+        .split(';')
+        .map(|s| s.parse())
+        .collect::<Result<_>>()?;
     let masks: Vec<Mask> = specs.iter().map(|s| s.build(n, n)).collect::<Result<_>>()?;
     let q = randn(1, shape.q_elems());
     let k = randn(2, shape.kv_elems());
@@ -186,10 +194,28 @@ fn check(a: &Args) -> Res<bool> {
     let mut cases = Vec::new();
     for mi in 0..masks.len() {
         for st in Strategy::ALL {
-            cases.push(Case { mask: mi, strategy: st, pass: Pass::Forward, rb: RingBackward::KvCirculate, overlap: true });
-            cases.push(Case { mask: mi, strategy: st, pass: Pass::Backward, rb: RingBackward::KvCirculate, overlap: true });
+            cases.push(Case {
+                mask: mi,
+                strategy: st,
+                pass: Pass::Forward,
+                rb: RingBackward::KvCirculate,
+                overlap: true,
+            });
+            cases.push(Case {
+                mask: mi,
+                strategy: st,
+                pass: Pass::Backward,
+                rb: RingBackward::KvCirculate,
+                overlap: true,
+            });
             if st.is_ring() {
-                cases.push(Case { mask: mi, strategy: st, pass: Pass::Backward, rb: RingBackward::QCirculate, overlap: true });
+                cases.push(Case {
+                    mask: mi,
+                    strategy: st,
+                    pass: Pass::Backward,
+                    rb: RingBackward::QCirculate,
+                    overlap: true,
+                });
             }
         }
     }
@@ -200,7 +226,10 @@ fn check(a: &Args) -> Res<bool> {
     }
     let plans: Vec<std::result::Result<Plan, String>> = cases
         .iter()
-        .map(|c| build(c.strategy, world, &shape, &masks[c.mask], DType::BF16, &plan_opts(&specs[c.mask], n, c.pass, c.rb)).map_err(|e| e.to_string()))
+        .map(|c| {
+            build(c.strategy, world, &shape, &masks[c.mask], DType::BF16, &plan_opts(&specs[c.mask], n, c.pass, c.rb))
+                .map_err(|e| e.to_string())
+        })
         .collect();
     let t0 = Instant::now();
     let results = run_cases(world, Duration::from_secs(60), cases.len(), |g, ci| {
@@ -239,7 +268,10 @@ fn check(a: &Args) -> Res<bool> {
     }
     let mut ok = true;
     let mut rows = Vec::new();
-    println!("{:<28} {:<10} {:<13} {:<8} {:>10} {:>10} {:>10}  result", "mask", "strategy", "pass", "executor", "err O/dQ", "err L/dK", "err dV");
+    println!(
+        "{:<28} {:<10} {:<13} {:<8} {:>10} {:>10} {:>10}  result",
+        "mask", "strategy", "pass", "executor", "err O/dQ", "err L/dK", "err dV"
+    );
     for (ci, c) in cases.iter().enumerate() {
         let pass = match (c.pass, c.rb) {
             (Pass::Forward, _) => "fwd",
@@ -270,7 +302,8 @@ fn check(a: &Args) -> Res<bool> {
                     }
                     vec![rel_err(&o, o_ref), rel_err(&l, lse_ref)]
                 } else {
-                    let (mut dq, mut dk, mut dv) = (vec![0f32; shape.q_elems()], vec![0f32; shape.kv_elems()], vec![0f32; shape.kv_elems()]);
+                    let (mut dq, mut dk, mut dv) =
+                        (vec![0f32; shape.q_elems()], vec![0f32; shape.kv_elems()], vec![0f32; shape.kv_elems()]);
                     for (t, d, data) in res {
                         match t {
                             Tensor::DQ => unshard_into(data, d, &shape, &mut dq),
@@ -288,15 +321,32 @@ fn check(a: &Args) -> Res<bool> {
             }
         };
         let e = |i: usize| errs.get(i).map_or("-".to_string(), |x| format!("{x:.2e}"));
-        println!("{:<28} {:<10} {:<13} {:<8} {:>10} {:>10} {:>10}  {}", specs[c.mask].to_string(), c.strategy.to_string(), pass, exec, e(0), e(1), e(2), verdict);
+        println!(
+            "{:<28} {:<10} {:<13} {:<8} {:>10} {:>10} {:>10}  {}",
+            specs[c.mask].to_string(),
+            c.strategy.to_string(),
+            pass,
+            exec,
+            e(0),
+            e(1),
+            e(2),
+            verdict
+        );
         rows.push(json!({"mask": specs[c.mask].to_string(), "strategy": c.strategy.to_string(), "pass": pass, "executor": exec,
             "gpus": world, "seq": n, "heads": h, "kv_heads": kvh, "head_dim": d, "errors": errs, "result": verdict}));
     }
     let passed = rows.iter().filter(|r| r["result"] == "PASS").count();
-    let failed = rows.iter().filter(|r| r["result"].as_str().is_some_and(|x| x.starts_with("FAIL") || x == "MISSING")).count();
-    println!("GPU exactness vs single GPU: {passed} pass, {failed} fail, {} unsupported (tolerance rel err <= 1e-2)", rows.len() - passed - failed);
+    let failed =
+        rows.iter().filter(|r| r["result"].as_str().is_some_and(|x| x.starts_with("FAIL") || x == "MISSING")).count();
+    println!(
+        "GPU exactness vs single GPU: {passed} pass, {failed} fail, {} unsupported (tolerance rel err <= 1e-2)",
+        rows.len() - passed - failed
+    );
     if let Some(p) = a.0.get("out") {
-        std::fs::write(p, serde_json::to_string_pretty(&json!({"device": device_name(), "gpus": world, "rows": rows}))?)?;
+        std::fs::write(
+            p,
+            serde_json::to_string_pretty(&json!({"device": device_name(), "gpus": world, "rows": rows}))?,
+        )?;
     }
     Ok(ok)
 }
@@ -319,7 +369,8 @@ fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)
         Ok(b)
     };
     use distattn_nccl::buf::GpuElem;
-    let (q, k, v, dout) = (mk(shape.q_elems(), 1)?, mk(shape.kv_elems(), 2)?, mk(shape.kv_elems(), 3)?, mk(shape.q_elems(), 4)?);
+    let (q, k, v, dout) =
+        (mk(shape.q_elems(), 1)?, mk(shape.kv_elems(), 2)?, mk(shape.kv_elems(), 3)?, mk(shape.q_elems(), 4)?);
     let mut o = GpuBuf::alloc(&s, DType::BF16, shape.q_elems())?;
     let mut lse = GpuBuf::alloc(&s, DType::F32, shape.lse_elems())?;
     let mut dq = GpuBuf::alloc(&s, DType::BF16, shape.q_elems())?;
@@ -338,7 +389,19 @@ fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)
         ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
         Ok(ts[ts.len() / 2])
     };
-    let fwd = time(&mut || be.forward::<bf16>(bf16::of(&q)?, bf16::of(&k)?, bf16::of(&v)?, shape, mask, &opts, bf16::of_mut(&mut o)?, f32::of_mut(&mut lse)?, None))?;
+    let fwd = time(&mut || {
+        be.forward::<bf16>(
+            bf16::of(&q)?,
+            bf16::of(&k)?,
+            bf16::of(&v)?,
+            shape,
+            mask,
+            &opts,
+            bf16::of_mut(&mut o)?,
+            f32::of_mut(&mut lse)?,
+            None,
+        )
+    })?;
     let bwd = time(&mut || {
         be.backward::<bf16>(
             bf16::of(&q)?,
@@ -367,7 +430,8 @@ struct BenchCase {
 fn bench(a: &Args) -> Res<()> {
     let world = a.num("gpus", 4);
     let seqs: Vec<usize> = a.list("seqs", "32768,131072").iter().map(|s| s.parse().unwrap_or(32768)).collect();
-    let strategies: Vec<Strategy> = a.list("strategies", "zigzag,balanced,dispatch").iter().map(|s| s.parse()).collect::<Result<_>>()?;
+    let strategies: Vec<Strategy> =
+        a.list("strategies", "zigzag,balanced,dispatch").iter().map(|s| s.parse()).collect::<Result<_>>()?;
     let passes = a.list("passes", "fwd,fwdbwd");
     let (h, kvh, d) = (a.num("heads", 32), a.num("kv-heads", 8), 128);
     let spec: MaskSpec = a.get("mask", "causal").parse()?;
@@ -375,7 +439,14 @@ fn bench(a: &Args) -> Res<()> {
     let opts = AttnOptions::default();
     let dev = device_name();
     let mut rows = Vec::new();
-    let row = |imp: &str, pass: &str, seq: usize, gpus: usize, strategy: &str, tflops: f64, ms: f64, extra: serde_json::Value| {
+    let row = |imp: &str,
+               pass: &str,
+               seq: usize,
+               gpus: usize,
+               strategy: &str,
+               tflops: f64,
+               ms: f64,
+               extra: serde_json::Value| {
         let mut r = json!({"impl": imp, "pass": pass, "causal": spec.is_causal(), "batch": 1, "seq": seq, "heads": h,
             "head_dim": d, "dtype": "bf16", "tflops": tflops, "gpus": gpus, "strategy": strategy, "mask": spec.to_string(),
             "kv_heads": kvh, "tflops_per_gpu": tflops / gpus as f64, "ms": ms});
@@ -394,7 +465,12 @@ fn bench(a: &Args) -> Res<()> {
             let mask = spec.build(n, n)?;
             let (f, b) = single_gpu(&shape, &mask, 2)?;
             let fl = flops_fwd(&mask, &shape);
-            println!("single GPU  seq {n:>7}: fwd {f:8.2} ms {:6.1} TFLOP/s | fwd+bwd {:8.2} ms {:6.1} TFLOP/s", fl / f / 1e9, f + b, 3.5 * fl / (f + b) / 1e9);
+            println!(
+                "single GPU  seq {n:>7}: fwd {f:8.2} ms {:6.1} TFLOP/s | fwd+bwd {:8.2} ms {:6.1} TFLOP/s",
+                fl / f / 1e9,
+                f + b,
+                3.5 * fl / (f + b) / 1e9
+            );
             single.insert((n, false), fl / f / 1e9);
             single.insert((n, true), 3.5 * fl / (f + b) / 1e9);
             rows.push(row("distattn-1gpu", "fwd", n, 1, "single", fl / f / 1e9, f, json!({})));
@@ -417,11 +493,29 @@ fn bench(a: &Args) -> Res<()> {
             let mask = spec.build(n, n)?;
             let t0 = Instant::now();
             let r = (|| -> Result<(Plan, Plan, Mask)> {
-                let f = build(st, world, &shape, &mask, DType::BF16, &plan_opts(&spec, n, Pass::Forward, RingBackward::KvCirculate))?;
-                let b = build(st, world, &shape, &mask, DType::BF16, &plan_opts(&spec, n, Pass::Backward, RingBackward::KvCirculate))?;
+                let f = build(
+                    st,
+                    world,
+                    &shape,
+                    &mask,
+                    DType::BF16,
+                    &plan_opts(&spec, n, Pass::Forward, RingBackward::KvCirculate),
+                )?;
+                let b = build(
+                    st,
+                    world,
+                    &shape,
+                    &mask,
+                    DType::BF16,
+                    &plan_opts(&spec, n, Pass::Backward, RingBackward::KvCirculate),
+                )?;
                 Ok((f, b, mask.clone()))
             })();
-            println!("plan {st} seq {n}: {:.0} ms{}", t0.elapsed().as_secs_f64() * 1e3, r.as_ref().err().map(|e| format!(" ({e})")).unwrap_or_default());
+            println!(
+                "plan {st} seq {n}: {:.0} ms{}",
+                t0.elapsed().as_secs_f64() * 1e3,
+                r.as_ref().err().map(|e| format!(" ({e})")).unwrap_or_default()
+            );
             plans.insert((n, st), r.map_err(|e| e.to_string()));
         }
     }
@@ -484,7 +578,11 @@ fn bench(a: &Args) -> Res<()> {
     for (ci, c) in cases.iter().enumerate() {
         let pass = if c.fwdbwd { "fwd+bwd" } else { "fwd" };
         let Some((times, peak, tls)) = agg.get_mut(&ci) else {
-            let why = plans.get(&(c.seq, c.strategy)).and_then(|p| p.as_ref().err().cloned()).or_else(|| errors.get(&ci).cloned()).unwrap_or_default();
+            let why = plans
+                .get(&(c.seq, c.strategy))
+                .and_then(|p| p.as_ref().err().cloned())
+                .or_else(|| errors.get(&ci).cloned())
+                .unwrap_or_default();
             println!("{:<10} {:>8} {:<8} skipped: {why}", c.strategy.to_string(), c.seq, pass);
             continue;
         };
@@ -523,7 +621,13 @@ fn bench(a: &Args) -> Res<()> {
                    "max_exposed_comm_ms": exposed_ms, "iters_ms": times}),
         ));
         tls.sort_by_key(|t| t.rank);
-        timelines.push(TimelineRun { strategy: c.strategy.to_string(), seq: c.seq, pass: pass.to_string(), mask: spec.to_string(), ranks: std::mem::take(tls) });
+        timelines.push(TimelineRun {
+            strategy: c.strategy.to_string(),
+            seq: c.seq,
+            pass: pass.to_string(),
+            mask: spec.to_string(),
+            ranks: std::mem::take(tls),
+        });
     }
     // Show one timeline so overlap is seen (`distattn timeline FILE --svg DIR` draws them all).
     if let Some(run) = timelines.iter().rev().find(|t| t.pass == "fwd") {
@@ -563,8 +667,22 @@ fn probe(a: &Args) -> Res<()> {
         let shape = AttnShape::new(1, n, n, h, kvh, d)?;
         let mask = Mask::causal(n, n)?;
         let spec = MaskSpec::Causal;
-        let pf = build(st, world, &shape, &mask, DType::BF16, &plan_opts(&spec, n, Pass::Forward, RingBackward::KvCirculate))?;
-        let pb = build(st, world, &shape, &mask, DType::BF16, &plan_opts(&spec, n, Pass::Backward, RingBackward::KvCirculate))?;
+        let pf = build(
+            st,
+            world,
+            &shape,
+            &mask,
+            DType::BF16,
+            &plan_opts(&spec, n, Pass::Forward, RingBackward::KvCirculate),
+        )?;
+        let pb = build(
+            st,
+            world,
+            &shape,
+            &mask,
+            DType::BF16,
+            &plan_opts(&spec, n, Pass::Backward, RingBackward::KvCirculate),
+        )?;
         let t0 = Instant::now();
         let r = with_gpu_ranks(world, 0, Duration::from_secs(120), |g| {
             let fin = device_inputs(g, &pf, 1)?;
@@ -599,7 +717,8 @@ fn probe(a: &Args) -> Res<()> {
 // ------------------------------------------------------------------------- kill test, worker
 
 fn worker() -> Res<()> {
-    let timeout = Duration::from_secs(std::env::var("DISTATTN_TIMEOUT_S").ok().and_then(|v| v.parse().ok()).unwrap_or(10));
+    let timeout =
+        Duration::from_secs(std::env::var("DISTATTN_TIMEOUT_S").ok().and_then(|v| v.parse().ok()).unwrap_or(10));
     let env = LaunchEnv::from_env()?.ok_or("worker needs RANK, WORLD_SIZE, LOCAL_RANK and NCCL_COMM_ID")?;
     let r = (|| -> Result<()> {
         let g = gpu_rank_from_env(timeout)?.ok_or_else(|| Error::Comm("not launched".into()))?;
@@ -659,7 +778,10 @@ fn kill_test(a: &Args) -> Res<bool> {
     }
     std::thread::sleep(Duration::from_secs(kill_after as u64));
     let running = logs.iter().all(|l| l.lock().unwrap().iter().any(|x| x.contains("iteration")));
-    println!("kill test: {world} processes, all iterating before the kill: {running}; killing rank {victim} (pid {})", children[victim].id());
+    println!(
+        "kill test: {world} processes, all iterating before the kill: {running}; killing rank {victim} (pid {})",
+        children[victim].id()
+    );
     children[victim].kill()?;
     let t_kill = Instant::now();
     let _ = children[victim].wait();
@@ -680,7 +802,14 @@ fn kill_test(a: &Args) -> Res<bool> {
             std::thread::sleep(Duration::from_millis(50));
         };
         std::thread::sleep(Duration::from_millis(100));
-        let last = logs[r].lock().unwrap().iter().rev().find(|l| l.contains("ERROR")).cloned().unwrap_or_else(|| "(no error line)".into());
+        let last = logs[r]
+            .lock()
+            .unwrap()
+            .iter()
+            .rev()
+            .find(|l| l.contains("ERROR"))
+            .cloned()
+            .unwrap_or_else(|| "(no error line)".into());
         let named = last.contains(&format!("rank {victim} failed"));
         println!(
             "  rank {r}: {} after {:.1} s; {last}; names rank {victim}: {named}",
@@ -689,7 +818,10 @@ fn kill_test(a: &Args) -> Res<bool> {
         );
         ok &= status.is_some_and(|s| !s.success()) && last.contains("ERROR");
     }
-    println!("kill test: {}", if ok { "PASS (every surviving rank ended with an error within the timeout)" } else { "FAIL" });
+    println!(
+        "kill test: {}",
+        if ok { "PASS (every surviving rank ended with an error within the timeout)" } else { "FAIL" }
+    );
     Ok(ok)
 }
 

@@ -1,9 +1,9 @@
 //! `distattn bench`: forward and backward throughput on the backend present, with a
 //! correctness check against the f64 reference first.
 
+use crate::run::BackendArg;
 use anyhow::{bail, Result};
 use clap::Args;
-use crate::run::BackendArg;
 use distattn::cuda::{CudaBackend, CudaElement};
 use distattn::host::{self, Execution};
 use distattn::nccl::{Timeline, TimelineRun};
@@ -195,7 +195,7 @@ fn check(seed: u64, exec: &Execution) -> Result<String> {
             ("dv", &grads.dv, &rb.dv),
         ] {
             let e = rel_err(got, want);
-            if !(e <= tol) {
+            if e.is_nan() || e > tol {
                 bail!("self-check failed: {dtype} {name} relative error {e:.2e} exceeds {tol:.0e}");
             }
             worst = worst.max(e / tol);
@@ -212,7 +212,11 @@ fn check(seed: u64, exec: &Execution) -> Result<String> {
 fn cpu_name() -> String {
     let model = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
     format!("cpu: {model}, {} threads", rayon::current_num_threads())
 }
@@ -234,7 +238,18 @@ fn commit() -> String {
 fn print_table(rows: &[Row]) {
     println!(
         "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10} {:>9} {:>10} {:>9} {:>11}",
-        "backend", "strategy", "dtype", "mask", "seq", "heads", "d", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "per-GPU eff"
+        "backend",
+        "strategy",
+        "dtype",
+        "mask",
+        "seq",
+        "heads",
+        "d",
+        "fwd ms",
+        "fwd TF/s",
+        "bwd ms",
+        "bwd TF/s",
+        "per-GPU eff"
     );
     for fwd in rows.iter().filter(|r| r.pass == "fwd") {
         let bwd = rows.iter().find(|r| {
@@ -252,13 +267,23 @@ fn print_table(rows: &[Row]) {
             mask.push_str("...");
         }
         // Scaling of the per-GPU (per-rank) throughput against the single kernel, fwd / bwd.
-        let pct = |r: Option<&Row>| r.and_then(|r| r.scaling_eff).map_or("-".to_string(), |e| format!("{:.0}%", 100.0 * e));
+        let pct =
+            |r: Option<&Row>| r.and_then(|r| r.scaling_eff).map_or("-".to_string(), |e| format!("{:.0}%", 100.0 * e));
         let eff = if fwd.world > 1 { format!("{} / {}", pct(Some(fwd)), pct(bwd)) } else { "-".into() };
         println!(
             "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10.1} {:>9.3} {:>10} {:>9} {:>11}",
             fwd.backend,
             if fwd.world > 1 { format!("{}x{}", fwd.strategy, fwd.world) } else { fwd.strategy.clone() },
-            fwd.dtype, mask, fwd.seq, fwd.heads, fwd.head_dim, fwd.ms, fwd.tflops, bms, btf, eff
+            fwd.dtype,
+            mask,
+            fwd.seq,
+            fwd.heads,
+            fwd.head_dim,
+            fwd.ms,
+            fwd.tflops,
+            bms,
+            btf,
+            eff
         );
     }
 }
@@ -424,7 +449,8 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
         if gpus > 0 && dtype == DType::BF16 {
             for &strategy in &args.strategies {
                 let plan = distattn::PlanOptions { documents: spec.doc_lens(seq), ..Default::default() };
-                let run = distattn::nccl::GpuRunOptions { plan, timeline: args.timelines.is_some(), ..Default::default() };
+                let run =
+                    distattn::nccl::GpuRunOptions { plan, timeline: args.timelines.is_some(), ..Default::default() };
                 execs.push(Execution::GpuRanks { strategy, world: gpus, run });
             }
         }
@@ -496,7 +522,8 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
     bar.finish_and_clear();
     print_table(&rows);
     if let Some(path) = &args.timelines {
-        std::fs::write(path, serde_json::to_string(&timelines)?).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        std::fs::write(path, serde_json::to_string(&timelines)?)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         let path = path.display();
         eprintln!("timelines of {} runs in {path} (distattn timeline {path} --svg DIR draws them)", timelines.len());
     }

@@ -60,7 +60,9 @@ pub fn launch(args: LaunchArgs) -> Result<()> {
     for local in 0..args.nproc {
         let rank = args.node_rank * args.nproc + local;
         let mut cmd = Command::new(&args.command[0]);
-        cmd.args(&args.command[1..]).envs(LaunchEnv::for_rank(rank, world, &comm_id)).env("LOCAL_RANK", local.to_string());
+        cmd.args(&args.command[1..])
+            .envs(LaunchEnv::for_rank(rank, world, &comm_id))
+            .env("LOCAL_RANK", local.to_string());
         // Each rank leads its own process group, so stopping it stops what it started too.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         match cmd.spawn() {

@@ -45,7 +45,10 @@ fn main() -> ExitCode {
                 .map(|s| s.to_string())
                 .or_else(|| info.payload().downcast_ref::<String>().cloned())
                 .unwrap_or_default();
-            eprintln!("error: internal error: {msg} (at {}); please report it", info.location().map_or(String::new(), |l| l.to_string()));
+            eprintln!(
+                "error: internal error: {msg} (at {}); please report it",
+                info.location().map_or(String::new(), |l| l.to_string())
+            );
         }));
     }
     let cli = match Cli::try_parse() {

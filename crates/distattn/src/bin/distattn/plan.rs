@@ -48,7 +48,8 @@ pub struct PlanArgs {
 }
 
 pub fn plan(args: PlanArgs) -> Result<()> {
-    let shape = AttnShape::new(args.batch, args.seq, args.seq, args.heads, args.kv_heads.unwrap_or(args.heads), args.head_dim)?;
+    let shape =
+        AttnShape::new(args.batch, args.seq, args.seq, args.heads, args.kv_heads.unwrap_or(args.heads), args.head_dim)?;
     let mask = args.mask.build(args.seq, args.seq)?;
     if args.dist.world == 0 {
         anyhow::bail!("--world must be at least 1");

@@ -36,8 +36,8 @@ pub struct TimelineArgs {
 
 pub fn timeline(args: TimelineArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
-    let runs: Vec<TimelineRun> =
-        serde_json::from_str(&text).with_context(|| format!("{} is not a timelines file (a JSON list of runs)", args.file.display()))?;
+    let runs: Vec<TimelineRun> = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a timelines file (a JSON list of runs)", args.file.display()))?;
     let runs: Vec<&TimelineRun> = runs
         .iter()
         .filter(|r| args.strategy.as_ref().is_none_or(|s| &r.strategy == s))
@@ -50,7 +50,10 @@ pub fn timeline(args: TimelineArgs) -> Result<()> {
     if let Some(dir) = &args.svg {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    println!("{:<10} {:<24} {:>8} {:<8} {:<9} {:>4} {:>9} {:>9} {:>9} {:>7} {:>9}", "strategy", "mask", "seq", "pass", "phase", "rank", "total ms", "compute", "transfer", "hidden", "exposed");
+    println!(
+        "{:<10} {:<24} {:>8} {:<8} {:<9} {:>4} {:>9} {:>9} {:>9} {:>7} {:>9}",
+        "strategy", "mask", "seq", "pass", "phase", "rank", "total ms", "compute", "transfer", "hidden", "exposed"
+    );
     for run in runs {
         for (k, phase) in run.phases().iter().enumerate() {
             for t in phase {
@@ -97,7 +100,10 @@ fn draw(run: &TimelineRun, path: &Path) -> Result<()> {
     let (title, mut rest) = root.split_vertically(40);
     let gpus = phases.first().map_or(0, |p| p.len());
     title
-        .titled(&format!("{} · {} · {} tokens · {} · {gpus} GPUs", run.strategy, run.mask, run.seq, run.pass), ("sans-serif", 20))
+        .titled(
+            &format!("{} · {} · {} tokens · {} · {gpus} GPUs", run.strategy, run.mask, run.seq, run.pass),
+            ("sans-serif", 20),
+        )
         .map_err(|e| fail(&e))?;
     for (k, phase) in phases.iter().enumerate() {
         let (area, below) = rest.split_vertically(heights[k]);
@@ -110,7 +116,11 @@ fn draw(run: &TimelineRun, path: &Path) -> Result<()> {
 
 type DrawResult<T> = std::result::Result<T, DrawingAreaErrorKind<<SVGBackend<'static> as DrawingBackend>::ErrorType>>;
 
-fn draw_phase(area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, name: &str, ranks: &[&Timeline]) -> DrawResult<()> {
+fn draw_phase(
+    area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    name: &str,
+    ranks: &[&Timeline],
+) -> DrawResult<()> {
     let lanes = 2 * ranks.len() as u32;
     let x_max = ranks.iter().map(|t| t.total_ms).fold(0.0, f64::max).max(1e-3);
     let hidden: f64 = ranks.iter().map(|t| t.overlap().hidden_ms).sum();
@@ -122,12 +132,20 @@ fn draw_phase(area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, name: 
         format!("{name}: no transfers")
     };
     // Files from before transfers were timed one by one hold a span per step, waits included.
-    let caption = if spans_only { format!("{caption} (transfers as one span per step: first start to last end)") } else { caption };
+    let caption = if spans_only {
+        format!("{caption} (transfers as one span per step: first start to last end)")
+    } else {
+        caption
+    };
     // Lane 0 at the top: rank 0 compute, rank 0 transfer, rank 1 compute, ...
     let lane_name = |v: &SegmentValue<u32>| match v {
         SegmentValue::CenterOf(i) if *i < lanes => {
             let l = lanes - 1 - i;
-            format!("rank {} {}", ranks[(l / 2) as usize].rank, if l.is_multiple_of(2) { "compute" } else { "transfer" })
+            format!(
+                "rank {} {}",
+                ranks[(l / 2) as usize].rank,
+                if l.is_multiple_of(2) { "compute" } else { "transfer" }
+            )
         }
         _ => String::new(),
     };
@@ -137,7 +155,13 @@ fn draw_phase(area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, name: 
         .x_label_area_size(28)
         .y_label_area_size(120)
         .build_cartesian_2d(0f64..x_max, (0..lanes).into_segmented())?;
-    chart.configure_mesh().disable_y_mesh().y_labels(lanes as usize).y_label_formatter(&lane_name).x_desc("ms from the rank's start").draw()?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .y_labels(lanes as usize)
+        .y_label_formatter(&lane_name)
+        .x_desc("ms from the rank's start")
+        .draw()?;
     let compute = [RGBColor(31, 119, 180), RGBColor(120, 170, 215)];
     let transfer = [RGBColor(230, 120, 20), RGBColor(245, 180, 110)];
     for (r, t) in ranks.iter().enumerate() {
@@ -146,7 +170,10 @@ fn draw_phase(area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, name: 
             let bars = bars.chain(s.transfer_intervals().into_iter().map(|iv| (2 * r as u32 + 1, iv, transfer)));
             chart.draw_series(bars.map(|(lane, (a, b), shades)| {
                 let y = lanes - 1 - lane;
-                Rectangle::new([(a, SegmentValue::Exact(y)), (b, SegmentValue::Exact(y + 1))], shades[s.step % 2].filled())
+                Rectangle::new(
+                    [(a, SegmentValue::Exact(y)), (b, SegmentValue::Exact(y + 1))],
+                    shades[s.step % 2].filled(),
+                )
             }))?;
         }
     }
