@@ -1,10 +1,15 @@
 //! The error type shared by every distattn crate.
 
+use std::sync::Arc;
 use thiserror::Error;
 
 /// Everything that can go wrong in distattn, as data the caller can match on.
 ///
-/// Library code never panics on user input; it returns one of these.
+/// Library code never panics on user input; it returns one of these. Variants say whose fault
+/// an error is: the caller's arguments ([`Error::InvalidArgument`] and the shape, dtype and
+/// mask variants), a plan ([`Error::InvalidPlan`]), a peer or the transport
+/// ([`Error::RankFailed`], [`Error::Comm`]), the device ([`Error::Backend`]), a file
+/// ([`Error::Io`], [`Error::InvalidFile`]), or distattn itself ([`Error::Internal`]).
 #[derive(Debug, Error, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum Error {
@@ -44,9 +49,18 @@ pub enum Error {
     #[error("{tensor} contains a non-finite value at flat index {index}")]
     NonFinite { tensor: String, index: usize },
 
+    /// An argument outside its valid range (a softmax scale, a world size, an option).
+    #[error("invalid {what}: {reason}")]
+    InvalidArgument { what: String, reason: String },
+
     /// A strategy cannot serve this configuration.
     #[error("strategy {strategy} cannot run this case: {reason}")]
     Unsupported { strategy: String, reason: String },
+
+    /// A plan breaks its invariants (a buffer used before it exists, a send nobody receives,
+    /// a plan run on the wrong number of ranks).
+    #[error("invalid plan: {0}")]
+    InvalidPlan(String),
 
     /// A rank of a distributed run failed; the others stop with this error.
     #[error("rank {rank} failed: {reason}")]
@@ -60,10 +74,80 @@ pub enum Error {
     #[error("{backend} backend: {reason}")]
     Backend { backend: &'static str, reason: String },
 
-    /// Reading or writing a file failed.
+    /// Reading or writing a file failed; the I/O error is the source.
+    #[error("I/O error on {path}")]
+    Io {
+        path: String,
+        #[source]
+        source: IoError,
+    },
+
+    /// A file was read but does not hold what it should (a malformed `.npy`, a wrong length).
     #[error("{path}: {reason}")]
-    Io { path: String, reason: String },
+    InvalidFile { path: String, reason: String },
+
+    /// An invariant of distattn itself failed: a bug to report, not a usage error.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// An [`Error::InvalidArgument`].
+    pub fn invalid(what: impl Into<String>, reason: impl Into<String>) -> Error {
+        Error::InvalidArgument { what: what.into(), reason: reason.into() }
+    }
+
+    /// An [`Error::Io`] for `path`.
+    pub fn io(path: impl AsRef<std::path::Path>, source: std::io::Error) -> Error {
+        Error::Io { path: path.as_ref().display().to_string(), source: IoError(Arc::new(source)) }
+    }
+}
+
+/// An I/O error kept as the source of [`Error::Io`]; shared so that [`Error`] stays `Clone`,
+/// and compared by kind and message.
+#[derive(Debug, Clone)]
+pub struct IoError(pub Arc<std::io::Error>);
+
+impl IoError {
+    /// The underlying I/O error.
+    pub fn get(&self) -> &std::io::Error {
+        &self.0
+    }
+}
+
+impl PartialEq for IoError {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.kind() == other.0.kind() && self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl std::fmt::Display for IoError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for IoError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
 }
 
 /// Result alias with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn io_errors_keep_their_source() {
+        let e = Error::io("/no/such", std::io::Error::new(std::io::ErrorKind::NotFound, "gone"));
+        assert_eq!(e.to_string(), "I/O error on /no/such");
+        let src = e.source().and_then(|s| s.downcast_ref::<IoError>()).expect("the I/O error as source");
+        assert_eq!((src.get().kind(), src.to_string().as_str()), (std::io::ErrorKind::NotFound, "gone"));
+        assert_eq!(e.clone(), e);
+        assert_eq!(Error::invalid("scale", "must be positive").to_string(), "invalid scale: must be positive");
+    }
+}

@@ -24,8 +24,8 @@ pub struct HostTensor {
     pub data: TensorData,
 }
 
-fn io_err(path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::Io { path: path.display().to_string(), reason: e.to_string() }
+fn bad_file(path: &Path, e: impl std::fmt::Display) -> Error {
+    Error::InvalidFile { path: path.display().to_string(), reason: e.to_string() }
 }
 
 impl HostTensor {
@@ -102,18 +102,23 @@ impl HostTensor {
     /// Reads a `.npy` file (C order).
     pub fn read_npy(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let file = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         let mut bytes = Vec::new();
-        BufReader::new(file).read_to_end(&mut bytes).map_err(|e| io_err(path, e))?;
-        let npy = npyz::NpyFile::new(&bytes[..]).map_err(|e| io_err(path, format!("not a valid .npy file ({e})")))?;
+        BufReader::new(file).read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
+        let npy = npyz::NpyFile::new(&bytes[..]).map_err(|e| bad_file(path, format!("not a valid .npy file ({e})")))?;
         if npy.order() != npyz::Order::C {
-            return Err(io_err(path, "Fortran-order arrays are not supported; save with np.ascontiguousarray"));
+            return Err(bad_file(path, "Fortran-order arrays are not supported; save with np.ascontiguousarray"));
         }
         let shape: Vec<usize> = npy.shape().iter().map(|&d| d as usize).collect();
         let descr = npy.dtype().descr();
-        let bad_type = || io_err(path, format!("unsupported dtype '{descr}' (expected f32, f64, f16, or bf16 bits as 2-byte int/void)"));
+        let bad_type = || {
+            bad_file(
+                path,
+                format!("unsupported dtype '{descr}' (expected f32, f64, f16, or bf16 bits as 2-byte int/void)"),
+            )
+        };
         let npyz::DType::Plain(ts) = npy.dtype() else { return Err(bad_type()) };
-        let read_err = |e: std::io::Error| io_err(path, e);
+        let read_err = |e: std::io::Error| bad_file(path, format!("the data does not match the header ({e})"));
         let data = match (ts.type_char(), ts.size_field()) {
             (npyz::TypeChar::Float, 4) => TensorData::F32(npy.into_vec::<f32>().map_err(read_err)?),
             (npyz::TypeChar::Float, 8) => {
@@ -126,7 +131,13 @@ impl HostTensor {
                 let little = ts.endianness() != npyz::Endianness::Big;
                 TensorData::BF16(
                     raw.chunks_exact(2)
-                        .map(|c| bf16::from_bits(if little { u16::from_le_bytes([c[0], c[1]]) } else { u16::from_be_bytes([c[0], c[1]]) }))
+                        .map(|c| {
+                            bf16::from_bits(if little {
+                                u16::from_le_bytes([c[0], c[1]])
+                            } else {
+                                u16::from_be_bytes([c[0], c[1]])
+                            })
+                        })
                         .collect(),
                 )
             }
@@ -134,7 +145,7 @@ impl HostTensor {
         };
         let t = HostTensor { shape, data };
         if t.len() != t.shape.iter().product::<usize>() {
-            return Err(io_err(path, "file is shorter than its header says"));
+            return Err(bad_file(path, "file is shorter than its header says"));
         }
         Ok(t)
     }
@@ -143,16 +154,16 @@ impl HostTensor {
     pub fn write_npy_f32(path: impl AsRef<Path>, shape: &[usize], values: &[f32]) -> Result<()> {
         use npyz::WriterBuilder;
         let path = path.as_ref();
-        let file = std::fs::File::create(path).map_err(|e| io_err(path, e))?;
+        let file = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
         let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
         let mut w = npyz::WriteOptions::new()
             .default_dtype()
             .shape(&shape)
             .writer(BufWriter::new(file))
             .begin_nd()
-            .map_err(|e| io_err(path, e))?;
-        w.extend(values.iter().copied()).map_err(|e| io_err(path, e))?;
-        w.finish().map_err(|e| io_err(path, e))
+            .map_err(|e| Error::io(path, e))?;
+        w.extend(values.iter().copied()).map_err(|e| Error::io(path, e))?;
+        w.finish().map_err(|e| Error::io(path, e))
     }
 }
 
@@ -173,7 +184,7 @@ mod tests {
         assert_eq!(t.cast(DType::BF16).to_f32()[1], -2.5);
         assert!(HostTensor::read_npy(dir.path().join("missing.npy")).is_err());
         std::fs::write(dir.path().join("junk.npy"), b"not numpy").unwrap();
-        assert!(matches!(HostTensor::read_npy(dir.path().join("junk.npy")), Err(Error::Io { .. })));
+        assert!(matches!(HostTensor::read_npy(dir.path().join("junk.npy")), Err(Error::InvalidFile { .. })));
         let nan = HostTensor::from_f32(vec![2], &[1.0, f32::NAN], DType::F32);
         assert_eq!(nan.check_finite("q"), Err(Error::NonFinite { tensor: "q".into(), index: 1 }));
     }
