@@ -4,46 +4,25 @@
 //!   storage), parallel with rayon, AVX2/FMA micro-kernels with a portable fallback.
 //! * [`row_delta`]: `D = rowsum(dO ∘ O)`, the per-row term of the backward pass.
 //! * [`merge`]: combining partial (O, LSE) over disjoint key sets, and its backward.
-//! * [`reference`]: dense, quadratic, f64 — the oracle of the tests.
+//! * [`CpuBackend`]: these kernels as a backend of the plan interpreter (`distattn-exec`), so
+//!   plans run on thread ranks of one process.
 //!
 //! Layouts (see [`AttnShape`]): Q, O, dO, dQ are `[batch, q_len, heads, head_dim]`; K, V, dK,
 //! dV are `[batch, k_len, kv_heads, head_dim]`; LSE and D are `[batch, heads, q_len]` (natural
 //! log). Rows that no key reaches have O = 0, LSE = −inf and dQ = 0.
 
+mod backend;
 pub mod flash;
 pub mod merge;
-pub mod reference;
 
-use distattn_core::{AttnOptions, AttnShape, Element, Error, Mask, Result};
+pub use backend::CpuBackend;
+use distattn_core::{AttnOptions, AttnShape, Element, Error, Forward, Grads, Mask, Result};
 pub use flash::TileConfig;
-
-/// Output of the forward pass.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Forward {
-    /// `[batch, q_len, heads, head_dim]`.
-    pub o: Vec<f32>,
-    /// `[batch, heads, q_len]`, natural log; −inf for rows that see no key.
-    pub lse: Vec<f32>,
-}
-
-/// Gradients of the backward pass.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Grads {
-    /// Q layout.
-    pub dq: Vec<f32>,
-    /// K layout, summed over the query heads of each GQA group.
-    pub dk: Vec<f32>,
-    /// K layout, summed over the query heads of each GQA group.
-    pub dv: Vec<f32>,
-}
 
 pub(crate) fn check_scale(opts: &AttnOptions, d: usize) -> Result<f32> {
     let s = opts.scale_for(d);
     if !(s.is_finite() && s > 0.0) {
-        return Err(Error::Unsupported {
-            strategy: "cpu".into(),
-            reason: format!("softmax scale must be positive and finite, got {s}"),
-        });
+        return Err(Error::invalid("softmax scale", format!("must be positive and finite, got {s}")));
     }
     Ok(s)
 }

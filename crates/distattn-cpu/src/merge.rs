@@ -5,8 +5,7 @@
 //! `w_s = exp(LSE_s − LSE)`. Everything is f32 and shifted by the larger LSE, so nothing
 //! overflows; rows no key reaches stay at `O = 0`, `LSE = −inf`, never NaN.
 
-use crate::Forward;
-use distattn_core::{AttnShape, Result};
+use distattn_core::{AttnShape, Forward, Result};
 
 fn check(shape: &AttnShape, o: (&str, usize), lse: (&str, usize)) -> Result<()> {
     shape.validate()?;
@@ -30,30 +29,35 @@ pub fn merge_into(
         for i in 0..shape.q_len {
             for h in 0..shape.heads {
                 let li = shape.lse_offset(b, h, i);
-                let (la, lb) = (acc_lse[li], part_lse[li]);
-                if lb == f32::NEG_INFINITY || lb.is_nan() {
-                    continue;
-                }
                 let off = shape.q_offset(b, i, h);
-                let ao = &mut acc_o[off..off + d];
-                let bo = &part_o[off..off + d];
-                if la == f32::NEG_INFINITY || la.is_nan() {
-                    ao.copy_from_slice(bo);
-                    acc_lse[li] = lb;
-                    continue;
-                }
-                let m = la.max(lb);
-                let (wa, wb) = ((la - m).exp(), (lb - m).exp());
-                let sum = wa + wb;
-                let (wa, wb) = (wa / sum, wb / sum);
-                for (x, &y) in ao.iter_mut().zip(bo) {
-                    *x = wa * *x + wb * y;
-                }
-                acc_lse[li] = m + sum.ln();
+                merge_row(&mut acc_o[off..off + d], &mut acc_lse[li], &part_o[off..off + d], part_lse[li]);
             }
         }
     }
     Ok(())
+}
+
+/// Merges one partial row (`part_o`, `part_lse`) into an accumulator row in place, shifted by
+/// the larger LSE; a partial that reaches no key (LSE −inf or NaN) leaves it as is, and an
+/// accumulator that has none yet takes the partial.
+pub fn merge_row(acc_o: &mut [f32], acc_lse: &mut f32, part_o: &[f32], part_lse: f32) {
+    let (la, lb) = (*acc_lse, part_lse);
+    if lb == f32::NEG_INFINITY || lb.is_nan() {
+        return;
+    }
+    if la == f32::NEG_INFINITY || la.is_nan() {
+        acc_o.copy_from_slice(part_o);
+        *acc_lse = lb;
+        return;
+    }
+    let m = la.max(lb);
+    let (wa, wb) = ((la - m).exp(), (lb - m).exp());
+    let sum = wa + wb;
+    let (wa, wb) = (wa / sum, wb / sum);
+    for (x, &y) in acc_o.iter_mut().zip(part_o) {
+        *x = wa * *x + wb * y;
+    }
+    *acc_lse = m + sum.ln();
 }
 
 /// Merges every partial into one result (no partial: O = 0, LSE = −inf everywhere).

@@ -4,7 +4,7 @@
 mod common;
 use common::*;
 use distattn_core::{AttnOptions, AttnShape, Error, Mask};
-use distattn_cpu::{backward, forward, reference, row_delta, TileConfig};
+use distattn_cpu::{backward, forward, row_delta, TileConfig};
 
 fn shapes_and_masks() -> Vec<(AttnShape, Mask)> {
     vec![

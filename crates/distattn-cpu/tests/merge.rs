@@ -5,7 +5,7 @@
 mod common;
 use common::*;
 use distattn_core::{AttnOptions, AttnShape, Mask};
-use distattn_cpu::{backward, forward, merge, reference, row_delta};
+use distattn_cpu::{backward, forward, merge, row_delta};
 use rand::Rng;
 
 fn split_points(rng: &mut rand::rngs::StdRng, n: usize, parts: usize) -> Vec<usize> {

@@ -8,7 +8,7 @@
 use super::gemm::{gemm, simd_available, AOp};
 use super::vmath;
 use super::{pack_transposed, round16, rows_f32, SendPtr, TileConfig, LOG2E};
-use crate::Grads;
+use distattn_core::Grads;
 use distattn_core::{AttnShape, Element, Mask, TileClass};
 use rayon::prelude::*;
 use std::sync::Mutex;

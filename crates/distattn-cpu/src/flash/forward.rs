@@ -4,7 +4,7 @@
 use super::gemm::{gemm_panels, simd_available, AOp};
 use super::vmath;
 use super::{pack_k_panels, pack_v_panels, round16, rows_f32, SendPtr, TileConfig, LOG2E};
-use crate::Forward;
+use distattn_core::Forward;
 use distattn_core::{AttnShape, Element, Mask, TileClass};
 use rayon::prelude::*;
 

@@ -1,87 +1,24 @@
-//! Shared helpers of the distattn-cpu tests: seeded random inputs, relative errors, and the
-//! one tolerance.
-//!
-//! Seeds: every test draws fresh inputs from a seed printed on stderr (`cargo test -- --nocapture`
-//! shows it; a failing test prints it in its message). Set `DISTATTN_SEED=<n>` to replay.
+//! Shared helpers of the distattn-cpu tests: the test kit (seeded inputs, the f64 reference,
+//! relative errors) applied to the CPU kernels, and the one tolerance.
 #![allow(dead_code)]
 
 use distattn_core::{AttnOptions, AttnShape, DType, Element, Mask};
-use distattn_cpu::{backward_with, forward_with, reference, row_delta, TileConfig};
+use distattn_cpu::{backward_with, forward_with, row_delta, TileConfig};
 use half::{bf16, f16};
-use rand::{rngs::StdRng, Rng, SeedableRng};
-use rand_distr::StandardNormal;
+use rand::rngs::StdRng;
 
-/// The relative error bound, `‖x − ref‖ / max(‖ref‖, FLOOR·√n)`, for every storage dtype:
+/// The relative error bound (`distattn_testkit::rel_err`) for every storage dtype:
 /// `ref` is the f64 reference on the inputs *as stored* (bf16/f16 values widened), so the
 /// bound covers what the kernels add, f32 accumulation order and the polynomial exp2
 /// (≈ 2e-7), and not the storage rounding of the inputs, whose effect depends on the
 /// conditioning of each case (a single key, a head dim of 1) rather than on the kernels.
 pub const TOLERANCE: f64 = 1e-5;
 
-/// Floor of the norm in relative errors: an RMS of 0.1.
-pub const FLOOR: f64 = 1e-1;
+pub use distattn_testkit::{cast, lse_err, randn, reference, rel_err};
 
-/// The run's seed: `DISTATTN_SEED` if set, else fresh; printed either way.
-pub fn seed(test: &str) -> u64 {
-    let s = match std::env::var("DISTATTN_SEED") {
-        Ok(v) => v.parse().expect("DISTATTN_SEED must be an integer"),
-        Err(_) => rand::rng().random(),
-    };
-    eprintln!("[{test}] seed {s} (replay with DISTATTN_SEED={s})");
-    s
-}
-
+/// The run's generator and seed (printed; `DISTATTN_SEED` replays it).
 pub fn rng(test: &str) -> (StdRng, u64) {
-    let s = seed(test);
-    (StdRng::seed_from_u64(s), s)
-}
-
-pub fn randn(rng: &mut StdRng, n: usize, sd: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.sample::<f32, _>(StandardNormal) * sd).collect()
-}
-
-pub fn cast<T: Element>(x: &[f32]) -> Vec<T> {
-    x.iter().map(|&v| T::from_f32(v)).collect()
-}
-
-/// `‖x − r‖ / max(‖r‖, FLOOR·√n)`; infinite on any NaN.
-///
-/// The floor (an RMS of 0.1; inputs are unit normal, so O and the gradients have RMS of
-/// order 0.1–1) keeps the measure meaningful where the exact result is nearly zero by
-/// cancellation — e.g. dQ when every row sees a single key, where dS = P·(dP − D) ≈ 0.
-pub fn rel_err(x: &[f32], r: &[f64]) -> f64 {
-    assert_eq!(x.len(), r.len());
-    let mut num = 0f64;
-    let mut den = 0f64;
-    for (&a, &b) in x.iter().zip(r) {
-        if a.is_nan() {
-            return f64::INFINITY;
-        }
-        num += (a as f64 - b).powi(2);
-        den += b * b;
-    }
-    (num / den.max(FLOOR * FLOOR * r.len() as f64)).sqrt()
-}
-
-/// LSE comparison: −inf exactly where the reference has −inf, relative error elsewhere.
-pub fn lse_err(x: &[f32], r: &[f64]) -> f64 {
-    let mut fin_x = Vec::new();
-    let mut fin_r = Vec::new();
-    for (&a, &b) in x.iter().zip(r) {
-        if b == f64::NEG_INFINITY {
-            if a != f32::NEG_INFINITY {
-                return f64::INFINITY;
-            }
-        } else {
-            fin_x.push(a);
-            fin_r.push(b);
-        }
-    }
-    if fin_r.is_empty() {
-        0.0
-    } else {
-        rel_err(&fin_x, &fin_r)
-    }
+    distattn_testkit::seeded_rng(test)
 }
 
 /// Errors of one forward + backward case.

@@ -1,8 +1,9 @@
-//! P ranks as threads of one process: [`ThreadComm`] implements
-//! [`distattn_core::Communicator`] over shared mailboxes, and [`run_ranks`] runs a closure on
-//! every rank, turning a rank's error or panic into an error for all the others.
+//! P ranks as threads of one process: [`ThreadComm`] implements [`Communicator`] over shared
+//! mailboxes of host bytes, and [`run_ranks`] runs a closure on every rank, turning a rank's
+//! error or panic into an error for all the others.
 
-use distattn_core::{Communicator, Error, Result};
+use crate::comm::Communicator;
+use distattn_core::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -196,13 +197,13 @@ impl Communicator for ThreadComm {
         }
         self.shared.cv.notify_all();
         let mut acc: Vec<f32> =
-            send[self.rank * n..][..n].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            send[self.rank * n..][..n].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         let mut tmp = vec![0u8; n];
         // Sum in rank order so every rank's result is bitwise reproducible.
         let mut parts: Vec<(usize, Vec<f32>)> = Vec::new();
         for from in (0..w).filter(|&r| r != self.rank) {
             st = self.take(st, from, COLL, &mut tmp)?;
-            parts.push((from, tmp.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()));
+            parts.push((from, tmp.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()));
         }
         drop(st);
         let own = std::mem::take(&mut acc);
@@ -249,6 +250,10 @@ impl Communicator for ThreadComm {
             st.failed = Some((self.rank, reason.to_string()));
         }
         self.shared.cv.notify_all();
+    }
+
+    fn check(&self) -> Result<()> {
+        self.failure().map_or(Ok(()), Err)
     }
 }
 
@@ -298,7 +303,10 @@ pub fn run_ranks<R: Send>(
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::Comm("rank thread lost".into())))).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Internal("a rank thread ended without a result".into()))))
+            .collect()
     });
     if let Some(e) = probe.failure() {
         return Err(e);
@@ -309,7 +317,7 @@ pub fn run_ranks<R: Send>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use distattn_core::comm::{as_bytes, as_bytes_mut};
+    use bytemuck::{cast_slice as as_bytes, cast_slice_mut as as_bytes_mut};
 
     const T: Duration = Duration::from_secs(10);
 

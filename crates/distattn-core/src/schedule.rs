@@ -1,7 +1,9 @@
-//! Plan → two-stream schedule, as pure data (tested on CPU).
+//! A rank's program as issued on two lanes, as pure data: the interpreter of every backend
+//! follows it (a lane is a stream on a GPU; on the CPU lanes only order the work, which runs
+//! as it is issued).
 //!
 //! A rank's program is issued in program order onto two lanes: the **compute** lane (blocks,
-//! merges, adds) and the **comm** lane (NCCL groups, and copies whose source no compute op has
+//! merges, adds) and the **comm** lane (transfer groups, and copies whose source no compute op has
 //! written, such as the extraction of a query chunk that is about to be sent). Each op waits
 //! only for the latest op of the *other* lane that touched one of its buffers (a write it reads,
 //! or any use of a buffer it writes or frees); ops of one lane run in order. So step t+1's
@@ -21,9 +23,9 @@
 //! Lanes keep program order and every wait names an op issued before it, so the streams get
 //! the same work and the same dependencies.
 
-use distattn_core::plan::{BufId, Op, RankProgram};
+use crate::plan::{BufId, Op, RankProgram};
 
-/// An execution lane (one CUDA stream each).
+/// An execution lane (one CUDA stream each on a GPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub enum Lane {
     Compute,
@@ -274,8 +276,8 @@ impl Schedule {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use distattn_core::plan::{build, Pass, PlanOptions, RingBackward};
-    use distattn_core::{AttnShape, DType, Mask, Strategy};
+    use crate::plan::{build, Pass, PlanOptions, RingBackward};
+    use crate::{AttnShape, DType, Mask, Strategy};
 
     fn check_deps(prog: &RankProgram, s: &Schedule) {
         let flat: Vec<&Op> = prog.steps.iter().flatten().collect();

@@ -1,5 +1,5 @@
-//! Per-step timelines of a rank (compute and transfer intervals, from CUDA events) and the
-//! overlap they show.
+//! Per-step timelines of a rank (compute and transfer intervals, from the backend's events:
+//! CUDA events on a GPU, clock readings on the CPU) and the overlap they show.
 
 use serde::{Deserialize, Serialize};
 

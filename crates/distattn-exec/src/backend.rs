@@ -1,0 +1,110 @@
+//! The compute backend the interpreter runs a plan on: buffers, two ordered lanes with events
+//! between them, data movement, and the attention blocks.
+//!
+//! On a GPU the lanes are two streams and events are device events, so transfers run beside
+//! compute; on the CPU every call completes before it returns, lanes only name the work, and an
+//! event is the time it was recorded. The interpreter issues the same calls either way.
+
+use crate::pieces::{MergeSpec, Piece};
+use distattn_core::schedule::Lane;
+use distattn_core::{AttnOptions, AttnShape, DType, Element, Mask, Result};
+
+/// A block of a rank's program — one query set against one key set — prepared once: its
+/// kernel shape and its mask re-indexed to the block's own rows and keys.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Block {
+    pub shape: AttnShape,
+    pub mask: Mask,
+}
+
+/// The inputs of a block's forward, in the input dtype.
+pub struct FwdInputs<'a, B> {
+    pub q: &'a B,
+    pub k: &'a B,
+    pub v: &'a B,
+}
+
+/// The inputs of a block's backward: Q, K, V, dO in the input dtype; the global LSE and
+/// D = rowsum(dO ∘ O) of the block's query rows in f32.
+pub struct BwdInputs<'a, B> {
+    pub q: &'a B,
+    pub k: &'a B,
+    pub v: &'a B,
+    pub d_o: &'a B,
+    pub lse: &'a B,
+    pub delta: &'a B,
+}
+
+/// What the interpreter needs from a compute device.
+pub trait Backend: Sync {
+    /// A buffer on the device, with its dtype.
+    type Buf: Send;
+    /// What a communicator moves (host bytes for the CPU, device buffers for NCCL).
+    type CommBuf: ?Sized;
+    /// A point in a lane's work, to order the other lane after it or to time it.
+    type Event;
+
+    fn name(&self) -> &'static str;
+
+    /// A buffer of `elems` values of `dtype`, set to `fill`, or unwritten with `None` (a
+    /// buffer about to be received into or fully written), ordered on `lane`.
+    fn alloc(&self, lane: Lane, dtype: DType, elems: usize, fill: Option<f32>) -> Result<Self::Buf>;
+    /// Releases `buf` once the work issued on `lane` so far is done with it.
+    fn free(&self, lane: Lane, buf: Self::Buf);
+    /// A buffer holding `data` (on the compute lane).
+    fn upload<T: Element>(&self, data: &[T]) -> Result<Self::Buf>;
+    /// The buffer's values as f32, after the work issued on the compute lane.
+    fn download_f32(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
+    /// The buffer as the communicator sees it.
+    fn comm_view<'a>(&self, buf: &'a Self::Buf) -> &'a Self::CommBuf;
+    fn comm_view_mut<'a>(&self, buf: &'a mut Self::Buf) -> &'a mut Self::CommBuf;
+
+    /// Marks the work issued on `lane` so far; `timed` events can be compared with
+    /// [`Backend::elapsed_ms`].
+    fn record(&self, lane: Lane, timed: bool) -> Result<Self::Event>;
+    /// Work issued on `lane` from now on starts after `event`.
+    fn wait(&self, lane: Lane, event: &Self::Event) -> Result<()>;
+    /// Whether the work before `event` has completed (never blocks).
+    fn is_done(&self, event: &Self::Event) -> Result<bool>;
+    /// Milliseconds from `start` to `end` (both timed).
+    fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> Result<f64>;
+
+    /// `dst[d..d+n] = src[s..s+n]` for every piece (same dtype).
+    fn copy(&self, lane: Lane, src: &Self::Buf, dst: &mut Self::Buf, pieces: &[Piece]) -> Result<()>;
+    /// `dst[d..d+n] += src[s..s+n]` for every piece; `dst` is f32, `src` f32 or the input dtype.
+    fn add(&self, lane: Lane, src: &Self::Buf, dst: &mut Self::Buf, pieces: &[Piece]) -> Result<()>;
+    /// Overflow-safe LSE merge of a partial (O, LSE) into accumulators (all f32), on the
+    /// compute lane. Rows the partial does not reach (LSE = −inf) leave the accumulator as is.
+    fn merge(
+        &self,
+        o: &Self::Buf,
+        lse: &Self::Buf,
+        o_acc: &mut Self::Buf,
+        lse_acc: &mut Self::Buf,
+        spec: &MergeSpec,
+    ) -> Result<()>;
+    /// Attention of one block, writing its f32 O `[b, q rows, h, d]` and LSE `[b, h, q rows]`
+    /// (every row; O = 0 and LSE = −inf where no key is kept), on the compute lane.
+    fn forward(
+        &self,
+        block: &Block,
+        inputs: FwdInputs<'_, Self::Buf>,
+        opts: &AttnOptions,
+        o: &mut Self::Buf,
+        lse: &mut Self::Buf,
+    ) -> Result<()>;
+    /// Exact partial gradients of one block given the global LSE and D: adds dQ into `dq`
+    /// (f32, the block's query rows) and returns the block's dK and dV (f32 or the input
+    /// dtype), on the compute lane.
+    fn backward(
+        &self,
+        block: &Block,
+        inputs: BwdInputs<'_, Self::Buf>,
+        opts: &AttnOptions,
+        dq: &mut Self::Buf,
+    ) -> Result<(Self::Buf, Self::Buf)>;
+    /// D = rowsum(dO ∘ O) of `rows.q_len` tokens (`rows` gives batch, tokens, heads and head
+    /// dim): `o` f32 and `d_o` in the input dtype, `[b, tokens, h, d]`; returns f32
+    /// `[b, h, tokens]`.
+    fn row_delta(&self, o: &Self::Buf, d_o: &Self::Buf, rows: &AttnShape) -> Result<Self::Buf>;
+}

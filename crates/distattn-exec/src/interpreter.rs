@@ -1,0 +1,364 @@
+//! The one interpreter of plans: runs a [`PreparedRank`] on any [`Backend`] and
+//! [`Communicator`], following its schedule — ops issued in the schedule's order onto the
+//! compute and comm lanes, each waiting for the event of the op of the other lane it depends
+//! on — and, when asked, timing every step.
+//!
+//! CPU thread ranks and NCCL GPU ranks both run through [`execute`]; it knows nothing about
+//! strategies (everything comes from the prepared program) or devices (everything goes through
+//! the backend).
+
+use crate::backend::{Backend, BwdInputs, FwdInputs};
+use crate::comm::Communicator;
+use crate::prepare::{DqOutput, FwdOutput, PreparedOp, PreparedRank};
+use distattn_core::plan::BufId;
+use distattn_core::schedule::Lane;
+use distattn_core::timeline::{StepTimes, Timeline};
+use distattn_core::{AttnOptions, DType, Error, Result};
+use std::time::Duration;
+
+/// How a test makes a rank fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The rank returns an error.
+    Error,
+    /// The rank panics (the runners turn it into an error naming the rank).
+    Panic,
+}
+
+/// A test hook: make `rank` fail when it reaches `step`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InjectedFailure {
+    pub rank: usize,
+    pub step: usize,
+    pub kind: FailureKind,
+}
+
+/// Options of one execution.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExecOptions {
+    /// Record the per-step timeline (compute span and each transfer).
+    pub timeline: bool,
+    /// Test hook: make a rank fail.
+    pub fail: Option<InjectedFailure>,
+}
+
+/// What one execution returns.
+pub struct RankRun<Buf> {
+    /// The outputs, in the order of the program's `outputs`.
+    pub outputs: Vec<Buf>,
+    pub timeline: Option<Timeline>,
+}
+
+/// The buffers of a running program, by id.
+struct Store<Buf> {
+    rank: usize,
+    bufs: Vec<Option<Buf>>,
+}
+
+impl<Buf> Store<Buf> {
+    fn missing(&self, b: BufId) -> Error {
+        Error::InvalidPlan(format!("rank {}: buffer {b} used before it was allocated or after it was freed", self.rank))
+    }
+
+    fn get(&self, b: BufId) -> Result<&Buf> {
+        self.bufs[b].as_ref().ok_or_else(|| self.missing(b))
+    }
+
+    fn take(&mut self, b: BufId) -> Result<Buf> {
+        self.bufs[b].take().ok_or_else(|| self.missing(b))
+    }
+
+    fn put(&mut self, b: BufId, buf: Buf) {
+        self.bufs[b] = Some(buf);
+    }
+
+    /// Runs `f` on buffer `dst` (taken out for the call, so other buffers can be read) and puts
+    /// it back, also when `f` fails.
+    fn with_mut<R>(&mut self, dst: BufId, f: impl FnOnce(&Self, &mut Buf) -> Result<R>) -> Result<R> {
+        let mut d = self.take(dst)?;
+        let r = f(self, &mut d);
+        self.put(dst, d);
+        r
+    }
+
+    /// Like [`Store::with_mut`] for two buffers.
+    fn with_mut2<R>(
+        &mut self,
+        a: BufId,
+        b: BufId,
+        f: impl FnOnce(&Self, &mut Buf, &mut Buf) -> Result<R>,
+    ) -> Result<R> {
+        let mut x = self.take(a)?;
+        let mut y = match self.take(b) {
+            Ok(y) => y,
+            Err(e) => {
+                self.put(a, x);
+                return Err(e);
+            }
+        };
+        let r = f(self, &mut x, &mut y);
+        self.put(a, x);
+        self.put(b, y);
+        r
+    }
+}
+
+/// Runs `prog` on `backend` and `comm`. `inputs` are this rank's shards in the order of
+/// `prog.inputs`, written on the compute lane. Returns when the run has completed on the
+/// device, or with the first failure of this rank, a peer or the transport.
+pub fn execute<B, C>(
+    prog: &PreparedRank,
+    backend: &B,
+    comm: &C,
+    opts: &AttnOptions,
+    inputs: Vec<B::Buf>,
+    ctl: &ExecOptions,
+) -> Result<RankRun<B::Buf>>
+where
+    B: Backend,
+    C: Communicator<Buf = B::CommBuf>,
+{
+    if comm.rank() != prog.rank || comm.world() != prog.world {
+        return Err(Error::InvalidPlan(format!(
+            "the program of rank {} of {} run as rank {} of {}",
+            prog.rank,
+            prog.world,
+            comm.rank(),
+            comm.world()
+        )));
+    }
+    if inputs.len() != prog.inputs.len() {
+        return Err(Error::invalid(
+            "inputs",
+            format!("rank {}: {} given, the program takes {}", prog.rank, inputs.len(), prog.inputs.len()),
+        ));
+    }
+    // The whole run is under the stall clock, restarted by every block completed: a rank
+    // stuck anywhere is aborted, a long healthy run is not.
+    let watching = comm.stall_watch_begin();
+    let r = run(prog, backend, comm, opts, inputs, ctl);
+    if watching {
+        comm.stall_watch_end();
+    }
+    r
+}
+
+fn run<B, C>(
+    prog: &PreparedRank,
+    backend: &B,
+    comm: &C,
+    opts: &AttnOptions,
+    inputs: Vec<B::Buf>,
+    ctl: &ExecOptions,
+) -> Result<RankRun<B::Buf>>
+where
+    B: Backend,
+    C: Communicator<Buf = B::CommBuf>,
+{
+    let sched = &prog.schedule;
+    let timed = ctl.timeline;
+    let t_start = if timed { Some(backend.record(Lane::Compute, true)?) } else { None };
+    // Inputs were written on the compute lane.
+    backend.wait(Lane::Comm, &backend.record(Lane::Compute, false)?)?;
+
+    let mut store = Store { rank: prog.rank, bufs: (0..prog.bufs.len()).map(|_| None).collect() };
+    for (&(_, id), buf) in prog.inputs.iter().zip(inputs) {
+        store.put(id, buf);
+    }
+    let mut events: Vec<Option<B::Event>> = (0..sched.ops.len()).map(|_| None).collect();
+    // Timeline events per step: the compute span [first start, last end], and each transfer's
+    // own (start, end): a step's transfers can lie far apart (the backward ring returns a
+    // gradient partial only after the next step's compute), so no span stands for them.
+    let mut compute_span: Vec<[Option<B::Event>; 2]> = (0..prog.steps).map(|_| [None, None]).collect();
+    let mut transfers: Vec<Vec<(B::Event, B::Event)>> = (0..prog.steps).map(|_| Vec::new()).collect();
+    let mut progress: Vec<B::Event> = Vec::new();
+
+    for so in sched.issue.iter().map(|&i| &sched.ops[i]) {
+        if let Some(f) = ctl.fail.filter(|f| f.rank == prog.rank && f.step == so.step) {
+            match f.kind {
+                FailureKind::Error => {
+                    return Err(Error::Backend {
+                        backend: "test",
+                        reason: format!("injected failure at step {}", so.step),
+                    })
+                }
+                FailureKind::Panic => panic!("injected panic at step {}", so.step),
+            }
+        }
+        let op = &prog.ops[so.id];
+        let lane = so.lane;
+        if let Some(w) = so.wait {
+            let ev = events[w]
+                .as_ref()
+                .ok_or_else(|| Error::Internal("the schedule waits for an op not yet issued".into()))?;
+            backend.wait(lane, ev)?;
+        }
+        let timed_op = timed
+            && match (op, lane) {
+                (PreparedOp::Comm { .. }, Lane::Comm) => true,
+                (PreparedOp::Alloc { .. } | PreparedOp::Free { .. } | PreparedOp::Comm { .. }, _) => false,
+                (_, l) => l == Lane::Compute,
+            };
+        let mut transfer_start = None;
+        if timed_op && lane == Lane::Comm {
+            transfer_start = Some(backend.record(lane, true)?);
+        } else if timed_op && compute_span[so.step][0].is_none() {
+            compute_span[so.step][0] = Some(backend.record(lane, true)?);
+        }
+        run_op(prog, backend, comm, opts, &mut store, op, lane)?;
+        if timed_op {
+            let end = backend.record(lane, true)?;
+            match transfer_start {
+                Some(start) => transfers[so.step].push((start, end)),
+                None => compute_span[so.step][1] = Some(end),
+            }
+        }
+        if op.is_block() {
+            progress.push(backend.record(lane, false)?);
+        }
+        if so.signals {
+            events[so.id] = Some(backend.record(lane, false)?);
+        }
+    }
+    // Join the comm lane into compute and wait for the end, polling for failures.
+    backend.wait(Lane::Compute, &backend.record(Lane::Comm, false)?)?;
+    let end = backend.record(Lane::Compute, timed)?;
+    wait_done(backend, comm, &end, &progress)?;
+    let timeline = match t_start {
+        Some(t0) => {
+            let ms = |e: &B::Event| backend.elapsed_ms(&t0, e);
+            let mut steps = Vec::with_capacity(prog.steps);
+            for (t, (span, tr)) in compute_span.iter().zip(&transfers).enumerate() {
+                let compute = match span {
+                    [Some(a), Some(b)] => Some((ms(a)?, ms(b)?)),
+                    _ => None,
+                };
+                let tr = tr.iter().map(|(a, b)| Ok((ms(a)?, ms(b)?))).collect::<Result<Vec<_>>>()?;
+                steps.push(StepTimes::new(t, compute, tr));
+            }
+            Some(Timeline { rank: prog.rank, total_ms: ms(&end)?, steps })
+        }
+        None => None,
+    };
+    let outputs = prog.outputs.iter().map(|&(_, b)| store.take(b)).collect::<Result<Vec<_>>>()?;
+    // What is left in the store (the inputs) is released when it drops.
+    Ok(RankRun { outputs, timeline })
+}
+
+/// Waits until `end` has completed, polling the transport for failures; each block of
+/// `progress` (in completion order) that completes restarts the stall clock.
+fn wait_done<B: Backend, C: Communicator>(backend: &B, comm: &C, end: &B::Event, progress: &[B::Event]) -> Result<()> {
+    let mut next = 0;
+    loop {
+        if backend.is_done(end)? {
+            return Ok(());
+        }
+        while next < progress.len() && backend.is_done(&progress[next])? {
+            next += 1;
+            comm.stall_watch_progress();
+        }
+        comm.check()?;
+        std::thread::sleep(Duration::from_micros(20));
+    }
+}
+
+fn run_op<B, C>(
+    prog: &PreparedRank,
+    backend: &B,
+    comm: &C,
+    opts: &AttnOptions,
+    store: &mut Store<B::Buf>,
+    op: &PreparedOp,
+    lane: Lane,
+) -> Result<()>
+where
+    B: Backend,
+    C: Communicator<Buf = B::CommBuf>,
+{
+    match op {
+        PreparedOp::Alloc { buf, fill } => {
+            let b = backend.alloc(lane, prog.dtype_of(*buf), prog.elems_of(*buf), Some(*fill))?;
+            store.put(*buf, b);
+        }
+        PreparedOp::Free { buf } => {
+            if let Some(b) = store.bufs[*buf].take() {
+                backend.free(lane, b);
+            }
+        }
+        PreparedOp::Comm { sends, recvs } => {
+            let mut got = recvs
+                .iter()
+                .map(|&(_, b)| backend.alloc(lane, prog.dtype_of(b), prog.elems_of(b), None))
+                .collect::<Result<Vec<_>>>()?;
+            {
+                let send_views = sends
+                    .iter()
+                    .map(|&(to, b)| Ok((to, backend.comm_view(store.get(b)?))))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut recv_views: Vec<(usize, &mut B::CommBuf)> =
+                    recvs.iter().zip(got.iter_mut()).map(|(&(from, _), g)| (from, backend.comm_view_mut(g))).collect();
+                comm.group(&send_views, &mut recv_views)?;
+            }
+            for (&(_, b), g) in recvs.iter().zip(got) {
+                store.put(b, g);
+            }
+        }
+        PreparedOp::Copy { src, dst, pieces } => {
+            store.with_mut(*dst, |s, d| backend.copy(lane, s.get(*src)?, d, pieces))?;
+        }
+        PreparedOp::Add { src, dst, pieces } => {
+            store.with_mut(*dst, |s, d| backend.add(lane, s.get(*src)?, d, pieces))?;
+        }
+        PreparedOp::Merge { o, lse, o_acc, lse_acc, spec } => {
+            store.with_mut2(*o_acc, *lse_acc, |s, ao, al| backend.merge(s.get(*o)?, s.get(*lse)?, ao, al, spec))?;
+        }
+        PreparedOp::Fwd { q, k, v, o, lse, block, output } => {
+            let block = &prog.blocks[*block];
+            let fwd = |s: &Store<B::Buf>, ob: &mut B::Buf, lb: &mut B::Buf| {
+                let inputs = FwdInputs { q: s.get(*q)?, k: s.get(*k)?, v: s.get(*v)? };
+                backend.forward(block, inputs, opts, ob, lb)
+            };
+            match output {
+                FwdOutput::Direct => store.with_mut2(*o, *lse, fwd)?,
+                FwdOutput::Merge(spec) => {
+                    let s = &block.shape;
+                    let mut po = backend.alloc(Lane::Compute, DType::F32, s.q_elems(), None)?;
+                    let mut pl = backend.alloc(Lane::Compute, DType::F32, s.lse_elems(), None)?;
+                    fwd(store, &mut po, &mut pl)?;
+                    store.with_mut2(*o, *lse, |_, ao, al| backend.merge(&po, &pl, ao, al, spec))?;
+                    backend.free(Lane::Compute, po);
+                    backend.free(Lane::Compute, pl);
+                }
+            }
+        }
+        PreparedOp::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, block, dq_output, dk_pieces, dv_pieces } => {
+            let block = &prog.blocks[*block];
+            let bwd = |s: &Store<B::Buf>, acc: &mut B::Buf| {
+                let inputs = BwdInputs {
+                    q: s.get(*q)?,
+                    k: s.get(*k)?,
+                    v: s.get(*v)?,
+                    d_o: s.get(*d_o)?,
+                    lse: s.get(*lse)?,
+                    delta: s.get(*delta)?,
+                };
+                backend.backward(block, inputs, opts, acc)
+            };
+            let (gk, gv) = match dq_output {
+                DqOutput::Direct => store.with_mut(*dq, bwd)?,
+                DqOutput::Add(pieces) => {
+                    let mut part = backend.alloc(Lane::Compute, DType::F32, block.shape.q_elems(), Some(0.0))?;
+                    let grads = bwd(store, &mut part)?;
+                    store.with_mut(*dq, |_, acc| backend.add(Lane::Compute, &part, acc, pieces))?;
+                    backend.free(Lane::Compute, part);
+                    grads
+                }
+            };
+            store.with_mut(*dk, |_, acc| backend.add(Lane::Compute, &gk, acc, dk_pieces))?;
+            store.with_mut(*dv, |_, acc| backend.add(Lane::Compute, &gv, acc, dv_pieces))?;
+            backend.free(Lane::Compute, gk);
+            backend.free(Lane::Compute, gv);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! A rank's program made ready to run, once per plan: the schedule on two lanes, every block's
+//! kernel shape and sub-mask, every copy's element pieces and every merge's spec. The
+//! interpreter then only runs it; a benchmark or a training loop runs it many times.
+
+use crate::backend::Block;
+use crate::pieces::{pieces, MergeSpec, Piece};
+use distattn_core::plan::{sub_mask, BufDesc, BufId, Op, Pass, Plan, Tensor};
+use distattn_core::schedule::{schedule, Schedule};
+use distattn_core::{AttnShape, DType, Error, Mask, Result};
+
+/// Where a forward block's output goes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FwdOutput {
+    /// Straight into the accumulators: they still hold their fill and cover exactly the
+    /// block's rows, so merging into them would only copy.
+    Direct,
+    /// Into fresh partials, then merged into the accumulators.
+    Merge(MergeSpec),
+}
+
+/// Where a backward block's dQ goes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DqOutput {
+    /// Added straight into the accumulator (it covers exactly the block's rows).
+    Direct,
+    /// Into a fresh zeroed buffer, then added into the accumulator by these pieces.
+    Add(Vec<Piece>),
+}
+
+/// One op of the program with everything it needs computed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PreparedOp {
+    /// A transfer group: sends, and receives into new buffers.
+    Comm {
+        sends: Vec<(usize, BufId)>,
+        recvs: Vec<(usize, BufId)>,
+    },
+    Alloc {
+        buf: BufId,
+        fill: f32,
+    },
+    Copy {
+        src: BufId,
+        dst: BufId,
+        pieces: Vec<Piece>,
+    },
+    Add {
+        src: BufId,
+        dst: BufId,
+        pieces: Vec<Piece>,
+    },
+    Merge {
+        o: BufId,
+        lse: BufId,
+        o_acc: BufId,
+        lse_acc: BufId,
+        spec: MergeSpec,
+    },
+    /// A forward block (`block` indexes [`PreparedRank::blocks`]).
+    Fwd {
+        q: BufId,
+        k: BufId,
+        v: BufId,
+        o: BufId,
+        lse: BufId,
+        block: usize,
+        output: FwdOutput,
+    },
+    /// A backward block; dK and dV are added into their accumulators by the pieces.
+    Bwd {
+        q: BufId,
+        k: BufId,
+        v: BufId,
+        d_o: BufId,
+        lse: BufId,
+        delta: BufId,
+        dq: BufId,
+        dk: BufId,
+        dv: BufId,
+        block: usize,
+        dq_output: DqOutput,
+        dk_pieces: Vec<Piece>,
+        dv_pieces: Vec<Piece>,
+    },
+    Free {
+        buf: BufId,
+    },
+}
+
+impl PreparedOp {
+    /// A compute block (what the stall clock counts as progress).
+    pub fn is_block(&self) -> bool {
+        matches!(self, PreparedOp::Fwd { .. } | PreparedOp::Bwd { .. })
+    }
+}
+
+/// One rank's program of a plan, ready to run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreparedRank {
+    pub rank: usize,
+    pub world: usize,
+    pub pass: Pass,
+    /// The shape of the whole problem.
+    pub shape: AttnShape,
+    /// The input dtype.
+    pub dtype: DType,
+    /// Every buffer's descriptor, indexed by [`BufId`].
+    pub bufs: Vec<BufDesc>,
+    /// The buffers the caller provides, in order.
+    pub inputs: Vec<(Tensor, BufId)>,
+    /// The buffers the caller gets back, in order.
+    pub outputs: Vec<(Tensor, BufId)>,
+    /// Steps of the plan (for timelines and injected failures).
+    pub steps: usize,
+    /// The ops in program order (indexed like [`Schedule::ops`]).
+    pub ops: Vec<PreparedOp>,
+    pub schedule: Schedule,
+    pub blocks: Vec<Block>,
+}
+
+impl PreparedRank {
+    /// Storage dtype of buffer `b`.
+    pub fn dtype_of(&self, b: BufId) -> DType {
+        self.bufs[b].tensor.dtype(self.dtype)
+    }
+
+    /// Element count of buffer `b`.
+    pub fn elems_of(&self, b: BufId) -> usize {
+        self.bufs[b].elems(&self.shape)
+    }
+}
+
+/// Prepares rank `rank`'s program of `plan`, whose mask is `mask`.
+pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
+    let prog = plan
+        .ranks
+        .get(rank)
+        .ok_or_else(|| Error::InvalidPlan(format!("rank {rank} of a plan for {} ranks", plan.world)))?;
+    mask.check_fits(&plan.shape)?;
+    let shape = plan.shape;
+    let desc =
+        |b: BufId| prog.bufs.get(b).ok_or_else(|| Error::InvalidPlan(format!("rank {rank} uses undefined buffer {b}")));
+    let mut blocks = Vec::new();
+    let mut block_of = |q: &BufDesc, k: &BufDesc| -> Result<usize> {
+        blocks.push(Block { shape: BufDesc::block_shape(q, k, &shape), mask: sub_mask(mask, &q.tokens, &k.tokens)? });
+        Ok(blocks.len() - 1)
+    };
+    // Buffers that hold only their fill: allocated, not yet used by anything else.
+    let mut fresh = vec![false; prog.bufs.len()];
+    let mut ops = Vec::new();
+    for op in prog.steps.iter().flatten() {
+        let uses = op.uses();
+        if let Some(&b) = uses.iter().find(|&&b| b >= prog.bufs.len()) {
+            return Err(Error::InvalidPlan(format!("rank {rank} uses undefined buffer {b}")));
+        }
+        ops.push(match op {
+            Op::Comm { sends, recvs, .. } => PreparedOp::Comm { sends: sends.clone(), recvs: recvs.clone() },
+            Op::Alloc { buf, fill } => PreparedOp::Alloc { buf: *buf, fill: fill.value() },
+            Op::Copy { src, dst } => {
+                PreparedOp::Copy { src: *src, dst: *dst, pieces: pieces(desc(*src)?, desc(*dst)?, &shape) }
+            }
+            Op::Add { src, dst } => {
+                PreparedOp::Add { src: *src, dst: *dst, pieces: pieces(desc(*src)?, desc(*dst)?, &shape) }
+            }
+            Op::Merge { o, lse, o_acc, lse_acc } => PreparedOp::Merge {
+                o: *o,
+                lse: *lse,
+                o_acc: *o_acc,
+                lse_acc: *lse_acc,
+                spec: MergeSpec::new(desc(*o)?, desc(*o_acc)?, &shape),
+            },
+            Op::Fwd { q, k, v, o, lse, .. } => {
+                let (qd, kd) = (desc(*q)?, desc(*k)?);
+                let own_rows = |b: BufId| desc(b).is_ok_and(|d| d.tokens == qd.tokens && d.heads == qd.heads);
+                let output = if fresh[*o] && fresh[*lse] && own_rows(*o) && own_rows(*lse) {
+                    FwdOutput::Direct
+                } else {
+                    let part = BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone());
+                    FwdOutput::Merge(MergeSpec::new(&part, desc(*o)?, &shape))
+                };
+                let block = block_of(qd, kd)?;
+                PreparedOp::Fwd { q: *q, k: *k, v: *v, o: *o, lse: *lse, block, output }
+            }
+            Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, .. } => {
+                let (qd, kd) = (desc(*q)?, desc(*k)?);
+                let dqd = desc(*dq)?;
+                let dq_output = if dqd.tokens == qd.tokens && dqd.heads == qd.heads {
+                    DqOutput::Direct
+                } else {
+                    DqOutput::Add(pieces(&BufDesc::new(Tensor::DQ, qd.tokens.clone(), qd.heads.clone()), dqd, &shape))
+                };
+                let part = |t: Tensor| BufDesc::new(t, kd.tokens.clone(), kd.heads.clone());
+                let (dk_pieces, dv_pieces) =
+                    (pieces(&part(Tensor::DK), desc(*dk)?, &shape), pieces(&part(Tensor::DV), desc(*dv)?, &shape));
+                let block = block_of(qd, kd)?;
+                PreparedOp::Bwd {
+                    q: *q,
+                    k: *k,
+                    v: *v,
+                    d_o: *d_o,
+                    lse: *lse,
+                    delta: *delta,
+                    dq: *dq,
+                    dk: *dk,
+                    dv: *dv,
+                    block,
+                    dq_output,
+                    dk_pieces,
+                    dv_pieces,
+                }
+            }
+            Op::Free { buf } => PreparedOp::Free { buf: *buf },
+        });
+        for b in uses {
+            fresh[b] = matches!(op, Op::Alloc { .. });
+        }
+    }
+    Ok(PreparedRank {
+        rank,
+        world: plan.world,
+        pass: plan.pass,
+        shape,
+        dtype: plan.dtype,
+        bufs: prog.bufs.clone(),
+        inputs: prog.inputs.clone(),
+        outputs: prog.outputs.clone(),
+        steps: prog.steps.len(),
+        ops,
+        schedule: schedule(prog),
+        blocks,
+    })
+}
+
+/// Every rank's program of `plan`.
+pub fn prepare_all(plan: &Plan, mask: &Mask) -> Result<Vec<PreparedRank>> {
+    (0..plan.world).map(|r| prepare(plan, r, mask)).collect()
+}

@@ -1,0 +1,16 @@
+//! What distattn's tests, GPU checks and self-checks share, so that every one measures the
+//! same way:
+//!
+//! * [`reference`]: dense, quadratic attention in f64 (forward and backward), the oracle;
+//! * [`random`]: inputs drawn from a seed that is printed and can be replayed
+//!   (`DISTATTN_SEED=<n>`), never zeros;
+//! * [`compare`]: relative errors against the f64 reference, with −inf (rows that see no key)
+//!   required to match exactly and NaN always failing.
+
+pub mod compare;
+pub mod random;
+pub mod reference;
+
+pub use compare::{lse_err, rel_err, rel_err_f32};
+pub use random::{cast, randn, seeded_rng, uniform};
+pub use reference::{widen, RefForward, RefGrads};
