@@ -1,84 +1,53 @@
-//! Dtype-erased host tensors and `.npy` input/output.
+//! Dtype-erased host tensors, and (feature `npy`) `.npy` input/output.
 //!
 //! `.npy` files hold f32 (`<f4`), f64 (`<f8`, read as f32) or f16 (`<f2`) arrays. NumPy has no
 //! bfloat16, so 2-byte integer or void arrays (`<u2`, `<i2`, `|V2`, e.g. a bf16 torch tensor
 //! saved through `.view(torch.int16)`) are read as bf16 bit patterns.
 
-use distattn_core::{DType, Element, Error, Result};
+use distattn_core::{AttnShape, DType, Error, HostData, Result};
+#[cfg(feature = "npy")]
 use half::{bf16, f16};
+#[cfg(feature = "npy")]
 use std::io::{BufReader, BufWriter, Read};
+#[cfg(feature = "npy")]
 use std::path::Path;
 
-/// The elements of a host tensor, in one of the storage dtypes.
-#[derive(Debug, Clone, PartialEq)]
-pub enum TensorData {
-    F32(Vec<f32>),
-    BF16(Vec<bf16>),
-    F16(Vec<f16>),
-}
-
-/// A host tensor: a shape (row-major) and its elements.
+/// A host tensor: a shape (row-major) and its elements in one of the storage dtypes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTensor {
     pub shape: Vec<usize>,
-    pub data: TensorData,
+    pub data: HostData,
 }
 
+#[cfg(feature = "npy")]
 fn bad_file(path: &Path, e: impl std::fmt::Display) -> Error {
     Error::InvalidFile { path: path.display().to_string(), reason: e.to_string() }
 }
 
 impl HostTensor {
     pub fn dtype(&self) -> DType {
-        match self.data {
-            TensorData::F32(_) => DType::F32,
-            TensorData::BF16(_) => DType::BF16,
-            TensorData::F16(_) => DType::F16,
-        }
+        self.data.dtype()
     }
 
     pub fn len(&self) -> usize {
-        match &self.data {
-            TensorData::F32(v) => v.len(),
-            TensorData::BF16(v) => v.len(),
-            TensorData::F16(v) => v.len(),
-        }
+        self.data.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.data.is_empty()
     }
 
     /// The elements as f32.
     pub fn to_f32(&self) -> Vec<f32> {
-        fn conv<T: Element>(v: &[T]) -> Vec<f32> {
-            let mut out = vec![0f32; v.len()];
-            T::convert_to_f32(v, &mut out);
-            out
-        }
-        match &self.data {
-            TensorData::F32(v) => v.clone(),
-            TensorData::BF16(v) => conv(v),
-            TensorData::F16(v) => conv(v),
-        }
+        self.data.to_f32()
     }
 
     /// A tensor of `dtype` holding the given f32 values, rounded to nearest.
     pub fn from_f32(shape: Vec<usize>, values: &[f32], dtype: DType) -> Self {
-        fn conv<T: Element>(v: &[f32]) -> Vec<T> {
-            let mut out = vec![T::default(); v.len()];
-            T::convert_from_f32(v, &mut out);
-            out
-        }
-        let data = match dtype {
-            DType::F32 => TensorData::F32(values.to_vec()),
-            DType::BF16 => TensorData::BF16(conv(values)),
-            DType::F16 => TensorData::F16(conv(values)),
-        };
-        HostTensor { shape, data }
+        HostTensor { shape, data: HostData::from_f32(values, dtype) }
     }
 
-    /// This tensor converted to `dtype` (a copy; no-op conversion when the dtype matches).
+    /// This tensor converted to `dtype` (a copy; no conversion when the dtype matches).
     pub fn cast(&self, dtype: DType) -> Self {
         if dtype == self.dtype() {
             return self.clone();
@@ -89,9 +58,9 @@ impl HostTensor {
     /// Fails with [`Error::NonFinite`] naming `name` if any element is NaN or infinite.
     pub fn check_finite(&self, name: &str) -> Result<()> {
         let bad = match &self.data {
-            TensorData::F32(v) => v.iter().position(|x| !x.is_finite()),
-            TensorData::BF16(v) => v.iter().position(|x| !x.is_finite()),
-            TensorData::F16(v) => v.iter().position(|x| !x.is_finite()),
+            HostData::F32(v) => v.iter().position(|x| !x.is_finite()),
+            HostData::BF16(v) => v.iter().position(|x| !x.is_finite()),
+            HostData::F16(v) => v.iter().position(|x| !x.is_finite()),
         };
         match bad {
             Some(index) => Err(Error::NonFinite { tensor: name.to_string(), index }),
@@ -100,6 +69,7 @@ impl HostTensor {
     }
 
     /// Reads a `.npy` file (C order).
+    #[cfg(feature = "npy")]
     pub fn read_npy(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
@@ -120,16 +90,16 @@ impl HostTensor {
         let npyz::DType::Plain(ts) = npy.dtype() else { return Err(bad_type()) };
         let read_err = |e: std::io::Error| bad_file(path, format!("the data does not match the header ({e})"));
         let data = match (ts.type_char(), ts.size_field()) {
-            (npyz::TypeChar::Float, 4) => TensorData::F32(npy.into_vec::<f32>().map_err(read_err)?),
+            (npyz::TypeChar::Float, 4) => HostData::F32(npy.into_vec::<f32>().map_err(read_err)?),
             (npyz::TypeChar::Float, 8) => {
-                TensorData::F32(npy.into_vec::<f64>().map_err(read_err)?.into_iter().map(|x| x as f32).collect())
+                HostData::F32(npy.into_vec::<f64>().map_err(read_err)?.into_iter().map(|x| x as f32).collect())
             }
-            (npyz::TypeChar::Float, 2) => TensorData::F16(npy.into_vec::<f16>().map_err(read_err)?),
+            (npyz::TypeChar::Float, 2) => HostData::F16(npy.into_vec::<f16>().map_err(read_err)?),
             (npyz::TypeChar::Uint | npyz::TypeChar::Int | npyz::TypeChar::RawData, 2) => {
                 let n: usize = shape.iter().product();
                 let raw = &bytes[bytes.len() - 2 * n..];
                 let little = ts.endianness() != npyz::Endianness::Big;
-                TensorData::BF16(
+                HostData::BF16(
                     raw.chunks_exact(2)
                         .map(|c| {
                             bf16::from_bits(if little {
@@ -151,6 +121,7 @@ impl HostTensor {
     }
 
     /// Writes f32 values as a `.npy` file.
+    #[cfg(feature = "npy")]
     pub fn write_npy_f32(path: impl AsRef<Path>, shape: &[usize], values: &[f32]) -> Result<()> {
         use npyz::WriterBuilder;
         let path = path.as_ref();
@@ -167,7 +138,33 @@ impl HostTensor {
     }
 }
 
-#[cfg(test)]
+/// Infers the attention shape from Q `[batch, q_len, heads, d]` (or packed `[tokens, heads, d]`)
+/// and K, V of the same rank with `kv_heads` heads.
+pub fn infer_shape(q: &HostTensor, k: &HostTensor, v: &HostTensor) -> Result<AttnShape> {
+    let mismatch = |tensor: &str, expected: String, got: &[usize]| Error::ShapeMismatch {
+        tensor: tensor.to_string(),
+        expected,
+        got: format!("{got:?}"),
+    };
+    let dims4 = |t: &HostTensor, name: &str| -> Result<[usize; 4]> {
+        match t.shape[..] {
+            [b, n, h, d] => Ok([b, n, h, d]),
+            [n, h, d] => Ok([1, n, h, d]),
+            _ => Err(mismatch(name, "[batch, seq, heads, head_dim] or [tokens, heads, head_dim]".into(), &t.shape)),
+        }
+    };
+    let [b, nq, h, d] = dims4(q, "q")?;
+    let [bk, nk, hk, dk] = dims4(k, "k")?;
+    if q.shape.len() != k.shape.len() || bk != b || dk != d {
+        return Err(mismatch("k", format!("[{b}, seq, kv_heads, {d}] (batch and head_dim of q)"), &k.shape));
+    }
+    if v.shape != k.shape {
+        return Err(mismatch("v", format!("{:?} (the shape of k)", k.shape), &v.shape));
+    }
+    AttnShape::new(b, nq, nk, h, hk, d)
+}
+
+#[cfg(all(test, feature = "npy"))]
 mod tests {
     use super::*;
 
@@ -179,10 +176,10 @@ mod tests {
         HostTensor::write_npy_f32(&p, &[2, 3], &vals).unwrap();
         let t = HostTensor::read_npy(&p).unwrap();
         assert_eq!(t.shape, vec![2, 3]);
-        assert_eq!(t.data, TensorData::F32(vals.to_vec()));
+        assert_eq!(t.data, HostData::F32(vals.to_vec()));
         assert_eq!(t.cast(DType::BF16).dtype(), DType::BF16);
         assert_eq!(t.cast(DType::BF16).to_f32()[1], -2.5);
-        assert!(HostTensor::read_npy(dir.path().join("missing.npy")).is_err());
+        assert!(matches!(HostTensor::read_npy(dir.path().join("missing.npy")), Err(Error::Io { .. })));
         std::fs::write(dir.path().join("junk.npy"), b"not numpy").unwrap();
         assert!(matches!(HostTensor::read_npy(dir.path().join("junk.npy")), Err(Error::InvalidFile { .. })));
         let nan = HostTensor::from_f32(vec![2], &[1.0, f32::NAN], DType::F32);

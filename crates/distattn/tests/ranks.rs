@@ -1,34 +1,20 @@
-//! Every strategy × mask × world size × GQA on/off × uneven lengths: distributed forward (O,
-//! LSE) and backward (dQ, dK, dV) equal the single-rank result to f32 rounding; plus failure
-//! handling and merge precision.
-#![allow(clippy::manual_is_multiple_of)]
+//! Every strategy × mask × world size × GQA on/off × uneven lengths, on in-process CPU ranks
+//! through the one interpreter: distributed forward (O, LSE) and backward (dQ, dK, dV) equal the
+//! single call to f32 rounding; plus failure handling and merge precision.
 
-use distattn_core::plan::{PlanOptions, RingBackward};
-use distattn_core::{AttnOptions, AttnShape, Element, Error, Mask, Strategy};
-use distattn_dist::{distributed_backward, distributed_forward, FailureKind, InjectedFailure, RunOptions};
+use distattn::plan::RingBackward;
+use distattn::{
+    Attention, AttnOptions, AttnShape, Element, Error, Execution, FailureKind, Forward, Grads, InjectedFailure, Mask,
+    PlanOptions, Ranks, Strategy,
+};
+use distattn_testkit::{cast, reference, rel_err_f32 as rel_err, uniform};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
 
+/// `n` values uniform in [-1, 1), stored as `T`.
 fn randv<T: Element>(n: usize, rng: &mut rand::rngs::StdRng) -> Vec<T> {
-    (0..n).map(|_| T::from_f32(rng.random_range(-1.0f32..1.0))).collect()
-}
-
-/// max |a − b| / max(|b|, 1e-3), with ±inf required to match exactly.
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let mut scale = 1e-3f64;
-    let mut err = 0f64;
-    for (&x, &y) in a.iter().zip(b) {
-        if y.is_infinite() || x.is_infinite() {
-            assert_eq!(x, y, "infinite entries differ");
-            continue;
-        }
-        assert!(x.is_finite(), "non-finite result {x}");
-        scale = scale.max(y.abs() as f64);
-        err = err.max((x - y).abs() as f64);
-    }
-    err / scale
+    cast(&uniform(rng, n, -1.0, 1.0))
 }
 
 fn masks(n: usize) -> Vec<(&'static str, Mask)> {
@@ -53,17 +39,46 @@ fn strategies(p: usize) -> Vec<Strategy> {
         Strategy::Allgather,
         Strategy::Dispatch,
     ];
-    let u = if p % 2 == 0 { 2 } else { p };
+    let u = if p.is_multiple_of(2) { 2 } else { p };
     v.push(Strategy::Hybrid { ulysses_degree: u });
     v
 }
 
 const TOL: f64 = 1e-5;
 
+/// The problem on the CPU, one call.
+fn single(shape: &AttnShape, mask: &Mask) -> Attention {
+    Attention::new(*shape, mask.clone()).unwrap()
+}
+
+/// The problem on `ranks`.
+fn on_ranks(shape: &AttnShape, mask: &Mask, ranks: Ranks) -> Attention {
+    single(shape, mask).on(Execution::CpuRanks(ranks))
+}
+
+/// The problem on `p` ranks running `s` with default options.
+fn on(s: Strategy, p: usize, shape: &AttnShape, mask: &Mask) -> Attention {
+    on_ranks(shape, mask, Ranks::new(p, s))
+}
+
+/// The single call's forward and backward.
+fn single_fwd_bwd<T: Element>(
+    shape: &AttnShape,
+    mask: &Mask,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    d_o: &[T],
+) -> (Forward, Grads) {
+    let a = single(shape, mask);
+    let f = a.forward(q, k, v).unwrap();
+    let g = a.backward(q, k, v, &f, d_o).unwrap();
+    (f, g)
+}
+
 #[test]
 fn every_strategy_matches_single_rank() {
     let t0 = Instant::now();
-    let opts = AttnOptions::default();
     let mut cases = 0;
     let d = 16;
     for (gi, (heads, kv_heads)) in [(24usize, 24usize), (48, 24)].into_iter().enumerate() {
@@ -77,14 +92,10 @@ fn every_strategy_matches_single_rank() {
             let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
             let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
             for (mname, mask) in masks(n) {
-                let want = distattn_cpu::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
-                let delta = distattn_cpu::row_delta(&want.o, &d_o, &shape).unwrap();
-                let want_g = distattn_cpu::backward(&q, &k, &v, &d_o, &want.lse, &delta, &shape, &mask, &opts).unwrap();
+                let (want, want_g) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
                 for s in strategies(p) {
                     let ctx = format!("{s} P={p} mask={mname} n={n} heads={heads}/{kv_heads}");
-                    let run = RunOptions::default();
-                    let got = distributed_forward(s, p, &q, &k, &v, &shape, &mask, &opts, &run)
-                        .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                    let got = on(s, p, &shape, &mask).forward(&q, &k, &v).unwrap_or_else(|e| panic!("{ctx}: {e}"));
                     let (eo, el) = (rel_err(&got.o, &want.o), rel_err(&got.lse, &want.lse));
                     assert!(eo < TOL && el < TOL, "{ctx}: forward error O {eo:.2e} LSE {el:.2e}");
                     let variants: &[RingBackward] = if s.is_ring() {
@@ -93,14 +104,11 @@ fn every_strategy_matches_single_rank() {
                         &[RingBackward::KvCirculate]
                     };
                     for &rb in variants {
-                        let run = RunOptions {
-                            plan: PlanOptions { ring_backward: rb, ..Default::default() },
-                            ..Default::default()
-                        };
-                        let g = distributed_backward(
-                            s, p, &q, &k, &v, &want.o, &want.lse, &d_o, &shape, &mask, &opts, &run,
-                        )
-                        .unwrap_or_else(|e| panic!("{ctx} {rb:?}: {e}"));
+                        let ranks =
+                            Ranks { plan: PlanOptions { ring_backward: rb, ..Default::default() }, ..Ranks::new(p, s) };
+                        let g = on_ranks(&shape, &mask, ranks)
+                            .backward(&q, &k, &v, &want, &d_o)
+                            .unwrap_or_else(|e| panic!("{ctx} {rb:?}: {e}"));
                         let (a, b, c) =
                             (rel_err(&g.dq, &want_g.dq), rel_err(&g.dk, &want_g.dk), rel_err(&g.dv, &want_g.dv));
                         assert!(
@@ -119,7 +127,6 @@ fn every_strategy_matches_single_rank() {
 #[test]
 fn batch_and_cross_lengths() {
     // batch > 1 and q_len != k_len (bottom-right causal) through the same executor.
-    let opts = AttnOptions::default();
     let shape = AttnShape::new(2, 29, 41, 8, 4, 16).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
@@ -127,9 +134,7 @@ fn batch_and_cross_lengths() {
     let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
     for mask in [Mask::causal(29, 41).unwrap(), Mask::full(29, 41).unwrap()] {
-        let want = distattn_cpu::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
-        let delta = distattn_cpu::row_delta(&want.o, &d_o, &shape).unwrap();
-        let wg = distattn_cpu::backward(&q, &k, &v, &d_o, &want.lse, &delta, &shape, &mask, &opts).unwrap();
+        let (want, wg) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
         for s in [
             Strategy::Ring,
             Strategy::Zigzag,
@@ -139,23 +144,10 @@ fn batch_and_cross_lengths() {
             Strategy::Dispatch,
             Strategy::Hybrid { ulysses_degree: 2 },
         ] {
-            let got = distributed_forward(s, 4, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+            let attn = on(s, 4, &shape, &mask);
+            let got = attn.forward(&q, &k, &v).unwrap();
             assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
-            let g = distributed_backward(
-                s,
-                4,
-                &q,
-                &k,
-                &v,
-                &want.o,
-                &want.lse,
-                &d_o,
-                &shape,
-                &mask,
-                &opts,
-                &RunOptions::default(),
-            )
-            .unwrap();
+            let g = attn.backward(&q, &k, &v, &want, &d_o).unwrap();
             assert!(
                 rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL,
                 "{s}"
@@ -170,32 +162,10 @@ fn unsupported_cases_are_clear_errors() {
     let mask = Mask::causal(40, 40).unwrap();
     let x = vec![0f32; shape.q_elems()];
     let kv = vec![0f32; shape.kv_elems()];
-    let e = distributed_forward(
-        Strategy::Ulysses,
-        4,
-        &x,
-        &kv,
-        &kv,
-        &shape,
-        &mask,
-        &AttnOptions::default(),
-        &RunOptions::default(),
-    )
-    .unwrap_err();
+    let e = on(Strategy::Ulysses, 4, &shape, &mask).forward(&x, &kv, &kv).unwrap_err();
     assert!(matches!(e, Error::Unsupported { ref strategy, .. } if strategy == "ulysses"), "{e}");
     println!("{e}");
-    let e = distributed_forward(
-        Strategy::Hybrid { ulysses_degree: 4 },
-        8,
-        &x,
-        &kv,
-        &kv,
-        &shape,
-        &mask,
-        &AttnOptions::default(),
-        &RunOptions::default(),
-    )
-    .unwrap_err();
+    let e = on(Strategy::Hybrid { ulysses_degree: 4 }, 8, &shape, &mask).forward(&x, &kv, &kv).unwrap_err();
     assert!(matches!(e, Error::Unsupported { .. }), "{e}");
 }
 
@@ -209,12 +179,12 @@ fn failed_rank_stops_everyone_with_its_name() {
     for s in [Strategy::Ring, Strategy::Balanced, Strategy::Ulysses, Strategy::Dispatch] {
         for kind in [FailureKind::Error, FailureKind::Panic] {
             let t0 = Instant::now();
-            let run = RunOptions {
+            let ranks = Ranks {
                 timeout: Duration::from_secs(60),
                 fail: Some(InjectedFailure { rank: 2, step: if s == Strategy::Dispatch { 0 } else { 1 }, kind }),
-                ..Default::default()
+                ..Ranks::new(4, s)
             };
-            let e = distributed_forward(s, 4, &q, &k, &k, &shape, &mask, &AttnOptions::default(), &run).unwrap_err();
+            let e = on_ranks(&shape, &mask, ranks).forward(&q, &k, &k).unwrap_err();
             assert!(matches!(e, Error::RankFailed { rank: 2, .. }), "{s} {kind:?}: {e}");
             assert!(t0.elapsed() < Duration::from_secs(5), "{s}: took {:?}", t0.elapsed());
             println!("{s} {kind:?}: {e} after {:?}", t0.elapsed());
@@ -232,12 +202,11 @@ fn merge_error_does_not_grow_with_ranks() {
     let q: Vec<bf16> = (0..shape.q_elems()).map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0))).collect();
     let k: Vec<bf16> = randv(shape.kv_elems(), &mut rng);
     let v: Vec<bf16> = randv(shape.kv_elems(), &mut rng);
-    let opts = AttnOptions::default();
-    let reference = distattn_cpu::reference::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+    let reference = reference::forward(&q, &k, &v, &shape, &mask, &AttnOptions::default()).unwrap();
     let mut errs = Vec::new();
     for p in [1, 2, 4, 8] {
         for s in [Strategy::Ring, Strategy::Zigzag] {
-            let got = distributed_forward(s, p, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+            let got = on(s, p, &shape, &mask).forward(&q, &k, &v).unwrap();
             let diffs: Vec<f64> = got.o.iter().zip(&reference.o).map(|(&a, &b)| (a as f64 - b).abs()).collect();
             let max = diffs.iter().cloned().fold(0.0, f64::max);
             let mean = diffs.iter().sum::<f64>() / diffs.len() as f64;
@@ -261,11 +230,10 @@ fn merges_are_overflow_safe() {
     let q: Vec<f32> = (0..shape.q_elems()).map(|_| rng.random_range(-300.0f32..300.0)).collect();
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
-    let opts = AttnOptions::default();
-    let want = distattn_cpu::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+    let want = single(&shape, &mask).forward(&q, &k, &v).unwrap();
     assert!(want.lse.iter().any(|&l| l > 88.8), "some exp(LSE) must overflow f32");
     for s in [Strategy::Ring, Strategy::Balanced, Strategy::Dispatch] {
-        let got = distributed_forward(s, 8, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+        let got = on(s, 8, &shape, &mask).forward(&q, &k, &v).unwrap();
         assert!(rel_err(&got.o, &want.o) < 1e-5 && rel_err(&got.lse, &want.lse) < 1e-5, "{s}");
     }
 }
@@ -273,7 +241,6 @@ fn merges_are_overflow_safe() {
 #[test]
 fn fewer_tokens_than_ranks() {
     // Some ranks hold no token at all; nothing changes in the answer.
-    let opts = AttnOptions::default();
     let shape = AttnShape::new(1, 5, 5, 8, 8, 16).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
@@ -281,27 +248,12 @@ fn fewer_tokens_than_ranks() {
     let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
     for mask in [Mask::causal(5, 5).unwrap(), Mask::full(5, 5).unwrap()] {
-        let want = distattn_cpu::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
-        let delta = distattn_cpu::row_delta(&want.o, &d_o, &shape).unwrap();
-        let wg = distattn_cpu::backward(&q, &k, &v, &d_o, &want.lse, &delta, &shape, &mask, &opts).unwrap();
+        let (want, wg) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
         for s in strategies(8) {
-            let got = distributed_forward(s, 8, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+            let attn = on(s, 8, &shape, &mask);
+            let got = attn.forward(&q, &k, &v).unwrap();
             assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
-            let g = distributed_backward(
-                s,
-                8,
-                &q,
-                &k,
-                &v,
-                &want.o,
-                &want.lse,
-                &d_o,
-                &shape,
-                &mask,
-                &opts,
-                &RunOptions::default(),
-            )
-            .unwrap();
+            let g = attn.backward(&q, &k, &v, &want, &d_o).unwrap();
             assert!(
                 rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL,
                 "{s}"
@@ -312,17 +264,18 @@ fn fewer_tokens_than_ranks() {
 
 #[test]
 fn document_aware_zigzag_layout() {
-    let opts = AttnOptions::default();
-    let lens = distattn_core::mask::long_tailed_doc_lens(67, 4);
+    let lens = distattn::mask::long_tailed_doc_lens(67, 4);
     let shape = AttnShape::new(1, 67, 67, 4, 2, 16).unwrap();
-    let mask = Mask::documents(&lens, distattn_core::mask::DocKind::Causal).unwrap();
+    let mask = Mask::documents(&lens, distattn::mask::DocKind::Causal).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(12);
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
-    let want = distattn_cpu::forward(&q, &k, &k, &shape, &mask, &opts).unwrap();
-    let run =
-        RunOptions { plan: PlanOptions { documents: Some(lens.clone()), ..Default::default() }, ..Default::default() };
-    let got = distributed_forward(Strategy::Zigzag, 4, &q, &k, &k, &shape, &mask, &opts, &run).unwrap();
+    let want = single(&shape, &mask).forward(&q, &k, &k).unwrap();
+    let ranks = Ranks {
+        plan: PlanOptions { documents: Some(lens.clone()), ..Default::default() },
+        ..Ranks::new(4, Strategy::Zigzag)
+    };
+    let got = on_ranks(&shape, &mask, ranks).forward(&q, &k, &k).unwrap();
     assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL);
 }
 
@@ -336,17 +289,16 @@ fn timing_moderate() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let q: Vec<bf16> = randv(shape.q_elems(), &mut rng);
     let k: Vec<bf16> = randv(shape.kv_elems(), &mut rng);
-    let opts = AttnOptions::default();
     let t = Instant::now();
-    let want = distattn_cpu::forward(&q, &k, &k, &shape, &mask, &opts).unwrap();
+    let want = single(&shape, &mask).forward(&q, &k, &k).unwrap();
     println!("single rank forward: {:?}", t.elapsed());
     for s in [Strategy::Ring, Strategy::Zigzag, Strategy::Balanced, Strategy::Ulysses, Strategy::Dispatch] {
+        let attn = on(s, 4, &shape, &mask);
         let t = Instant::now();
-        let got = distributed_forward(s, 4, &q, &k, &k, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+        let got = attn.forward(&q, &k, &k).unwrap();
         println!("{s} P=4 forward: {:?} (err {:.1e})", t.elapsed(), rel_err(&got.o, &want.o));
         let t = Instant::now();
-        distributed_backward(s, 4, &q, &k, &k, &got.o, &got.lse, &q, &shape, &mask, &opts, &RunOptions::default())
-            .unwrap();
+        attn.backward(&q, &k, &k, &got, &q).unwrap();
         println!("{s} P=4 backward: {:?}", t.elapsed());
     }
 }
@@ -354,7 +306,6 @@ fn timing_moderate() {
 #[test]
 fn rows_with_several_key_runs() {
     // Global tokens + sliding window: rows keep two separate key runs.
-    let opts = AttnOptions::default();
     let shape = AttnShape::new(1, 58, 58, 6, 3, 16).unwrap();
     let mask = Mask::window_global(58, Some(5), Some(2), 4).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(13);
@@ -362,27 +313,12 @@ fn rows_with_several_key_runs() {
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
-    let want = distattn_cpu::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
-    let delta = distattn_cpu::row_delta(&want.o, &d_o, &shape).unwrap();
-    let wg = distattn_cpu::backward(&q, &k, &v, &d_o, &want.lse, &delta, &shape, &mask, &opts).unwrap();
+    let (want, wg) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
     for s in strategies(3) {
-        let got = distributed_forward(s, 3, &q, &k, &v, &shape, &mask, &opts, &RunOptions::default()).unwrap();
+        let attn = on(s, 3, &shape, &mask);
+        let got = attn.forward(&q, &k, &v).unwrap();
         assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
-        let g = distributed_backward(
-            s,
-            3,
-            &q,
-            &k,
-            &v,
-            &want.o,
-            &want.lse,
-            &d_o,
-            &shape,
-            &mask,
-            &opts,
-            &RunOptions::default(),
-        )
-        .unwrap();
+        let g = attn.backward(&q, &k, &v, &want, &d_o).unwrap();
         assert!(rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL, "{s}");
     }
 }
