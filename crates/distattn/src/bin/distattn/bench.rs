@@ -2,13 +2,16 @@
 //! correctness check against the f64 reference first.
 
 use crate::run::BackendArg;
+use crate::tensors;
 use anyhow::{bail, Result};
 use clap::Args;
-use distattn::cuda::{CudaBackend, CudaElement};
-use distattn::host::{self, Execution};
-use distattn::nccl::{Timeline, TimelineRun};
-use distattn::TensorData;
-use distattn::{AttnOptions, AttnShape, DType, HostTensor, Mask, MaskSpec, Strategy};
+use distattn::timeline::{Timeline, TimelineRun};
+use distattn::{
+    Attention, AttnOptions, AttnShape, DType, Execution, HostData, HostTensor, Mask, MaskSpec, Ranks, Strategy,
+};
+use distattn_cuda::{CudaBackend, CudaElement};
+use distattn_nccl::{time_gpu_strategy, GpuBench};
+use distattn_testkit::{lse_err, reference, rel_err};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -151,22 +154,12 @@ fn median_of(repeats: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> 
     Ok(times[times.len() / 2])
 }
 
-fn rel_err(x: &[f32], reference: &[f64]) -> f64 {
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (&a, &b) in x.iter().zip(reference) {
-        let (a, b) = (a as f64, if b.is_finite() { b } else { 0.0 });
-        let a = if a.is_finite() { a } else { 0.0 };
-        num += (a - b) * (a - b);
-        den += b * b;
-    }
-    (num / den.max(1e-300)).sqrt()
-}
-
 /// Forward and backward of a small GQA causal case against the f64 reference.
 fn check(seed: u64, exec: &Execution) -> Result<String> {
     let shape = AttnShape::new(1, 300, 300, 4, 2, 64)?;
     let mask = Mask::causal(300, 300)?;
     let opts = AttnOptions::default();
+    let attn = Attention::new(shape, mask.clone())?.on(exec.clone());
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xC0FFEE);
     let mut worst = 0.0f64;
     // Tolerances per dtype as documented in the CPU backend's tests.
@@ -179,22 +172,18 @@ fn check(seed: u64, exec: &Execution) -> Result<String> {
         let k = random_tensor(&mut rng, vec![1, 300, 2, 64], dtype);
         let v = random_tensor(&mut rng, vec![1, 300, 2, 64], dtype);
         let g = random_tensor(&mut rng, vec![1, 300, 4, 64], dtype);
-        let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts, exec)?;
-        let grads = host::backward(&q, &k, &v, &fwd.o, &g, &fwd.lse, &shape, &mask, &opts, exec)?;
-        let rq = q.cast(DType::F32).to_f32();
-        let rk = k.cast(DType::F32).to_f32();
-        let rv = v.cast(DType::F32).to_f32();
-        let rg = g.cast(DType::F32).to_f32();
-        let rf = distattn::cpu::reference::forward(&rq, &rk, &rv, &shape, &mask, &opts)?;
-        let rb = distattn::cpu::reference::backward(&rq, &rk, &rv, &rg, &shape, &mask, &opts)?;
-        for (name, got, want) in [
-            ("o", &fwd.o, &rf.o),
-            ("lse", &fwd.lse, &rf.lse),
-            ("dq", &grads.dq, &rb.dq),
-            ("dk", &grads.dk, &rb.dk),
-            ("dv", &grads.dv, &rb.dv),
+        let fwd = tensors::forward(&attn, &q, &k, &v)?;
+        let grads = tensors::backward(&attn, &q, &k, &v, &fwd, &g)?;
+        let (rq, rk, rv, rg) = (q.to_f32(), k.to_f32(), v.to_f32(), g.to_f32());
+        let rf = reference::forward(&rq, &rk, &rv, &shape, &mask, &opts)?;
+        let rb = reference::backward(&rq, &rk, &rv, &rg, &shape, &mask, &opts)?;
+        for (name, e) in [
+            ("o", rel_err(&fwd.o, &rf.o)),
+            ("lse", lse_err(&fwd.lse, &rf.lse)),
+            ("dq", rel_err(&grads.dq, &rb.dq)),
+            ("dk", rel_err(&grads.dk, &rb.dk)),
+            ("dv", rel_err(&grads.dv, &rb.dv)),
         ] {
-            let e = rel_err(got, want);
             if e.is_nan() || e > tol {
                 bail!("self-check failed: {dtype} {name} relative error {e:.2e} exceeds {tol:.0e}");
             }
@@ -288,20 +277,24 @@ fn print_table(rows: &[Row]) {
     }
 }
 
+/// One configuration to time: the problem (shape, mask, where it runs) and its inputs.
+struct Timed<'a> {
+    attn: &'a Attention,
+    q: &'a HostTensor,
+    k: &'a HostTensor,
+    v: &'a HostTensor,
+    d_o: &'a HostTensor,
+}
+
 /// Forward and backward of one configuration on the GPU, on device buffers uploaded once.
-#[allow(clippy::too_many_arguments)]
 fn time_cuda<T: CudaElement>(
     gpu: &CudaBackend,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    g: &[T],
-    shape: &AttnShape,
-    mask: &Mask,
-    opts: &AttnOptions,
+    attn: &Attention,
+    [q, k, v, g]: [&[T]; 4],
     repeats: usize,
     backward: bool,
 ) -> Result<(f64, Option<f64>)> {
+    let (shape, mask, opts) = (attn.shape(), attn.mask(), attn.options());
     let s = gpu.stream();
     let (dq, dk, dv, dg) = (s.clone_htod(q)?, s.clone_htod(k)?, s.clone_htod(v)?, s.clone_htod(g)?);
     let mut o = s.alloc_zeros::<T>(shape.q_elems())?;
@@ -317,54 +310,54 @@ fn time_cuda<T: CudaElement>(
     let mut gk = s.alloc_zeros::<T>(shape.kv_elems())?;
     let mut gv = s.alloc_zeros::<T>(shape.kv_elems())?;
     let bwd = median_ms(repeats, || {
-        gpu.backward(&dq, &dk, &dv, &o, &dg, &lse, shape, mask, opts, &mut gq, &mut gk, &mut gv)?;
+        gpu.backward(&dq, &dk, &dv, &o, &lse, &dg, shape, mask, opts, &mut gq, &mut gk, &mut gv)?;
         Ok(gpu.synchronize()?)
     })?;
     Ok((fwd, Some(bwd)))
 }
 
-/// Times forward (and backward unless `forward_only`) of one execution; milliseconds, and the
-/// GPU ranks' timelines when their options ask for them.
-#[allow(clippy::too_many_arguments)]
-fn time_exec(
-    exec: &Execution,
-    q: &HostTensor,
-    k: &HostTensor,
-    v: &HostTensor,
-    g: &HostTensor,
-    shape: &AttnShape,
-    mask: &Mask,
-    opts: &AttnOptions,
-    repeats: usize,
-    forward_only: bool,
-) -> Result<(f64, Option<f64>, Vec<Timeline>)> {
-    if let Execution::GpuRanks { strategy, world, run } = exec {
-        // Ranks, communicators and plans set up once; inputs generated on the GPUs.
-        let t = distattn::nccl::time_gpu_strategy(*strategy, *world, shape, mask, opts, !forward_only, repeats, run)?;
-        return Ok((t.fwd_ms, t.bwd_ms, t.timelines));
-    }
-    if let Execution::Cuda(gpu) = exec {
-        return match (&q.data, &k.data, &v.data, &g.data) {
-            (TensorData::BF16(q), TensorData::BF16(k), TensorData::BF16(v), TensorData::BF16(g)) => {
-                time_cuda(gpu, q, k, v, g, shape, mask, opts, repeats, !forward_only).map(|(f, b)| (f, b, Vec::new()))
-            }
-            (TensorData::F16(q), TensorData::F16(k), TensorData::F16(v), TensorData::F16(g)) => {
-                time_cuda(gpu, q, k, v, g, shape, mask, opts, repeats, !forward_only).map(|(f, b)| (f, b, Vec::new()))
-            }
-            _ => bail!("the cuda backend takes bf16 or f16, not {}", q.dtype()),
-        };
+/// Times forward (and backward unless `forward_only`) of one configuration; milliseconds, and
+/// with `timeline` the GPU ranks' timelines of one more run.
+fn time_exec(t: &Timed<'_>, repeats: usize, forward_only: bool, timeline: bool) -> Result<(f64, Option<f64>, Vec<Timeline>)> {
+    let attn = t.attn;
+    match attn.execution() {
+        Execution::GpuRanks(r) => {
+            // Ranks, communicators and plans set up once; inputs generated on the GPUs.
+            let bench = GpuBench {
+                strategy: r.strategy,
+                world: r.world,
+                first_gpu: r.first_gpu,
+                plan: r.plan.clone(),
+                timeout: r.timeout,
+                backward: !forward_only,
+                repeats,
+                timeline,
+            };
+            let g = time_gpu_strategy(&bench, attn.shape(), attn.mask(), attn.options())?;
+            return Ok((g.fwd_ms, g.bwd_ms, g.timelines));
+        }
+        Execution::Cuda(gpu) => {
+            let (f, b) = match (&t.q.data, &t.k.data, &t.v.data, &t.d_o.data) {
+                (HostData::BF16(q), HostData::BF16(k), HostData::BF16(v), HostData::BF16(g)) => {
+                    time_cuda(gpu, attn, [q, k, v, g], repeats, !forward_only)?
+                }
+                (HostData::F16(q), HostData::F16(k), HostData::F16(v), HostData::F16(g)) => {
+                    time_cuda(gpu, attn, [q, k, v, g], repeats, !forward_only)?
+                }
+                _ => bail!("the cuda backend takes bf16 or f16, not {}", t.q.dtype()),
+            };
+            return Ok((f, b, Vec::new()));
+        }
+        _ => {}
     }
     let mut fwd = None;
     let fwd_ms = median_ms(repeats, || {
-        fwd = Some(host::forward(q, k, v, shape, mask, opts, exec)?);
+        fwd = Some(tensors::forward(attn, t.q, t.k, t.v)?);
         Ok(())
     })?;
-    if forward_only {
-        return Ok((fwd_ms, None, Vec::new()));
-    }
-    let fwd = fwd.expect("forward ran");
+    let Some(fwd) = fwd.filter(|_| !forward_only) else { return Ok((fwd_ms, None, Vec::new())) };
     let bwd_ms = median_ms(repeats, || {
-        host::backward(q, k, v, &fwd.o, g, &fwd.lse, shape, mask, opts, exec)?;
+        tensors::backward(attn, t.q, t.k, t.v, &fwd, t.d_o)?;
         Ok(())
     })?;
     Ok((fwd_ms, Some(bwd_ms), Vec::new()))
@@ -385,7 +378,7 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
         bail!("--timelines records runs across GPUs: add --gpus N (N >= 2)");
     }
     if gpus > 0 {
-        let found = distattn::cuda::gpu_count();
+        let found = distattn_cuda::gpu_count();
         if found < gpus {
             bail!("--gpus {gpus} needs {gpus} CUDA GPUs; {found} found");
         }
@@ -428,7 +421,6 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     let mut rows = Vec::new();
     let mut timelines = Vec::new();
-    let opts = AttnOptions::default();
     for (seq, spec, d, dtype) in configs {
         bar.set_message(format!("{dtype} {spec} seq {seq} d {d}"));
         let shape = AttnShape::new(args.batch, seq, seq, heads, kv_heads, d)?;
@@ -438,31 +430,28 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
         let v = random_tensor(&mut rng, vec![args.batch, seq, kv_heads, d], dtype);
         let flops = 4.0 * (args.batch * heads) as f64 * mask.area() as f64 * d as f64;
         let g = random_tensor(&mut rng, vec![args.batch, seq, heads, d], dtype);
+        let ranks = |world, strategy| Ranks {
+            plan: distattn::PlanOptions { documents: spec.doc_lens(seq), ..Default::default() },
+            ..Ranks::new(world, strategy)
+        };
         let mut execs = vec![single.clone()];
         if args.world > 1 {
-            for &strategy in &args.strategies {
-                let plan = distattn::PlanOptions { documents: spec.doc_lens(seq), ..Default::default() };
-                let run = distattn::dist::RunOptions { plan, ..Default::default() };
-                execs.push(Execution::Ranks { strategy, world: args.world, run });
-            }
+            execs.extend(args.strategies.iter().map(|&s| Execution::CpuRanks(ranks(args.world, s))));
         }
         if gpus > 0 && dtype == DType::BF16 {
-            for &strategy in &args.strategies {
-                let plan = distattn::PlanOptions { documents: spec.doc_lens(seq), ..Default::default() };
-                let run =
-                    distattn::nccl::GpuRunOptions { plan, timeline: args.timelines.is_some(), ..Default::default() };
-                execs.push(Execution::GpuRanks { strategy, world: gpus, run });
-            }
+            execs.extend(args.strategies.iter().map(|&s| Execution::GpuRanks(ranks(gpus, s))));
         }
         let mut single_tflops: Option<(f64, Option<f64>)> = None;
-        for exec in &execs {
-            let (backend, strategy, world, n_gpus) = match exec {
-                Execution::Single => ("cpu", "single".to_string(), 1, 0),
+        for exec in execs {
+            let (backend, strategy, world, n_gpus) = match &exec {
                 Execution::Cuda(_) => ("cuda", "single".to_string(), 1, 1),
-                Execution::Ranks { strategy, world, .. } => ("cpu", strategy.to_string(), *world, 0),
-                Execution::GpuRanks { strategy, world, .. } => ("cuda", strategy.to_string(), *world, *world),
+                Execution::CpuRanks(r) => ("cpu", r.strategy.to_string(), r.world, 0),
+                Execution::GpuRanks(r) => ("cuda", r.strategy.to_string(), r.world, r.world),
+                _ => ("cpu", "single".to_string(), 1, 0),
             };
-            let timed = time_exec(exec, &q, &k, &v, &g, &shape, &mask, &opts, args.repeats, args.forward_only);
+            let attn = Attention::new(shape, mask.clone())?.on(exec);
+            let problem = Timed { attn: &attn, q: &q, k: &k, v: &v, d_o: &g };
+            let timed = time_exec(&problem, args.repeats, args.forward_only, args.timelines.is_some());
             let (fwd_ms, bwd_ms, ranks) = match timed {
                 Ok(t) => t,
                 // A strategy that cannot serve this shape (e.g. Ulysses with heads not divisible

@@ -7,14 +7,14 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
-use distattn::nccl::LaunchEnv;
+use distattn_nccl::LaunchEnv;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 #[derive(Args)]
 #[command(after_help = "\
 Example: distattn launch --nproc 4 -- distattn-multigpu-bench worker
-Each process reads its rank with distattn::nccl::gpu_rank_from_env (library) and uses GPU
+Each process reads its rank with distattn_nccl::gpu_rank_from_env (library) and uses GPU
 LOCAL_RANK. Several hosts: start one launcher per host with --node-rank and --master-addr,
 or use any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK and NCCL_COMM_ID.")]
 pub struct LaunchArgs {

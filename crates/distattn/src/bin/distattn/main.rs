@@ -9,6 +9,7 @@ mod bench;
 mod launch;
 mod plan;
 mod run;
+mod tensors;
 mod timeline;
 
 use clap::{Parser, Subcommand};

@@ -1,13 +1,14 @@
 //! `distattn run`: attention on `.npy` files.
 
+use crate::tensors;
 use anyhow::{Context, Result};
 use clap::Args;
-use distattn::dist::{FailureKind, InjectedFailure, RunOptions};
-use distattn::host::{self, Execution};
 use distattn::plan::RingBackward;
-use distattn::{AttnOptions, DType, HostTensor, MaskSpec, PlanOptions, Strategy};
+use distattn::tensor::infer_shape;
+use distattn::{
+    Attention, DType, Execution, FailureKind, HostTensor, InjectedFailure, MaskSpec, PlanOptions, Ranks, Strategy,
+};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Args)]
@@ -124,9 +125,9 @@ impl BackendArg {
             BackendArg::Auto => gpu_dtype && distattn::cuda::cuda_available(),
         };
         if !use_cuda {
-            return Ok(Execution::Single);
+            return Ok(Execution::Cpu);
         }
-        Ok(Execution::Cuda(Arc::new(distattn::cuda::CudaBackend::new(0)?)))
+        Ok(Execution::cuda(0)?)
     }
 }
 
@@ -151,23 +152,26 @@ impl DistArgs {
         }
     }
 
+    /// The ranks of a run on `world` of them.
+    fn ranks(&self, world: usize, mask: &MaskSpec, seq: usize) -> Result<Ranks> {
+        if let Some(rank) = self.fail_rank.filter(|&r| r >= world) {
+            anyhow::bail!("--fail-rank {rank} is not a rank of a world of {world}");
+        }
+        Ok(Ranks {
+            plan: self.plan_options(mask, seq),
+            timeout: Duration::from_secs(self.timeout),
+            fail: self.fail_rank.map(|rank| InjectedFailure { rank, step: 1, kind: FailureKind::Error }),
+            ..Ranks::new(world, self.strategy())
+        })
+    }
+
     /// Local GPUs with `--gpus`, in-process ranks when `--world` > 1, else `single`.
     pub fn execution(&self, mask: &MaskSpec, seq: usize, single: Execution) -> Result<Execution> {
         if self.world == 0 || self.gpus == Some(0) {
             anyhow::bail!("--world and --gpus must be at least 1");
         }
         if let Some(world) = self.gpus {
-            if let Some(rank) = self.fail_rank.filter(|&r| r >= world) {
-                anyhow::bail!("--fail-rank {rank} is not a rank of {world} GPUs");
-            }
-            let fail = self.fail_rank.map(|rank| InjectedFailure { rank, step: 1, kind: FailureKind::Error });
-            let run = distattn::nccl::GpuRunOptions {
-                plan: self.plan_options(mask, seq),
-                timeout: Duration::from_secs(self.timeout),
-                fail,
-                ..Default::default()
-            };
-            return Ok(Execution::GpuRanks { strategy: self.strategy(), world, run });
+            return Ok(Execution::GpuRanks(self.ranks(world, mask, seq)?));
         }
         if self.world == 1 {
             return Ok(single);
@@ -175,17 +179,7 @@ impl DistArgs {
         if matches!(single, Execution::Cuda(_)) {
             anyhow::bail!("--world > 1 runs on in-process CPU ranks; pass --backend cpu");
         }
-        if let Some(rank) = self.fail_rank {
-            if rank >= self.world {
-                anyhow::bail!("--fail-rank {rank} is not a rank of a world of {}", self.world);
-            }
-        }
-        let fail = self.fail_rank.map(|rank| InjectedFailure { rank, step: 1, kind: FailureKind::Error });
-        Ok(Execution::Ranks {
-            strategy: self.strategy(),
-            world: self.world,
-            run: RunOptions { plan: self.plan_options(mask, seq), timeout: Duration::from_secs(self.timeout), fail },
-        })
+        Ok(Execution::CpuRanks(self.ranks(self.world, mask, seq)?))
     }
 }
 
@@ -204,22 +198,22 @@ pub fn run(args: RunArgs) -> Result<()> {
     let q = load(&args.q, "q", args.dtype, args.check_finite)?;
     let k = load(&args.k, "k", args.dtype, args.check_finite)?;
     let v = load(&args.v, "v", args.dtype, args.check_finite)?;
-    let shape = host::infer_shape(&q, &k, &v)?;
+    let shape = infer_shape(&q, &k, &v)?;
     let mask = args.mask.build(shape.q_len, shape.k_len)?;
-    let opts = AttnOptions { scale: args.scale };
     let backend = if (args.dist.world > 1 || args.dist.gpus.is_some()) && args.backend == BackendArg::Auto {
         BackendArg::Cpu
     } else {
         args.backend
     };
     let exec = args.dist.execution(&args.mask, shape.q_len, backend.execution(q.dtype())?)?;
+    let attn = Attention::new(shape, mask)?.scale(args.scale)?.on(exec);
     let started = std::time::Instant::now();
-    let fwd = host::forward(&q, &k, &v, &shape, &mask, &opts, &exec)?;
+    let fwd = tensors::forward(&attn, &q, &k, &v)?;
     eprintln!(
         "forward: {shape}, mask {}, dtype {}, {}, {:.1} ms",
         args.mask,
         q.dtype(),
-        exec.describe(),
+        attn.execution().describe(),
         started.elapsed().as_secs_f64() * 1e3
     );
     if let Some(path) = &args.out {
@@ -234,7 +228,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             anyhow::bail!("--grad-out has shape {:?}, but q has shape {:?}", d_o.shape, q.shape);
         }
         let started = std::time::Instant::now();
-        let grads = host::backward(&q, &k, &v, &fwd.o, &d_o, &fwd.lse, &shape, &mask, &opts, &exec)?;
+        let grads = tensors::backward(&attn, &q, &k, &v, &fwd, &d_o)?;
         eprintln!("backward: {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
         let dir = args.out.as_ref().and_then(|p| p.parent()).map(|p| p.to_path_buf()).unwrap_or_default();
         let pick = |given: &Option<PathBuf>, name: &str| given.clone().unwrap_or_else(|| dir.join(name));

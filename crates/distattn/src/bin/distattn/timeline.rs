@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use distattn::nccl::{Timeline, TimelineRun};
+use distattn::timeline::{Timeline, TimelineRun};
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};

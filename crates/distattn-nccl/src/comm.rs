@@ -1,4 +1,5 @@
-//! The NCCL communicator: [`NcclComm`] implements [`Communicator`] over device buffers.
+//! The NCCL communicator: [`NcclComm`] implements [`Communicator`] over device buffers, on the
+//! comm lane (stream) of the [`CudaBackend`] it serves.
 //!
 //! Communicators are created **non-blocking** (`ncclConfig_t.blocking = 0`): every NCCL call
 //! returns at once and its completion is polled (`ncclCommGetAsyncError`), so no host thread
@@ -10,13 +11,15 @@
 //! that finds a stall can tell which peer process is gone.
 //!
 //! All-to-all is a group of sends and receives. Point-to-point groups, collectives and barriers
-//! are enqueued on the communicator's own stream ([`NcclComm::stream`]).
+//! are enqueued on the backend's comm stream ([`NcclComm::stream`]); groups return once
+//! enqueued (the interpreter orders the streams with events), collectives once complete.
 
-use crate::buf::{gpu_err, GpuBuf};
 use crate::launch::LaunchEnv;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::sys as nsys;
-use distattn_core::{Communicator, Error, Result};
+use distattn_core::{Error, Result};
+use distattn_cuda::{driver_err, CudaBackend, GpuBuf};
+use distattn_exec::Communicator;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -225,9 +228,10 @@ impl Inner {
 pub struct NcclComm {
     inner: Arc<Inner>,
     ctx: Arc<CudaContext>,
+    /// The backend's comm lane: every NCCL call is enqueued here.
     stream: Arc<CudaStream>,
-    /// Stream whose work blocking calls first wait for (the compute stream), if set.
-    producer: Mutex<Option<Arc<CudaStream>>>,
+    /// The backend's compute lane: blocking calls first wait for the work enqueued on it.
+    producer: Arc<CudaStream>,
     watchdog: Option<JoinHandle<()>>,
 }
 
@@ -290,10 +294,11 @@ fn config() -> nsys::ncclConfig_t {
 }
 
 impl NcclComm {
-    /// Rank `rank` of `world` on GPU context `ctx`, joining the communicator of `id` (every
-    /// rank must call this concurrently). Thread ranks pass their process's [`GroupState`].
+    /// Rank `rank` of `world` on `gpu`'s device and comm lane, joining the communicator of
+    /// `id` (every rank must call this concurrently). Thread ranks pass their process's
+    /// [`GroupState`].
     pub fn init(
-        ctx: &Arc<CudaContext>,
+        gpu: &CudaBackend,
         rank: usize,
         world: usize,
         id: UniqueId,
@@ -302,15 +307,8 @@ impl NcclComm {
     ) -> Result<NcclComm> {
         nccl_env_defaults();
         check_lib()?;
-        ctx.bind_to_thread().map_err(gpu_err("binding the context"))?;
-        // The comm stream gets the highest priority: NCCL's few blocks are scheduled as soon as
-        // SMs free up instead of queueing behind a whole attention grid.
-        let stream = match cudarc::driver::result::stream::get_priority_range() {
-            Ok((_, greatest)) => ctx.new_stream_with_priority(greatest),
-            Err(_) => ctx.new_stream(),
-        }
-        .or_else(|_| ctx.new_stream())
-        .map_err(gpu_err("creating the comm stream"))?;
+        let ctx = gpu.context();
+        ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
         let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
         let mut cfg = config();
         let mut r = unsafe { nsys::ncclCommInitRankConfig(&mut comm, world as i32, id.0, rank as i32, &mut cfg) };
@@ -339,7 +337,13 @@ impl NcclComm {
             stop: AtomicBool::new(false),
         });
         inner.settle("communicator initialisation")?;
-        let mut c = NcclComm { inner, ctx: ctx.clone(), stream, producer: Mutex::new(None), watchdog: None };
+        let mut c = NcclComm {
+            inner,
+            ctx: ctx.clone(),
+            stream: gpu.comm_stream().clone(),
+            producer: gpu.stream().clone(),
+            watchdog: None,
+        };
         c.exchange_pids()?;
         c.start_watchdog();
         Ok(c)
@@ -347,10 +351,10 @@ impl NcclComm {
 
     /// Process mode: joins the communicator described by the launcher's environment
     /// (`NCCL_COMM_ID` names the bootstrap root that rank 0 opens).
-    pub fn from_launch(ctx: &Arc<CudaContext>, env: &LaunchEnv, timeout: Duration) -> Result<NcclComm> {
+    pub fn from_launch(gpu: &CudaBackend, env: &LaunchEnv, timeout: Duration) -> Result<NcclComm> {
         std::env::set_var("NCCL_COMM_ID", &env.comm_id);
         let id = unique_id()?;
-        Self::init(ctx, env.rank, env.world, id, None, timeout)
+        Self::init(gpu, env.rank, env.world, id, None, timeout)
     }
 
     fn exchange_pids(&mut self) -> Result<()> {
@@ -388,19 +392,9 @@ impl NcclComm {
         &self.ctx
     }
 
-    /// Blocking calls first make the comm stream wait for the work enqueued so far on `s`.
-    pub fn set_producer(&self, s: Arc<CudaStream>) {
-        *self.producer.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
-    }
-
     /// The failure this rank has seen, if any.
     pub fn failure(&self) -> Option<Error> {
         self.inner.failure()
-    }
-
-    /// Checks for failures (a peer's, NCCL's, a stall); aborts on the first.
-    pub fn check(&self) -> Result<()> {
-        self.inner.check()
     }
 
     /// Process ids of every rank.
@@ -418,7 +412,7 @@ impl NcclComm {
                 drop(h);
                 return Err(self.inner.failure().unwrap_or_else(|| Error::Comm("communicator aborted".into())));
             }
-            self.ctx.bind_to_thread().map_err(gpu_err("binding the context"))?;
+            self.ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
             f(h.comm)
         };
         match r {
@@ -435,8 +429,8 @@ impl NcclComm {
     }
 
     /// Enqueues a group of sends and receives on the comm stream and returns without waiting
-    /// for the transfer (the overlapped executor orders streams with events).
-    pub fn group_async(&self, sends: &[(usize, &GpuBuf)], recvs: &[(usize, &GpuBuf)]) -> Result<()> {
+    /// for the transfer (the interpreter orders the streams with events).
+    fn post_group(&self, sends: &[(usize, &GpuBuf)], recvs: &[(usize, &GpuBuf)]) -> Result<()> {
         let s = &self.stream;
         let w = self.inner.world;
         for &(p, _) in sends.iter().chain(recvs) {
@@ -482,24 +476,12 @@ impl NcclComm {
     /// Waits until `ev` has completed, polling for failures and stalls (never blocks in CUDA
     /// or NCCL, so an abort always ends the wait).
     pub fn wait_event(&self, ev: &CudaEvent) -> Result<()> {
-        self.wait_event_progress(ev, &[])
-    }
-
-    /// Like [`wait_event`](Self::wait_event), and each event of `progress` (in completion
-    /// order) that completes restarts the stall clock: a long run is aborted only when no step
-    /// of it completes within the timeout, not when the whole run takes longer than that.
-    pub fn wait_event_progress(&self, ev: &CudaEvent, progress: &[CudaEvent]) -> Result<()> {
         let began = self.busy_begin();
-        let mut next = 0;
         let r = loop {
             match ev.try_is_complete() {
                 Ok(true) => break Ok(()),
                 Ok(false) => {}
                 Err(e) => break Err(Error::Backend { backend: "cuda", reason: format!("waiting for the GPU: {e:?}") }),
-            }
-            while next < progress.len() && matches!(progress[next].try_is_complete(), Ok(true)) {
-                next += 1;
-                self.busy_progress();
             }
             if let Err(e) = self.inner.check() {
                 break Err(e);
@@ -539,18 +521,13 @@ impl NcclComm {
 
     /// Waits for everything enqueued so far on `s`.
     pub fn wait_stream(&self, s: &CudaStream) -> Result<()> {
-        let ev = s.record_event(None).map_err(gpu_err("recording an event"))?;
+        let ev = s.record_event(None).map_err(driver_err("recording an event"))?;
         self.wait_event(&ev)
     }
 
     fn before_blocking(&self) -> Result<()> {
-        if let Some(p) = self.producer.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            if p.cu_stream() != self.stream.cu_stream() {
-                let ev = p.record_event(None).map_err(gpu_err("recording an event"))?;
-                self.stream.wait(&ev).map_err(gpu_err("ordering streams"))?;
-            }
-        }
-        Ok(())
+        let ev = self.producer.record_event(None).map_err(driver_err("recording an event"))?;
+        self.stream.wait(&ev).map_err(driver_err("ordering streams"))
     }
 
     /// Declares this rank failed: peers (thread ranks at once, processes at their next stall
@@ -623,10 +600,8 @@ impl Communicator for NcclComm {
     }
 
     fn group(&self, sends: &[(usize, &GpuBuf)], recvs: &mut [(usize, &mut GpuBuf)]) -> Result<()> {
-        self.before_blocking()?;
         let r: Vec<(usize, &GpuBuf)> = recvs.iter().map(|(p, b)| (*p, &**b)).collect();
-        self.group_async(sends, &r)?;
-        self.wait_stream(&self.stream.clone())
+        self.post_group(sends, &r)
     }
 
     fn all_gather(&self, send: &GpuBuf, recv: &mut GpuBuf) -> Result<()> {
@@ -738,5 +713,21 @@ impl Communicator for NcclComm {
 
     fn abort(&self, reason: &str) {
         self.fail(reason);
+    }
+
+    fn check(&self) -> Result<()> {
+        self.inner.check()
+    }
+
+    fn stall_watch_begin(&self) -> bool {
+        self.busy_begin()
+    }
+
+    fn stall_watch_progress(&self) {
+        self.busy_progress()
+    }
+
+    fn stall_watch_end(&self) {
+        self.busy_end()
     }
 }

@@ -1,0 +1,139 @@
+//! Device buffers of any storage dtype: one untyped allocation with its dtype and length, and
+//! typed views for the kernels.
+
+use crate::driver_err;
+use cudarc::driver::{sys, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DeviceRepr};
+use distattn_core::{DType, Element, Error, Result};
+use half::{bf16, f16};
+use std::sync::Arc;
+
+/// A device buffer: `len` elements of `dtype` (its storage holds at least one element, so
+/// empty buffers exist too).
+#[derive(Debug)]
+pub struct GpuBuf {
+    mem: CudaSlice<u8>,
+    dtype: DType,
+    len: usize,
+}
+
+/// An element type the kernels read and write (f32, bf16, f16).
+pub trait DeviceElement: Element + DeviceRepr {}
+impl DeviceElement for f32 {}
+impl DeviceElement for bf16 {}
+impl DeviceElement for f16 {}
+
+impl GpuBuf {
+    /// An unwritten buffer, allocated in the order of `stream`.
+    pub fn alloc(stream: &Arc<CudaStream>, dtype: DType, len: usize) -> Result<GpuBuf> {
+        let bytes = len.max(1).checked_mul(dtype.size()).ok_or_else(|| Error::invalid("buffer length", format!("{len} elements overflow")))?;
+        // SAFETY: the memory is written before it is read (fills, receives, kernel outputs);
+        // bytes have no invalid values.
+        let mem = unsafe { stream.alloc::<u8>(bytes) }.map_err(driver_err("allocating a buffer"))?;
+        Ok(GpuBuf { mem, dtype, len })
+    }
+
+    /// A buffer of `len` values `fill` (0 or −inf in f32; 0 in 16-bit types).
+    pub fn filled(stream: &Arc<CudaStream>, dtype: DType, len: usize, fill: f32) -> Result<GpuBuf> {
+        let b = Self::alloc(stream, dtype, len)?;
+        b.fill(stream, fill)?;
+        Ok(b)
+    }
+
+    /// A buffer holding `data` (the host data is read before this returns).
+    pub fn upload<T: Element>(stream: &Arc<CudaStream>, data: &[T]) -> Result<GpuBuf> {
+        let one = [T::default()];
+        let src: &[T] = if data.is_empty() { &one } else { data };
+        let mem = stream.clone_htod(bytemuck::cast_slice::<T, u8>(src)).map_err(driver_err("uploading a buffer"))?;
+        Ok(GpuBuf { mem, dtype: T::DTYPE, len: data.len() })
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of the `len` elements.
+    pub fn bytes(&self) -> usize {
+        self.len * self.dtype.size()
+    }
+
+    /// Raw device address (no synchronisation: the interpreter orders the streams).
+    pub fn ptr(&self, stream: &CudaStream) -> u64 {
+        self.mem.device_ptr(stream).0
+    }
+
+    fn check_dtype<T: Element>(&self) -> Result<()> {
+        if T::DTYPE != self.dtype {
+            return Err(Error::DTypeMismatch {
+                a: "device buffer".into(),
+                a_dtype: self.dtype.to_string(),
+                b: "expected".into(),
+                b_dtype: T::DTYPE.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The buffer as `len` elements of `T`, which must be its dtype.
+    pub fn view<T: DeviceElement>(&self) -> Result<CudaView<'_, T>> {
+        self.check_dtype::<T>()?;
+        // SAFETY: the bytes hold values of the buffer's dtype, which is T (checked), and any
+        // bit pattern is a valid T (Element is Pod); the allocation holds at least len of them.
+        unsafe { self.mem.transmute::<T>(self.len) }.ok_or_else(|| Error::Internal("a device buffer is shorter than its length".into()))
+    }
+
+    /// The buffer as `len` writable elements of `T`, which must be its dtype.
+    pub fn view_mut<T: DeviceElement>(&mut self) -> Result<CudaViewMut<'_, T>> {
+        self.check_dtype::<T>()?;
+        let len = self.len;
+        // SAFETY: as in `view`; every write of a T leaves valid bytes.
+        unsafe { self.mem.transmute_mut::<T>(len) }.ok_or_else(|| Error::Internal("a device buffer is shorter than its length".into()))
+    }
+
+    /// Sets every element to `fill`, in the order of `stream`.
+    pub fn fill(&self, stream: &Arc<CudaStream>, fill: f32) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        let p = self.ptr(stream);
+        // SAFETY: the allocation holds `len` elements of the dtype's size at `p`, and the
+        // memset is ordered on `stream` like every other use of the buffer.
+        let r = unsafe {
+            match self.dtype {
+                DType::F32 => sys::cuMemsetD32Async(p, fill.to_bits(), self.len, stream.cu_stream()),
+                DType::BF16 => sys::cuMemsetD16Async(p, bf16::from_f32(fill).to_bits(), self.len, stream.cu_stream()),
+                DType::F16 => sys::cuMemsetD16Async(p, f16::from_f32(fill).to_bits(), self.len, stream.cu_stream()),
+            }
+        };
+        r.result().map_err(driver_err("filling a buffer"))
+    }
+
+    /// Frees the buffer in the order of `stream`, which must be ordered after every use.
+    pub fn free_on(self, stream: &CudaStream) {
+        let ptr = self.mem.leak();
+        // SAFETY: `ptr` was allocated by the stream-ordered allocator and is no longer owned
+        // by a CudaSlice; the free is ordered after its uses by the caller.
+        unsafe {
+            let _ = sys::cuMemFreeAsync(ptr, stream.cu_stream());
+        }
+    }
+
+    /// The values as f32 on the host, after the work issued on `stream`.
+    pub fn download_f32(&self, stream: &Arc<CudaStream>) -> Result<Vec<f32>> {
+        let bytes = stream.clone_dtoh(&self.mem).map_err(driver_err("downloading a buffer"))?;
+        stream.synchronize().map_err(driver_err("synchronising a download"))?;
+        let bytes = &bytes[..self.bytes()];
+        Ok(match self.dtype {
+            DType::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes),
+            DType::BF16 => bytemuck::pod_collect_to_vec::<u8, bf16>(bytes).into_iter().map(|v| v.to_f32()).collect(),
+            DType::F16 => bytemuck::pod_collect_to_vec::<u8, f16>(bytes).into_iter().map(|v| v.to_f32()).collect(),
+        })
+    }
+}
