@@ -10,8 +10,8 @@ pub mod dtype;
 pub mod error;
 pub mod mask;
 pub mod plan;
+pub mod planner;
 pub mod shape;
-pub mod strategy;
 
 pub use comm::Communicator;
 pub use dtype::{DType, Element};

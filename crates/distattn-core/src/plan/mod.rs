@@ -444,7 +444,7 @@ pub fn build(
     }
     mask.check_fits(shape)?;
     let mut b = Builder::new(strategy, world, shape, mask, dtype, opts);
-    crate::strategy::plan_into(strategy, &mut b)?;
+    crate::planner::plan_into(strategy, &mut b)?;
     b.finish()
 }
 
