@@ -12,10 +12,12 @@ pub mod mask;
 pub mod plan;
 pub mod planner;
 pub mod shape;
+pub mod strategy;
 
 pub use comm::Communicator;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use mask::{Mask, MaskSlice, MaskSpec, SliceKind, TileClass, TileInfo};
-pub use plan::{Plan, PlanOptions, PlanSummary, Strategy};
+pub use plan::{Plan, PlanOptions, PlanSummary};
 pub use shape::{AttnOptions, AttnShape};
+pub use strategy::Strategy;

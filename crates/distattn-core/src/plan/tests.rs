@@ -101,17 +101,6 @@ fn documents_128k_p8_table() {
 }
 
 #[test]
-fn strategy_names_round_trip() {
-    for s in strategies() {
-        assert_eq!(s.to_string().parse::<Strategy>().unwrap(), s);
-    }
-    assert_eq!("hybrid:4".parse::<Strategy>().unwrap(), Strategy::Hybrid { ulysses_degree: 4 });
-    assert_eq!("hybrid".parse::<Strategy>().unwrap().with_ulysses_degree(2), Strategy::Hybrid { ulysses_degree: 2 });
-    assert!(matches!("spiral".parse::<Strategy>(), Err(Error::Unsupported { .. })));
-    assert!("ring:2".parse::<Strategy>().is_err());
-}
-
-#[test]
 fn ulysses_needs_divisible_heads() {
     let shape = AttnShape::new(1, 40, 40, 6, 2, 16).unwrap();
     let mask = Mask::causal(40, 40).unwrap();

@@ -16,8 +16,9 @@ mod zigzag;
 pub use dispatch::dispatch_layout;
 pub use hybrid::default_ulysses_degree;
 
-use crate::plan::{Builder, Strategy};
+use crate::plan::Builder;
 use crate::Result;
+use crate::Strategy;
 
 pub(crate) fn plan_into(strategy: Strategy, b: &mut Builder) -> Result<()> {
     match strategy {
