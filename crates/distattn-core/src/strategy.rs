@@ -74,7 +74,7 @@ impl fmt::Display for Strategy {
 impl FromStr for Strategy {
     type Err = Error;
     fn from_str(s: &str) -> Result<Strategy> {
-        let bad = |reason: &str| Error::Unsupported { strategy: s.to_string(), reason: reason.to_string() };
+        let bad = |reason: &str| Error::invalid(format!("strategy '{s}'"), reason);
         let (name, arg) = s.split_once(':').unwrap_or((s, ""));
         let st = match name.trim().to_ascii_lowercase().as_str() {
             "ring" => Strategy::Ring,
@@ -121,7 +121,9 @@ mod tests {
             "hybrid".parse::<Strategy>().unwrap().with_ulysses_degree(2),
             Strategy::Hybrid { ulysses_degree: 2 }
         );
-        assert!(matches!("spiral".parse::<Strategy>(), Err(Error::Unsupported { .. })));
+        let e = "spiral".parse::<Strategy>().unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        assert!(e.to_string().starts_with("invalid strategy 'spiral': unknown strategy"), "{e}");
         assert!("ring:2".parse::<Strategy>().is_err());
     }
 }
