@@ -37,7 +37,8 @@ pub use comm::{run_ranks, ThreadComm};
 pub use distattn_cpu::{Forward, Grads};
 pub use exec::{execute_rank, FailureKind, InjectedFailure};
 
-use distattn_core::plan::{build, BufDesc, Pass, Plan, PlanOptions, Tensor, TokenSet};
+use distattn_core::plan::{BufDesc, Pass, Plan, PlanOptions, Tensor, TokenSet};
+use distattn_core::planner::build;
 use distattn_core::{AttnOptions, AttnShape, Element, Error, Mask, Result, Strategy};
 use std::time::Duration;
 

@@ -274,7 +274,8 @@ impl Schedule {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use distattn_core::plan::{build, Pass, PlanOptions, RingBackward};
+    use distattn_core::plan::{Pass, PlanOptions, RingBackward};
+    use distattn_core::planner::build;
     use distattn_core::{AttnShape, DType, Mask, Strategy};
 
     fn check_deps(prog: &RankProgram, s: &Schedule) {

@@ -2,7 +2,8 @@
 //! balanced) and computes its queries against every block it needs. Backward gathers K and V
 //! again and reduce-scatters the dK/dV partials back to their owners.
 
-use crate::plan::{BufDesc, Builder, Layout, Op, Pass, Tensor};
+use super::builder::Builder;
+use crate::plan::{BufDesc, Layout, Op, Pass, Tensor};
 use crate::Result;
 
 pub(crate) fn plan(b: &mut Builder) -> Result<()> {

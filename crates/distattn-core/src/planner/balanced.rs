@@ -12,7 +12,8 @@
 //! partials; owners receive K/V and return dK/dV partials. Masks with kept pairs above the
 //! diagonal (non-causal) run the mirrored schedule for the upper blocks in further steps.
 
-use crate::plan::{area, BufDesc, BufId, Builder, Layout, Op, Pass, Tensor};
+use super::builder::Builder;
+use crate::plan::{area, BufDesc, BufId, Layout, Op, Pass, Tensor};
 use crate::Result;
 
 #[derive(Clone, Copy, PartialEq, Debug)]

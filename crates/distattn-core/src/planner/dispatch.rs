@@ -6,7 +6,8 @@
 //! send per (owner, needer) pair) — no redundant bytes — and backward returns the dK/dV partials
 //! the same way ("group-reduce").
 
-use crate::plan::{area, split_even, BufDesc, Builder, Layout, LayoutKind, Op, Pass, Tensor, TokenSet};
+use super::builder::Builder;
+use crate::plan::{area, split_even, BufDesc, Layout, LayoutKind, Op, Pass, Tensor, TokenSet};
 use crate::{AttnShape, Mask, Result};
 use std::ops::Range;
 

@@ -5,8 +5,9 @@
 //! sequence sharding. The layout is zig-zag over the R groups (balanced causal rings), each
 //! group's two chunks split evenly among its U ranks. U = P is Ulysses; U = 1 is zig-zag ring.
 
+use super::builder::Builder;
 use super::ring;
-use crate::plan::{BufDesc, BufId, Builder, Layout, Pass, Tensor, TokenSet};
+use crate::plan::{BufDesc, BufId, Layout, Pass, Tensor, TokenSet};
 use crate::{AttnShape, Result};
 use std::ops::Range;
 

@@ -1,12 +1,17 @@
 //! Planners: one short file per strategy. Each turns (world, shape, mask) into a [`Plan`]
-//! through the shared plan builder; none of them executes anything.
-//!
-//! [`Plan`]: crate::plan::Plan
+//! through the shared plan builder; none of them executes anything. [`build`] is the one way
+//! to build a plan.
 // Planners index per-rank tables by rank on purpose; `%` keeps the MSRV (1.80).
-#![allow(clippy::needless_range_loop, clippy::manual_is_multiple_of, clippy::type_complexity)]
+#![allow(
+    clippy::needless_range_loop,
+    clippy::manual_is_multiple_of,
+    clippy::type_complexity,
+    clippy::too_many_arguments
+)]
 
 mod allgather;
 mod balanced;
+mod builder;
 mod dispatch;
 mod hybrid;
 mod ring;
@@ -16,19 +21,37 @@ mod zigzag;
 pub use dispatch::dispatch_layout;
 pub use hybrid::default_ulysses_degree;
 
-use crate::plan::Builder;
-use crate::Result;
-use crate::Strategy;
+use crate::plan::{Plan, PlanOptions};
+use crate::{AttnShape, DType, Error, Mask, Result, Strategy};
+use builder::Builder;
 
-pub(crate) fn plan_into(strategy: Strategy, b: &mut Builder) -> Result<()> {
-    match strategy {
-        Strategy::Ring => ring::plan(b),
-        Strategy::Zigzag => zigzag::plan(b),
-        Strategy::Striped => zigzag::plan_striped(b),
-        Strategy::Balanced => balanced::plan(b),
-        Strategy::Ulysses => ulysses::plan(b),
-        Strategy::Hybrid { ulysses_degree } => hybrid::plan(b, ulysses_degree),
-        Strategy::Allgather => allgather::plan(b),
-        Strategy::Dispatch => dispatch::plan(b),
+/// Builds the plan of `strategy` for `world` ranks.
+pub fn build(
+    strategy: Strategy,
+    world: usize,
+    shape: &AttnShape,
+    mask: &Mask,
+    dtype: DType,
+    opts: &PlanOptions,
+) -> Result<Plan> {
+    shape.validate()?;
+    if world == 0 {
+        return Err(Error::ZeroDim { what: "world size" });
     }
+    mask.check_fits(shape)?;
+    let mut b = Builder::new(strategy, world, shape, mask, dtype, opts);
+    match strategy {
+        Strategy::Ring => ring::plan(&mut b),
+        Strategy::Zigzag => zigzag::plan(&mut b),
+        Strategy::Striped => zigzag::plan_striped(&mut b),
+        Strategy::Balanced => balanced::plan(&mut b),
+        Strategy::Ulysses => ulysses::plan(&mut b),
+        Strategy::Hybrid { ulysses_degree } => hybrid::plan(&mut b, ulysses_degree),
+        Strategy::Allgather => allgather::plan(&mut b),
+        Strategy::Dispatch => dispatch::plan(&mut b),
+    }?;
+    b.finish()
 }
+
+#[cfg(test)]
+mod tests;

@@ -6,7 +6,8 @@
 //! BurstAttention's Q, dO, LSE and D circulate (K, V, dK, dV stay). Either way the gradient a
 //! rank computes for a visiting block goes straight back to the block's owner.
 
-use crate::plan::{BufId, Builder, Layout, Op, Pass, RingBackward};
+use super::builder::Builder;
+use crate::plan::{BufId, Layout, Op, Pass, RingBackward};
 use crate::Result;
 
 pub(crate) fn plan(b: &mut Builder) -> Result<()> {

@@ -4,8 +4,9 @@
 //! and LSE (backward: dQ, dK, dV) to sequence sharding. Needs both head counts divisible by P
 //! (else `Error::Unsupported`). It is the hybrid planner with one group of P ranks.
 
+use super::builder::Builder;
 use super::hybrid;
-use crate::plan::{Builder, Layout};
+use crate::plan::Layout;
 use crate::Result;
 
 pub(crate) fn plan(b: &mut Builder) -> Result<()> {

@@ -3,8 +3,9 @@
 //! `PlanOptions::documents` the cut is made inside every document (document-aware layout).
 //! Striped ring: token i on rank i mod P; every step is a near-triangular block.
 
+use super::builder::Builder;
 use super::ring;
-use crate::plan::{Builder, Layout};
+use crate::plan::Layout;
 use crate::Result;
 
 pub(crate) fn plan(b: &mut Builder) -> Result<()> {

@@ -1,7 +1,8 @@
-//! Plan-level tests: structure, parsing, and the N = 128k, P = 8 cost tables.
+//! Planner tests: structure and the N = 128k, P = 8 cost tables.
 
 use super::*;
 use crate::mask::{long_tailed_doc_lens, DocKind};
+use crate::plan::{Pass, PlanSummary, RingBackward};
 use std::time::Instant;
 
 fn shape_128k() -> AttnShape {
@@ -188,17 +189,6 @@ fn ring_backward_variants_bytes() {
             assert!(b > a, "with GQA, circulating K/V moves less");
         }
     }
-}
-
-#[test]
-fn random_documents_spec() {
-    let spec: crate::MaskSpec = "docs-random-causal:3".parse().unwrap();
-    assert_eq!(spec.to_string(), "docs-random-causal:3");
-    let m = spec.build(100, 100).unwrap();
-    let lens = long_tailed_doc_lens(100, 3);
-    assert_eq!(m, Mask::documents(&lens, DocKind::Causal).unwrap());
-    assert_eq!(spec.doc_lens(100), Some(lens));
-    assert!("docs-random:x".parse::<crate::MaskSpec>().is_err());
 }
 
 #[test]
