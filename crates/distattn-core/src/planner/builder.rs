@@ -210,7 +210,10 @@ impl<'a> Builder<'a> {
 
     /// Drops empty steps, inserts frees after each buffer's last use, and assembles the plan.
     pub(super) fn finish(mut self) -> Result<Plan> {
-        let layout = self.layout.take().ok_or_else(|| self.unsupported("planner declared no layout"))?;
+        let layout = self
+            .layout
+            .take()
+            .ok_or_else(|| Error::Internal(format!("the {} planner declared no layout", self.strategy)))?;
         self.ensure(0);
         // Drop steps in which no rank does anything.
         let keep: Vec<bool> =
