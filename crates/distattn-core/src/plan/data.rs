@@ -108,15 +108,6 @@ impl Fill {
             Fill::NegInf => f32::NEG_INFINITY,
         }
     }
-
-    pub(crate) fn from_value(x: f32) -> Fill {
-        if x == f32::NEG_INFINITY {
-            Fill::NegInf
-        } else {
-            debug_assert_eq!(x, 0.0, "buffers start at 0 or -inf");
-            Fill::Zero
-        }
-    }
 }
 
 /// One operation of a rank's program.

@@ -3,7 +3,7 @@
 //! again and reduce-scatters the dK/dV partials back to their owners.
 
 use super::builder::Builder;
-use crate::plan::{BufDesc, Layout, Op, Pass, Tensor};
+use crate::plan::{BufDesc, Fill, Layout, Op, Pass, Tensor};
 use crate::Result;
 
 pub(crate) fn plan(b: &mut Builder) -> Result<()> {
@@ -38,8 +38,8 @@ pub(crate) fn plan(b: &mut Builder) -> Result<()> {
                 b.bwd(r, 0, [i[0], k, v, i[3], i[4], i[5]], outputs[r][0], outputs[r][1], outputs[r][2]);
             } else {
                 let d = b.desc(r, k).clone();
-                let dk = b.alloc(r, 0, BufDesc::new(Tensor::DK, d.tokens.clone(), d.heads.clone()), 0.0);
-                let dv = b.alloc(r, 0, BufDesc::new(Tensor::DV, d.tokens, d.heads), 0.0);
+                let dk = b.alloc(r, 0, BufDesc::new(Tensor::DK, d.tokens.clone(), d.heads.clone()), Fill::Zero);
+                let dv = b.alloc(r, 0, BufDesc::new(Tensor::DV, d.tokens, d.heads), Fill::Zero);
                 b.bwd(r, 0, [i[0], k, v, i[3], i[4], i[5]], outputs[r][0], dk, dv);
                 partial[r].push((s, dk, dv));
             }

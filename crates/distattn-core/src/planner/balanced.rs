@@ -13,7 +13,7 @@
 //! diagonal (non-causal) run the mirrored schedule for the upper blocks in further steps.
 
 use super::builder::Builder;
-use crate::plan::{area, BufDesc, BufId, Layout, Op, Pass, Tensor};
+use crate::plan::{area, BufDesc, BufId, Fill, Layout, Op, Pass, Tensor};
 use crate::Result;
 
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -162,8 +162,8 @@ fn run_step(
                 b.fwd(i, step, own[0], k, v, outputs[i][0], outputs[i][1]);
             } else {
                 let kd = b.desc(i, k).clone();
-                let dk = b.alloc(i, step, BufDesc::new(Tensor::DK, kd.tokens.clone(), kd.heads.clone()), 0.0);
-                let dv = b.alloc(i, step, BufDesc::new(Tensor::DV, kd.tokens, kd.heads), 0.0);
+                let dk = b.alloc(i, step, BufDesc::new(Tensor::DK, kd.tokens.clone(), kd.heads.clone()), Fill::Zero);
+                let dv = b.alloc(i, step, BufDesc::new(Tensor::DV, kd.tokens, kd.heads), Fill::Zero);
                 b.bwd(i, step, [own[0], k, v, own[1], own[2], own[3]], outputs[i][0], dk, dv);
                 for_j = Some(vec![dk, dv]);
             }
@@ -171,12 +171,12 @@ fn run_step(
         if let Some(q) = &recv_q[n] {
             let qd = b.desc(j, q[0]).clone();
             if fwd {
-                let o = b.alloc(j, step, BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone()), 0.0);
-                let l = b.alloc(j, step, BufDesc::new(Tensor::Lse, qd.tokens, qd.heads), f32::NEG_INFINITY);
+                let o = b.alloc(j, step, BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone()), Fill::Zero);
+                let l = b.alloc(j, step, BufDesc::new(Tensor::Lse, qd.tokens, qd.heads), Fill::NegInf);
                 b.fwd(j, step, q[0], inputs[j][1], inputs[j][2], o, l);
                 for_i = Some(vec![o, l]);
             } else {
-                let dq = b.alloc(j, step, BufDesc::new(Tensor::DQ, qd.tokens, qd.heads), 0.0);
+                let dq = b.alloc(j, step, BufDesc::new(Tensor::DQ, qd.tokens, qd.heads), Fill::Zero);
                 b.bwd(j, step, [q[0], inputs[j][1], inputs[j][2], q[1], q[2], q[3]], dq, outputs[j][1], outputs[j][2]);
                 for_i = Some(vec![dq]);
             }

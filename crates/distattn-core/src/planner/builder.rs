@@ -96,9 +96,9 @@ impl<'a> Builder<'a> {
     /// backward dQ, dK, dV) at step 0, and marks them as outputs.
     pub fn pass_outputs(&mut self) -> Vec<Vec<BufId>> {
         let layout = self.layout.clone().expect("inputs declared first");
-        let t: &[(Tensor, f32)] = match self.pass() {
-            Pass::Forward => &[(Tensor::O, 0.0), (Tensor::Lse, f32::NEG_INFINITY)],
-            Pass::Backward => &[(Tensor::DQ, 0.0), (Tensor::DK, 0.0), (Tensor::DV, 0.0)],
+        let t: &[(Tensor, Fill)] = match self.pass() {
+            Pass::Forward => &[(Tensor::O, Fill::Zero), (Tensor::Lse, Fill::NegInf)],
+            Pass::Backward => &[(Tensor::DQ, Fill::Zero), (Tensor::DK, Fill::Zero), (Tensor::DV, Fill::Zero)],
         };
         let mut out = Vec::new();
         for r in 0..self.world {
@@ -137,16 +137,16 @@ impl<'a> Builder<'a> {
     }
 
     /// A new buffer, allocated with `fill` at `step`.
-    pub fn alloc(&mut self, rank: usize, step: usize, desc: BufDesc, fill: f32) -> BufId {
+    pub fn alloc(&mut self, rank: usize, step: usize, desc: BufDesc, fill: Fill) -> BufId {
         let id = self.buf(rank, desc);
-        self.push(rank, step, Op::Alloc { buf: id, fill: Fill::from_value(fill) });
+        self.push(rank, step, Op::Alloc { buf: id, fill });
         id
     }
 
     /// A new buffer holding the `tokens × heads` part of `src`.
     pub fn extract(&mut self, rank: usize, step: usize, src: BufId, tokens: TokenSet, heads: Range<usize>) -> BufId {
         let tensor = self.desc(rank, src).tensor;
-        let dst = self.alloc(rank, step, BufDesc::new(tensor, tokens, heads), 0.0);
+        let dst = self.alloc(rank, step, BufDesc::new(tensor, tokens, heads), Fill::Zero);
         self.push(rank, step, Op::Copy { src, dst });
         dst
     }

@@ -7,7 +7,7 @@
 //! the same way ("group-reduce").
 
 use super::builder::Builder;
-use crate::plan::{area, split_even, BufDesc, Layout, LayoutKind, Op, Pass, Tensor, TokenSet};
+use crate::plan::{area, split_even, BufDesc, Fill, Layout, LayoutKind, Op, Pass, Tensor, TokenSet};
 use crate::{AttnShape, Mask, Result};
 use std::ops::Range;
 
@@ -195,8 +195,8 @@ pub(crate) fn plan(b: &mut Builder) -> Result<()> {
                 b.bwd(r, 0, [i[0], k, v, i[3], i[4], i[5]], o[0], o[1], o[2]);
             } else {
                 let d = b.desc(r, k).clone();
-                let dk = b.alloc(r, 0, BufDesc::new(Tensor::DK, d.tokens.clone(), d.heads.clone()), 0.0);
-                let dv = b.alloc(r, 0, BufDesc::new(Tensor::DV, d.tokens, d.heads), 0.0);
+                let dk = b.alloc(r, 0, BufDesc::new(Tensor::DK, d.tokens.clone(), d.heads.clone()), Fill::Zero);
+                let dv = b.alloc(r, 0, BufDesc::new(Tensor::DV, d.tokens, d.heads), Fill::Zero);
                 b.bwd(r, 0, [i[0], k, v, i[3], i[4], i[5]], o[0], dk, dv);
                 back.push((r, s, dk, dv));
             }

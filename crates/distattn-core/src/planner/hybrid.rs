@@ -7,7 +7,7 @@
 
 use super::builder::Builder;
 use super::ring;
-use crate::plan::{BufDesc, BufId, Layout, Pass, Tensor, TokenSet};
+use crate::plan::{BufDesc, BufId, Fill, Layout, Pass, Tensor, TokenSet};
 use crate::{AttnShape, Result};
 use std::ops::Range;
 
@@ -99,7 +99,7 @@ pub(crate) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
                 continue;
             }
             let d = BufDesc::new(t, group_tokens(g, t.is_kv()), heads_of(t, u));
-            let dst = b.alloc(r, 0, d, 0.0);
+            let dst = b.alloc(r, 0, d, Fill::Zero);
             for &src in &pieces[r][ti] {
                 b.push(r, 0, crate::plan::Op::Copy { src, dst });
             }
@@ -108,10 +108,10 @@ pub(crate) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
         gathered.push(row);
     }
     // Group-wide accumulators.
-    let acc_tensors: Vec<(Tensor, f32)> = if fwd {
-        vec![(Tensor::O, 0.0), (Tensor::Lse, f32::NEG_INFINITY)]
+    let acc_tensors: Vec<(Tensor, Fill)> = if fwd {
+        vec![(Tensor::O, Fill::Zero), (Tensor::Lse, Fill::NegInf)]
     } else {
-        vec![(Tensor::DQ, 0.0), (Tensor::DK, 0.0), (Tensor::DV, 0.0)]
+        vec![(Tensor::DQ, Fill::Zero), (Tensor::DK, Fill::Zero), (Tensor::DV, Fill::Zero)]
     };
     let mut accs: Vec<Vec<BufId>> = Vec::new();
     for r in 0..p {

@@ -7,7 +7,7 @@
 //! rank computes for a visiting block goes straight back to the block's owner.
 
 use super::builder::Builder;
-use crate::plan::{BufId, Layout, Op, Pass, RingBackward};
+use crate::plan::{BufId, Fill, Layout, Op, Pass, RingBackward};
 use crate::Result;
 
 pub(crate) fn plan(b: &mut Builder) -> Result<()> {
@@ -114,7 +114,7 @@ pub(crate) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &
                 }
                 for &j in travel_accs {
                     let d = b.desc(members[owner], bufs[owner][j]).clone();
-                    c[j] = b.alloc(members[i], step, d, 0.0);
+                    c[j] = b.alloc(members[i], step, d, Fill::Zero);
                     partials.push((i, owner, c[j], bufs[owner][j]));
                 }
             }
