@@ -6,6 +6,7 @@
 //! that is what lets [`sub_mask`] and [`area`] re-index a mask onto a rank's tokens in closed form
 //! (run × run restriction) or in one pass over the rows (strided sets), never per pair.
 
+use super::Tensor;
 use crate::mask::{slices_from_rows, Mask, MaskSlice};
 use crate::{Error, Result};
 use std::ops::Range;
@@ -394,6 +395,15 @@ fn striped_sets(n: usize, p: usize) -> Vec<TokenSet> {
 impl Layout {
     pub fn world(&self) -> usize {
         self.q.len()
+    }
+
+    /// The tokens of `tensor` that `rank` holds: its key set for K, V, dK, dV, else its query set.
+    pub fn tokens(&self, tensor: Tensor, rank: usize) -> &TokenSet {
+        if tensor.is_kv() {
+            &self.k[rank]
+        } else {
+            &self.q[rank]
+        }
     }
 
     pub fn contiguous(q_len: usize, k_len: usize, p: usize) -> Layout {

@@ -2,63 +2,51 @@
 //! balanced) and computes its queries against every block it needs. Backward gathers K and V
 //! again and reduce-scatters the dK/dV partials back to their owners.
 
-use super::builder::Builder;
-use crate::plan::{BufDesc, Fill, Layout, Op, Pass, Tensor};
+use super::builder::{Builder, BwdBufs, FwdBufs, GradBufs, KvBufs, PassBufs};
+use crate::plan::Layout;
 use crate::Result;
 
-pub(crate) fn plan(b: &mut Builder) -> Result<()> {
+pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let p = b.world;
     let layout = Layout::zigzag(b.shape.q_len, b.shape.k_len, p);
-    let inputs = b.pass_inputs(layout);
-    let outputs = b.pass_outputs();
-    let fwd = b.pass() == Pass::Forward;
+    let bufs = b.declare_pass(layout);
     b.label(0, "all-gather K,V + compute");
-    // kv[r][s] = (k, v) of rank s as held on rank r.
-    let mut kv = vec![vec![(0, 0); p]; p];
-    for (r, row) in kv.iter_mut().enumerate() {
-        row[r] = (inputs[r][1], inputs[r][2]);
-    }
+    // held[r]: (owner, K/V as held on rank r) for every rank's K/V, in owner order.
+    let mut held: Vec<Vec<(usize, KvBufs)>> = vec![Vec::with_capacity(p); p];
     for s in 0..p {
-        for r in 0..p {
-            if r != s {
-                let k = b.transfer(0, 0, s, r, inputs[s][1]);
-                let v = b.transfer(0, 0, s, r, inputs[s][2]);
-                kv[r][s] = (k, v);
-            }
+        for (r, on_r) in held.iter_mut().enumerate() {
+            let kv = if r == s { bufs.kv(s) } else { b.transfer_set(0, 0, s, r, bufs.kv(s)) };
+            on_r.push((s, kv));
         }
     }
-    let mut partial = vec![Vec::new(); p];
-    for r in 0..p {
-        let i = &inputs[r];
-        for s in 0..p {
-            let (k, v) = kv[r][s];
-            if fwd {
-                b.fwd(r, 0, i[0], k, v, outputs[r][0], outputs[r][1]);
-            } else if s == r {
-                b.bwd(r, 0, [i[0], k, v, i[3], i[4], i[5]], outputs[r][0], outputs[r][1], outputs[r][2]);
-            } else {
-                let d = b.desc(r, k).clone();
-                let dk = b.alloc(r, 0, BufDesc::new(Tensor::DK, d.tokens.clone(), d.heads.clone()), Fill::Zero);
-                let dv = b.alloc(r, 0, BufDesc::new(Tensor::DV, d.tokens, d.heads), Fill::Zero);
-                b.bwd(r, 0, [i[0], k, v, i[3], i[4], i[5]], outputs[r][0], dk, dv);
-                partial[r].push((s, dk, dv));
-            }
-        }
-    }
-    if !fwd {
-        // Reduce-scatter of dK, dV (every partial is sent, as the collective does).
-        let mut adds = Vec::new();
-        for (r, parts) in partial.iter().enumerate() {
-            for &(s, dk, dv) in parts {
-                let gk = b.transfer(0, 1, r, s, dk);
-                let gv = b.transfer(0, 1, r, s, dv);
-                adds.push((s, gk, outputs[s][1]));
-                adds.push((s, gv, outputs[s][2]));
-            }
-        }
-        for (s, src, dst) in adds {
-            b.push(s, 0, Op::Add { src, dst });
-        }
-    }
+    compute_held(b, &bufs, &held);
     Ok(())
+}
+
+/// At step 0, every rank r computes its queries against each K/V in `held[r]` (owner, K/V as
+/// held on r). Backward then returns the dK/dV partials of K/V owned elsewhere to their owners
+/// (phase 1, every partial sent, as a reduce-scatter does), who add them.
+pub(super) fn compute_held(b: &mut Builder, bufs: &PassBufs, held: &[Vec<(usize, KvBufs)>]) {
+    // (computing rank, owner, dK/dV partial)
+    let mut partials = Vec::new();
+    for (r, on_r) in held.iter().enumerate() {
+        for &(owner, kv) in on_r {
+            match bufs {
+                PassBufs::Forward(own) => b.fwd(r, 0, FwdBufs { kv, ..own[r] }),
+                PassBufs::Backward(own) if owner == r => b.bwd(r, 0, BwdBufs { kv, ..own[r] }),
+                PassBufs::Backward(own) => {
+                    let dkv = b.kv_grad_partials(r, 0, kv);
+                    b.bwd(r, 0, BwdBufs { kv, grads: GradBufs { dkv, ..own[r].grads }, ..own[r] });
+                    partials.push((r, owner, dkv));
+                }
+            }
+        }
+    }
+    if let PassBufs::Backward(own) = bufs {
+        let returned: Vec<_> =
+            partials.into_iter().map(|(r, owner, dkv)| (owner, b.transfer_set(0, 1, r, owner, dkv))).collect();
+        for (owner, got) in returned {
+            b.add_set(owner, 0, got, own[owner].grads.dkv);
+        }
+    }
 }

@@ -12,8 +12,8 @@
 //! partials; owners receive K/V and return dK/dV partials. Masks with kept pairs above the
 //! diagonal (non-causal) run the mirrored schedule for the upper blocks in further steps.
 
-use super::builder::Builder;
-use crate::plan::{area, BufDesc, BufId, Fill, Layout, Op, Pass, Tensor};
+use super::builder::{BufSet, Builder, BwdBufs, FwdBufs, GradBufs, KvBufs, OutBufs, PassBufs, QueryBufs};
+use crate::plan::{area, BufDesc, BufId, Fill, Layout, Op, Tensor};
 use crate::Result;
 
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -45,20 +45,16 @@ fn schedule(p: usize) -> Vec<Vec<(usize, usize, Who)>> {
     steps
 }
 
-pub(crate) fn plan(b: &mut Builder) -> Result<()> {
+pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let p = b.world;
     let layout = Layout::contiguous(b.shape.q_len, b.shape.k_len, p);
-    let inputs = b.pass_inputs(layout);
-    let outputs = b.pass_outputs();
-    let fwd = b.pass() == Pass::Forward;
+    let bufs = b.declare_pass(layout);
     // Step 0: diagonal blocks.
     b.label(0, "diagonal");
     for r in 0..p {
-        let (i, o) = (&inputs[r], &outputs[r]);
-        if fwd {
-            b.fwd(r, 0, i[0], i[1], i[2], o[0], o[1]);
-        } else {
-            b.bwd(r, 0, [i[0], i[1], i[2], i[3], i[4], i[5]], o[0], o[1], o[2]);
+        match &bufs {
+            PassBufs::Forward(own) => b.fwd(r, 0, own[r]),
+            PassBufs::Backward(own) => b.bwd(r, 0, own[r]),
         }
     }
     let sched = schedule(p);
@@ -69,7 +65,10 @@ pub(crate) fn plan(b: &mut Builder) -> Result<()> {
                 tasks.iter().map(|&(i, j, w)| if mirrored { (p - 1 - i, p - 1 - j, w) } else { (i, j, w) }).collect();
             let side = if mirrored { "upper" } else { "lower" };
             b.label(step, format!("{side} t={}", t + 1));
-            run_step(b, step, &tasks, &inputs, &outputs);
+            match &bufs {
+                PassBufs::Forward(own) => forward_step(b, step, &tasks, own),
+                PassBufs::Backward(own) => backward_step(b, step, &tasks, own),
+            }
             step += 1;
         }
     }
@@ -91,118 +90,151 @@ fn split_row(b: &Builder, qi: &BufDesc, kj: &BufDesc) -> usize {
     lo
 }
 
-fn run_step(
+/// The query rows of a block and what travels with them: Q (forward) or Q, dO, LSE, D
+/// (backward).
+trait QuerySide: BufSet {
+    fn q(self) -> BufId;
+}
+
+impl QuerySide for BufId {
+    fn q(self) -> BufId {
+        self
+    }
+}
+
+impl QuerySide for QueryBufs {
+    fn q(self) -> BufId {
+        self.q
+    }
+}
+
+/// A block of a step, the query rows of rank `i` against the K/V of rank `j`, with its
+/// buffers as phase 0 delivers them.
+struct Job<S> {
+    i: usize,
+    j: usize,
+    /// Rows rank i computes itself, with j's K/V as received on i.
+    own: Option<(S, KvBufs)>,
+    /// Rows rank j computes for i, as received on j.
+    help: Option<S>,
+}
+
+/// Resolves the step's tasks into jobs, skipping empty blocks and splitting the rows of
+/// [`Who::Split`] blocks, then posts phase 0: K/V to ranks that compute their own rows, query
+/// sides to helpers. `query[r]` and `kv[r]` are rank r's own.
+fn prepare<S: QuerySide>(
     b: &mut Builder,
     step: usize,
     tasks: &[(usize, usize, Who)],
-    inputs: &[Vec<BufId>],
-    outputs: &[Vec<BufId>],
-) {
-    let fwd = b.pass() == Pass::Forward;
-    let q_side: &[usize] = if fwd { &[0] } else { &[0, 3, 4, 5] }; // q (, dO, lse, D)
-                                                                   // Resolve each task into (owner rows, helper rows) as lists of q-side buffers.
-    struct Job {
-        i: usize,
-        j: usize,
-        own: Option<Vec<BufId>>,  // on rank i
-        help: Option<Vec<BufId>>, // on rank i, to send to j
-    }
-    let mut jobs = Vec::new();
+    query: &[S],
+    kv: &[KvBufs],
+) -> Vec<Job<S>> {
+    // (i, j, rows i computes, rows j computes), all on rank i.
+    let mut rows = Vec::new();
     for &(i, j, who) in tasks {
-        let (qd, kd) = (b.desc(i, inputs[i][0]).clone(), b.desc(j, inputs[j][1]).clone());
+        let whole = query[i];
+        let (qd, kd) = (b.desc(i, whole.q()).clone(), b.desc(j, kv[j].k).clone());
         if area(b.mask, &qd.tokens, &kd.tokens) == 0 {
             continue;
         }
-        let whole: Vec<BufId> = q_side.iter().map(|&x| inputs[i][x]).collect();
-        let job = match who {
-            Who::Owner => Job { i, j, own: Some(whole), help: None },
-            Who::Helper => Job { i, j, own: None, help: Some(whole) },
-            Who::Split if b.opts.balanced_no_split => Job { i, j, own: Some(whole), help: None },
+        let (own, help) = match who {
+            Who::Owner => (Some(whole), None),
+            Who::Helper => (None, Some(whole)),
+            Who::Split if b.opts.balanced_no_split => (Some(whole), None),
             Who::Split => {
                 let m = split_row(b, &qd, &kd);
                 let n = qd.tokens.len();
                 if m == 0 || m == n {
-                    Job { i, j, own: Some(whole), help: None }
+                    (Some(whole), None)
                 } else {
-                    let (lo, hi) = (qd.tokens.local_slice(0..m), qd.tokens.local_slice(m..n));
-                    let mut help = Vec::new();
-                    let mut own = Vec::new();
-                    for &src in &whole {
+                    // The helper takes the first m rows, the owner the rest.
+                    let (first, rest) = (qd.tokens.local_slice(0..m), qd.tokens.local_slice(m..n));
+                    let (help, own) = whole.unzip_map(|src| {
                         let heads = b.desc(i, src).heads.clone();
-                        help.push(b.extract(i, step, src, lo.clone(), heads.clone()));
-                        own.push(b.extract(i, step, src, hi.clone(), heads));
-                    }
-                    Job { i, j, own: Some(own), help: Some(help) }
+                        let help = b.extract(i, step, src, first.clone(), heads.clone());
+                        let own = b.extract(i, step, src, rest.clone(), heads);
+                        (help, own)
+                    });
+                    (Some(own), Some(help))
                 }
             }
         };
-        jobs.push(job);
+        rows.push((i, j, own, help));
     }
-    // Phase 0: K/V to owners that compute, query side to helpers.
-    let mut recv_kv = Vec::new();
-    let mut recv_q = Vec::new();
+    let mut jobs = Vec::new();
+    for (i, j, own, help) in rows {
+        let own = own.map(|rows| (rows, b.transfer_set(step, 0, j, i, kv[j])));
+        let help = help.map(|rows| b.transfer_set(step, 0, i, j, rows));
+        jobs.push(Job { i, j, own, help });
+    }
+    jobs
+}
+
+/// A forward step: owners merge their rows into their accumulators; helpers compute into
+/// fresh (O, LSE) that go back to the owner (phase 1) and are merged there.
+fn forward_step(b: &mut Builder, step: usize, tasks: &[(usize, usize, Who)], bufs: &[FwdBufs]) {
+    let query: Vec<BufId> = bufs.iter().map(|x| x.q).collect();
+    let kv: Vec<KvBufs> = bufs.iter().map(|x| x.kv).collect();
+    let jobs = prepare(b, step, tasks, &query, &kv);
+    // (helper, owner, partial O and LSE on the helper)
+    let mut partials = Vec::new();
     for job in &jobs {
-        recv_kv.push(job.own.as_ref().map(|_| {
-            let k = b.transfer(step, 0, job.j, job.i, inputs[job.j][1]);
-            let v = b.transfer(step, 0, job.j, job.i, inputs[job.j][2]);
-            (k, v)
-        }));
-        recv_q.push(
-            job.help.as_ref().map(|h| h.iter().map(|&x| b.transfer(step, 0, job.i, job.j, x)).collect::<Vec<_>>()),
-        );
+        if let Some((q, kv)) = job.own {
+            b.fwd(job.i, step, FwdBufs { q, kv, ..bufs[job.i] });
+        }
+        if let Some(q) = job.help {
+            let qd = b.desc(job.j, q).clone();
+            let o = b.alloc(job.j, step, BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone()), Fill::Zero);
+            let lse = b.alloc(job.j, step, BufDesc::new(Tensor::Lse, qd.tokens, qd.heads), Fill::NegInf);
+            let out = OutBufs { o, lse };
+            b.fwd(job.j, step, FwdBufs { q, kv: bufs[job.j].kv, out });
+            partials.push((job.j, job.i, out));
+        }
     }
-    // Compute.
-    let mut partials: Vec<(Option<Vec<BufId>>, Option<Vec<BufId>>)> = Vec::new(); // (on i for j, on j for i)
-    for (n, job) in jobs.iter().enumerate() {
+    let returned: Vec<_> =
+        partials.into_iter().map(|(from, to, out)| (to, b.transfer_set(step, 1, from, to, out))).collect();
+    for (rank, got) in returned {
+        let acc = bufs[rank].out;
+        b.push(rank, step, Op::Merge { o: got.o, lse: got.lse, o_acc: acc.o, lse_acc: acc.lse });
+    }
+}
+
+/// A backward step: owners compute their rows into their dQ and fresh dK, dV for the K/V
+/// owner; helpers compute visiting rows into their dK, dV and a fresh dQ for the query owner.
+/// Partials go back in phase 1 and are added there.
+fn backward_step(b: &mut Builder, step: usize, tasks: &[(usize, usize, Who)], bufs: &[BwdBufs]) {
+    let query: Vec<QueryBufs> = bufs.iter().map(|x| x.query).collect();
+    let kv: Vec<KvBufs> = bufs.iter().map(|x| x.kv).collect();
+    let jobs = prepare(b, step, tasks, &query, &kv);
+    // Per job: (dK, dV partial on i for j, dQ partial on j for i).
+    let mut partials = Vec::new();
+    for job in &jobs {
         let (i, j) = (job.i, job.j);
-        let mut for_j = None;
-        let mut for_i = None;
-        if let (Some(own), Some((k, v))) = (&job.own, recv_kv[n]) {
-            if fwd {
-                b.fwd(i, step, own[0], k, v, outputs[i][0], outputs[i][1]);
-            } else {
-                let kd = b.desc(i, k).clone();
-                let dk = b.alloc(i, step, BufDesc::new(Tensor::DK, kd.tokens.clone(), kd.heads.clone()), Fill::Zero);
-                let dv = b.alloc(i, step, BufDesc::new(Tensor::DV, kd.tokens, kd.heads), Fill::Zero);
-                b.bwd(i, step, [own[0], k, v, own[1], own[2], own[3]], outputs[i][0], dk, dv);
-                for_j = Some(vec![dk, dv]);
-            }
-        }
-        if let Some(q) = &recv_q[n] {
-            let qd = b.desc(j, q[0]).clone();
-            if fwd {
-                let o = b.alloc(j, step, BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone()), Fill::Zero);
-                let l = b.alloc(j, step, BufDesc::new(Tensor::Lse, qd.tokens, qd.heads), Fill::NegInf);
-                b.fwd(j, step, q[0], inputs[j][1], inputs[j][2], o, l);
-                for_i = Some(vec![o, l]);
-            } else {
-                let dq = b.alloc(j, step, BufDesc::new(Tensor::DQ, qd.tokens, qd.heads), Fill::Zero);
-                b.bwd(j, step, [q[0], inputs[j][1], inputs[j][2], q[1], q[2], q[3]], dq, outputs[j][1], outputs[j][2]);
-                for_i = Some(vec![dq]);
-            }
-        }
+        let for_j = job.own.map(|(query, kv)| {
+            let dkv = b.kv_grad_partials(i, step, kv);
+            b.bwd(i, step, BwdBufs { query, kv, grads: GradBufs { dkv, ..bufs[i].grads } });
+            dkv
+        });
+        let for_i = job.help.map(|query| {
+            let qd = b.desc(j, query.q).clone();
+            let dq = b.alloc(j, step, BufDesc::new(Tensor::DQ, qd.tokens, qd.heads), Fill::Zero);
+            b.bwd(j, step, BwdBufs { query, grads: GradBufs { dq, ..bufs[j].grads }, ..bufs[j] });
+            dq
+        });
         partials.push((for_j, for_i));
     }
-    // Phase 1: partials back to their owners, then merged / added.
-    let mut merges = Vec::new();
-    for (n, job) in jobs.iter().enumerate() {
-        if let Some(bufs) = &partials[n].0 {
-            let got: Vec<BufId> = bufs.iter().map(|&x| b.transfer(step, 1, job.i, job.j, x)).collect();
-            merges.push((job.j, got, vec![outputs[job.j][1], outputs[job.j][2]]));
-        }
-        if let Some(bufs) = &partials[n].1 {
-            let got: Vec<BufId> = bufs.iter().map(|&x| b.transfer(step, 1, job.j, job.i, x)).collect();
-            let dst = if fwd { vec![outputs[job.i][0], outputs[job.i][1]] } else { vec![outputs[job.i][0]] };
-            merges.push((job.i, got, dst));
-        }
+    let mut returned = Vec::new();
+    for (job, (for_j, for_i)) in jobs.iter().zip(partials) {
+        let dkv = for_j.map(|part| b.transfer_set(step, 1, job.i, job.j, part));
+        let dq = for_i.map(|part| b.transfer(step, 1, job.j, job.i, part));
+        returned.push((dkv, dq));
     }
-    for (rank, got, dst) in merges {
-        if fwd {
-            b.push(rank, step, Op::Merge { o: got[0], lse: got[1], o_acc: dst[0], lse_acc: dst[1] });
-        } else {
-            for (s, d) in got.into_iter().zip(dst) {
-                b.push(rank, step, Op::Add { src: s, dst: d });
-            }
+    for (job, (dkv, dq)) in jobs.iter().zip(returned) {
+        if let Some(got) = dkv {
+            b.add_set(job.j, step, got, bufs[job.j].grads.dkv);
+        }
+        if let Some(got) = dq {
+            b.add_set(job.i, step, got, bufs[job.i].grads.dq);
         }
     }
 }

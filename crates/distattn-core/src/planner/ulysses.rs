@@ -9,7 +9,7 @@ use super::hybrid;
 use crate::plan::Layout;
 use crate::Result;
 
-pub(crate) fn plan(b: &mut Builder) -> Result<()> {
+pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let p = b.world;
     let (h, kvh) = (b.shape.heads, b.shape.kv_heads);
     if h % p != 0 || kvh % p != 0 {
