@@ -68,7 +68,8 @@ impl TokenSet {
                     if *count == 0 {
                         Vec::new()
                     } else {
-                        vec![*start..start + (count - 1) * step + 1]
+                        let run = *start..start + (count - 1) * step + 1;
+                        vec![run]
                     }
                 } else {
                     (0..*count).map(|i| start + i * step).map(|t| t..t + 1).collect()
@@ -521,7 +522,7 @@ mod tests {
             TokenSet::from_runs(vec![2..9, 20..30]),
             TokenSet::Strided { start: 1, step: 3, count: 12 },
             TokenSet::range(0..37),
-            TokenSet::from_runs(vec![30..37]),
+            TokenSet::range(30..37),
         ];
         for m in &masks {
             for q in &sets {

@@ -14,7 +14,6 @@
 //!
 //! This module is the plan data ([`Plan`], [`RankProgram`], [`Op`], …), its checks
 //! ([`Plan::validate`]), layouts ([`layout`]) and costs ([`cost`]); it knows no planner.
-#![allow(clippy::single_range_in_vec_init)]
 
 pub mod cost;
 mod data;

@@ -148,8 +148,8 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
     b.label(0, "group-cast K,V + compute");
     // (owner s, rank r, the chunks of s's K/V that r's queries keep a pair with, on s)
     let mut sends = Vec::new();
-    for s in 0..p {
-        let kchunks: Vec<Range<usize>> = k_sets[s]
+    for (s, k_set) in k_sets.iter().enumerate() {
+        let kchunks: Vec<Range<usize>> = k_set
             .to_runs()
             .into_iter()
             .flat_map(|run| chunks(run.len(), c).into_iter().map(move |x| run.start + x.start..run.start + x.end))
@@ -165,7 +165,7 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
             }
             let tokens = TokenSet::from_runs(needed);
             let own = bufs.kv(s);
-            let kv = if tokens == k_sets[s] {
+            let kv = if tokens == *k_set {
                 own
             } else {
                 own.map(|src| b.extract(s, 0, src, tokens.clone(), kv_heads.clone()))

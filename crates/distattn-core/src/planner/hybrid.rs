@@ -14,7 +14,10 @@ use std::ops::Range;
 /// The largest proper divisor U of `world` that divides both head counts (1 if none); the
 /// ring part then spans P / U groups.
 pub fn default_ulysses_degree(world: usize, shape: &AttnShape) -> usize {
-    (1..world).rev().find(|&u| world % u == 0 && shape.heads % u == 0 && shape.kv_heads % u == 0).unwrap_or(1)
+    (1..world)
+        .rev()
+        .find(|&u| world.is_multiple_of(u) && shape.heads.is_multiple_of(u) && shape.kv_heads.is_multiple_of(u))
+        .unwrap_or(1)
 }
 
 fn head_slice(n: usize, parts: usize, u: usize) -> Range<usize> {
@@ -24,7 +27,7 @@ fn head_slice(n: usize, parts: usize, u: usize) -> Range<usize> {
 pub(super) fn plan(b: &mut Builder, degree: usize) -> Result<()> {
     let p = b.world;
     let u_deg = if degree == 0 { default_ulysses_degree(p, &b.shape) } else { degree };
-    if p % u_deg != 0 {
+    if !p.is_multiple_of(u_deg) {
         return Err(b.unsupported(format!("Ulysses degree {u_deg} does not divide the world size {p}")));
     }
     let layout = if u_deg == p {
@@ -39,7 +42,7 @@ pub(super) fn plan(b: &mut Builder, degree: usize) -> Result<()> {
 pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<()> {
     let p = b.world;
     let (h, kvh) = (b.shape.heads, b.shape.kv_heads);
-    if h % u_deg != 0 || kvh % u_deg != 0 {
+    if !h.is_multiple_of(u_deg) || !kvh.is_multiple_of(u_deg) {
         return Err(b.unsupported(format!(
             "heads ({h}) and kv heads ({kvh}) must both be divisible by the Ulysses degree {u_deg}"
         )));

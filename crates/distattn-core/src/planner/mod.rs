@@ -1,13 +1,6 @@
 //! Planners: one short file per strategy. Each turns (world, shape, mask) into a [`Plan`]
 //! through the shared plan builder; none of them executes anything. [`build`] is the one way
 //! to build a plan.
-// Planners index per-rank tables by rank on purpose; `%` keeps the MSRV (1.80).
-#![allow(
-    clippy::needless_range_loop,
-    clippy::manual_is_multiple_of,
-    clippy::type_complexity,
-    clippy::too_many_arguments
-)]
 
 mod allgather;
 mod balanced;

@@ -12,7 +12,7 @@ use crate::Result;
 pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let p = b.world;
     let (h, kvh) = (b.shape.heads, b.shape.kv_heads);
-    if h % p != 0 || kvh % p != 0 {
+    if !h.is_multiple_of(p) || !kvh.is_multiple_of(p) {
         return Err(
             b.unsupported(format!("heads ({h}) and kv heads ({kvh}) must both be divisible by the world size {p}"))
         );
