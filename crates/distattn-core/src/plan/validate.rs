@@ -64,35 +64,48 @@ impl Plan {
 
 #[cfg(test)]
 mod tests {
-    use crate::plan::{BufId, Op, Plan, PlanOptions};
-    use crate::planner::build;
-    use crate::{AttnShape, DType, Error, Mask, Strategy};
+    use crate::plan::{BufDesc, Layout, Op, Pass, Plan, RankProgram, RingBackward, Tensor, TokenSet};
+    use crate::{AttnShape, DType, Error, Strategy};
 
-    /// The sends of rank 0's first communication group.
-    fn first_sends(plan: &mut Plan) -> &mut Vec<(usize, BufId)> {
-        let mut ops = plan.ranks[0].steps.iter_mut().flatten();
-        ops.find_map(|op| match op {
-            Op::Comm { sends, .. } => Some(sends),
-            _ => None,
-        })
-        .expect("a ring sends K/V at step 0")
+    /// Two ranks; rank 0 sends its K shard to rank 1.
+    fn send_k() -> Plan {
+        let k0 = BufDesc::new(Tensor::K, TokenSet::range(0..4), 0..1);
+        let program =
+            |bufs, comm| RankProgram { bufs, inputs: Vec::new(), outputs: Vec::new(), steps: vec![vec![comm]] };
+        Plan {
+            strategy: Strategy::Ring,
+            pass: Pass::Forward,
+            ring_backward: RingBackward::KvCirculate,
+            world: 2,
+            shape: AttnShape::new(1, 8, 8, 1, 1, 16).unwrap(),
+            dtype: DType::F32,
+            layout: Layout::contiguous(8, 8, 2),
+            step_labels: vec!["send".into()],
+            ranks: vec![
+                program(vec![k0.clone()], Op::Comm { phase: 0, sends: vec![(1, 0)], recvs: Vec::new() }),
+                program(vec![k0], Op::Comm { phase: 0, sends: Vec::new(), recvs: vec![(0, 0)] }),
+            ],
+        }
     }
 
     #[test]
     fn broken_plans_are_invalid_plan_errors() {
-        let shape = AttnShape::new(1, 32, 32, 2, 2, 16).unwrap();
-        let mask = Mask::causal(32, 32).unwrap();
-        let plan = build(Strategy::Ring, 2, &shape, &mask, DType::F32, &PlanOptions::forward()).unwrap();
-        plan.validate().unwrap();
-        let mut to_nobody = plan.clone();
-        first_sends(&mut to_nobody)[0].0 = 7;
-        let mut unreceived = plan.clone();
-        first_sends(&mut unreceived)[0].1 = 0; // Q, where rank 1 receives K
-        let mut undefined = plan.clone();
-        undefined.ranks[1].steps[0].push(Op::Free { buf: 99 });
-        let mut missing_rank = plan.clone();
+        send_k().validate().unwrap();
+        let mut to_nobody = send_k();
+        if let Op::Comm { sends, .. } = &mut to_nobody.ranks[0].steps[0][0] {
+            sends[0].0 = 7;
+        }
+        let mut unreceived = send_k();
+        unreceived.ranks[1].bufs[0].tokens = TokenSet::range(4..8);
+        let mut undefined = send_k();
+        undefined.ranks[1].steps[0].push(Op::Free { buf: 1 });
+        let mut received_into_nothing = send_k();
+        if let Op::Comm { recvs, .. } = &mut received_into_nothing.ranks[1].steps[0][0] {
+            recvs[0].1 = 5;
+        }
+        let mut missing_rank = send_k();
         missing_rank.ranks.pop();
-        for broken in [to_nobody, unreceived, undefined, missing_rank] {
+        for broken in [to_nobody, unreceived, undefined, received_into_nothing, missing_rank] {
             let e = broken.validate().unwrap_err();
             assert!(matches!(e, Error::InvalidPlan(_)), "{e}");
             assert!(e.to_string().starts_with("invalid plan: ring: "), "{e}");
