@@ -276,7 +276,8 @@ impl Schedule {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{build, Pass, PlanOptions, RingBackward};
+    use crate::plan::{Pass, PlanOptions, RingBackward};
+    use crate::planner::build;
     use crate::{AttnShape, DType, Mask, Strategy};
 
     fn check_deps(prog: &RankProgram, s: &Schedule) {

@@ -192,6 +192,17 @@ fn bad_masks_are_errors() {
 }
 
 #[test]
+fn random_documents_spec() {
+    let spec: MaskSpec = "docs-random-causal:3".parse().unwrap();
+    assert_eq!(spec.to_string(), "docs-random-causal:3");
+    let m = spec.build(100, 100).unwrap();
+    let lens = long_tailed_doc_lens(100, 3);
+    assert_eq!(m, Mask::documents(&lens, DocKind::Causal).unwrap());
+    assert_eq!(spec.doc_lens(100), Some(lens));
+    assert!("docs-random:x".parse::<MaskSpec>().is_err());
+}
+
+#[test]
 fn specs_parse_build_and_print() {
     for s in [
         "full",

@@ -6,6 +6,7 @@
 //! that is what lets [`sub_mask`] and [`area`] re-index a mask onto a rank's tokens in closed form
 //! (run × run restriction) or in one pass over the rows (strided sets), never per pair.
 
+use super::Tensor;
 use crate::mask::{slices_from_rows, Mask, MaskSlice};
 use crate::{Error, Result};
 use std::ops::Range;
@@ -67,7 +68,8 @@ impl TokenSet {
                     if *count == 0 {
                         Vec::new()
                     } else {
-                        vec![*start..start + (count - 1) * step + 1]
+                        let run = *start..start + (count - 1) * step + 1;
+                        vec![run]
                     }
                 } else {
                     (0..*count).map(|i| start + i * step).map(|t| t..t + 1).collect()
@@ -396,6 +398,15 @@ impl Layout {
         self.q.len()
     }
 
+    /// The tokens of `tensor` that `rank` holds: its key set for K, V, dK, dV, else its query set.
+    pub fn tokens(&self, tensor: Tensor, rank: usize) -> &TokenSet {
+        if tensor.is_kv() {
+            &self.k[rank]
+        } else {
+            &self.q[rank]
+        }
+    }
+
     pub fn contiguous(q_len: usize, k_len: usize, p: usize) -> Layout {
         Layout { kind: LayoutKind::Contiguous, q: contiguous_sets(q_len, p), k: contiguous_sets(k_len, p) }
     }
@@ -511,7 +522,7 @@ mod tests {
             TokenSet::from_runs(vec![2..9, 20..30]),
             TokenSet::Strided { start: 1, step: 3, count: 12 },
             TokenSet::range(0..37),
-            TokenSet::from_runs(vec![30..37]),
+            TokenSet::range(30..37),
         ];
         for m in &masks {
             for q in &sets {

@@ -12,7 +12,8 @@
 
 #![allow(clippy::type_complexity, clippy::too_many_arguments)]
 
-use distattn_core::plan::{build, BufDesc, Pass, Plan, PlanOptions, RingBackward, Tensor};
+use distattn_core::plan::{BufDesc, Pass, Plan, PlanOptions, RingBackward, Tensor};
+use distattn_core::planner::build;
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, MaskSpec, Result, Strategy};
 use distattn_cuda::CudaBackend;
 use distattn_dist::unshard_into;

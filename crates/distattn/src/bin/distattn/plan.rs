@@ -3,7 +3,8 @@
 
 use anyhow::Result;
 use clap::Args;
-use distattn::plan::{build, Pass};
+use distattn::plan::Pass;
+use distattn::planner::build;
 use distattn::{AttnShape, DType, MaskSpec};
 
 use crate::run::DistArgs;

@@ -3,11 +3,12 @@
 //! `PlanOptions::documents` the cut is made inside every document (document-aware layout).
 //! Striped ring: token i on rank i mod P; every step is a near-triangular block.
 
+use super::builder::Builder;
 use super::ring;
-use crate::plan::{Builder, Layout};
+use crate::plan::Layout;
 use crate::Result;
 
-pub(crate) fn plan(b: &mut Builder) -> Result<()> {
+pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let (q, k, p) = (b.shape.q_len, b.shape.k_len, b.world);
     let layout = match &b.opts.documents {
         Some(lens) if q == k && lens.iter().sum::<usize>() == q => Layout::doc_zigzag(lens, p),
@@ -16,7 +17,7 @@ pub(crate) fn plan(b: &mut Builder) -> Result<()> {
     ring::over_layout(b, layout, "zigzag")
 }
 
-pub(crate) fn plan_striped(b: &mut Builder) -> Result<()> {
+pub(super) fn plan_striped(b: &mut Builder) -> Result<()> {
     let layout = Layout::striped(b.shape.q_len, b.shape.k_len, b.world);
     ring::over_layout(b, layout, "striped")
 }

@@ -4,14 +4,15 @@
 //! and LSE (backward: dQ, dK, dV) to sequence sharding. Needs both head counts divisible by P
 //! (else `Error::Unsupported`). It is the hybrid planner with one group of P ranks.
 
+use super::builder::Builder;
 use super::hybrid;
-use crate::plan::{Builder, Layout};
+use crate::plan::Layout;
 use crate::Result;
 
-pub(crate) fn plan(b: &mut Builder) -> Result<()> {
+pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let p = b.world;
     let (h, kvh) = (b.shape.heads, b.shape.kv_heads);
-    if h % p != 0 || kvh % p != 0 {
+    if !h.is_multiple_of(p) || !kvh.is_multiple_of(p) {
         return Err(
             b.unsupported(format!("heads ({h}) and kv heads ({kvh}) must both be divisible by the world size {p}"))
         );

@@ -6,7 +6,9 @@
 //! send per (owner, needer) pair) — no redundant bytes — and backward returns the dK/dV partials
 //! the same way ("group-reduce").
 
-use crate::plan::{area, split_even, BufDesc, Builder, Layout, LayoutKind, Op, Pass, Tensor, TokenSet};
+use super::allgather::compute_held;
+use super::builder::{BufSet, Builder, KvBufs};
+use crate::plan::{area, split_even, Layout, LayoutKind, Tensor, TokenSet};
 use crate::{AttnShape, Mask, Result};
 use std::ops::Range;
 
@@ -136,20 +138,18 @@ pub fn dispatch_layout(world: usize, shape: &AttnShape, mask: &Mask, chunk: Opti
     Layout { kind: LayoutKind::Dispatched, q, k }
 }
 
-pub(crate) fn plan(b: &mut Builder) -> Result<()> {
+pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let p = b.world;
     let layout = dispatch_layout(p, &b.shape, b.mask, b.opts.chunk_tokens);
     let c = b.opts.chunk_tokens.unwrap_or_else(|| default_chunk(b.shape.q_len, p)).max(1);
     let (q_sets, k_sets) = (layout.q.clone(), layout.k.clone());
-    let inputs = b.pass_inputs(layout);
-    let outputs = b.pass_outputs();
-    let fwd = b.pass() == Pass::Forward;
-    let kvh = b.all_heads(true);
+    let bufs = b.declare_pass(layout);
+    let kv_heads = b.all_heads(Tensor::K);
     b.label(0, "group-cast K,V + compute");
-    // need[s][r]: tokens of rank s's K/V that rank r's queries keep a pair with.
+    // (owner s, rank r, the chunks of s's K/V that r's queries keep a pair with, on s)
     let mut sends = Vec::new();
-    for s in 0..p {
-        let kchunks: Vec<Range<usize>> = k_sets[s]
+    for (s, k_set) in k_sets.iter().enumerate() {
+        let kchunks: Vec<Range<usize>> = k_set
             .to_runs()
             .into_iter()
             .flat_map(|run| chunks(run.len(), c).into_iter().map(move |x| run.start + x.start..run.start + x.end))
@@ -164,52 +164,21 @@ pub(crate) fn plan(b: &mut Builder) -> Result<()> {
                 continue;
             }
             let tokens = TokenSet::from_runs(needed);
-            let (k, v) = if tokens == k_sets[s] {
-                (inputs[s][1], inputs[s][2])
+            let own = bufs.kv(s);
+            let kv = if tokens == *k_set {
+                own
             } else {
-                (
-                    b.extract(s, 0, inputs[s][1], tokens.clone(), kvh.clone()),
-                    b.extract(s, 0, inputs[s][2], tokens, kvh.clone()),
-                )
+                own.map(|src| b.extract(s, 0, src, tokens.clone(), kv_heads.clone()))
             };
-            sends.push((s, r, k, v));
+            sends.push((s, r, kv));
         }
     }
-    let mut recv = vec![Vec::new(); p];
-    for &(s, r, k, v) in &sends {
-        let gk = b.transfer(0, 0, s, r, k);
-        let gv = b.transfer(0, 0, s, r, v);
-        recv[r].push((s, gk, gv));
+    // held[r]: (owner, K/V as held on rank r), its own first.
+    let mut held: Vec<Vec<(usize, KvBufs)>> = (0..p).map(|r| vec![(r, bufs.kv(r))]).collect();
+    for (s, r, kv) in sends {
+        let got = b.transfer_set(0, 0, s, r, kv);
+        held[r].push((s, got));
     }
-    let mut back = Vec::new();
-    for r in 0..p {
-        let i = inputs[r].clone();
-        let o = outputs[r].clone();
-        let mut blocks = vec![(r, i[1], i[2])];
-        blocks.extend(recv[r].iter().copied());
-        for (s, k, v) in blocks {
-            if fwd {
-                b.fwd(r, 0, i[0], k, v, o[0], o[1]);
-            } else if s == r {
-                b.bwd(r, 0, [i[0], k, v, i[3], i[4], i[5]], o[0], o[1], o[2]);
-            } else {
-                let d = b.desc(r, k).clone();
-                let dk = b.alloc(r, 0, BufDesc::new(Tensor::DK, d.tokens.clone(), d.heads.clone()), 0.0);
-                let dv = b.alloc(r, 0, BufDesc::new(Tensor::DV, d.tokens, d.heads), 0.0);
-                b.bwd(r, 0, [i[0], k, v, i[3], i[4], i[5]], o[0], dk, dv);
-                back.push((r, s, dk, dv));
-            }
-        }
-    }
-    let mut adds = Vec::new();
-    for (r, s, dk, dv) in back {
-        let gk = b.transfer(0, 1, r, s, dk);
-        let gv = b.transfer(0, 1, r, s, dv);
-        adds.push((s, gk, outputs[s][1]));
-        adds.push((s, gv, outputs[s][2]));
-    }
-    for (s, src, dst) in adds {
-        b.push(s, 0, Op::Add { src, dst });
-    }
+    compute_held(b, &bufs, &held);
     Ok(())
 }

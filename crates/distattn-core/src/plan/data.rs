@@ -1,0 +1,250 @@
+//! Plan data: buffers, ops, rank programs, options and the plan itself.
+
+use super::{Layout, TokenSet};
+use crate::{AttnShape, DType, Strategy};
+use std::ops::Range;
+
+/// Index of a buffer in a rank's buffer table.
+pub type BufId = usize;
+
+/// The tensor a buffer holds a piece of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Tensor {
+    Q,
+    K,
+    V,
+    /// Output (or a partial output), f32.
+    O,
+    /// Log-sum-exp (or a partial one), f32, `[b, h, n]`.
+    Lse,
+    /// Output gradient, input dtype.
+    DO,
+    /// Row sums D = rowsum(dO ∘ O), f32, `[b, h, n]`.
+    Delta,
+    DQ,
+    DK,
+    DV,
+}
+
+impl Tensor {
+    /// Stored `[batch, heads, tokens]` (one value per row) rather than `[batch, tokens, heads, d]`.
+    pub fn is_stats(self) -> bool {
+        matches!(self, Tensor::Lse | Tensor::Delta)
+    }
+
+    /// Stored in the input dtype (otherwise f32).
+    pub fn is_input(self) -> bool {
+        matches!(self, Tensor::Q | Tensor::K | Tensor::V | Tensor::DO)
+    }
+
+    /// Indexed by key tokens and key/value heads.
+    pub fn is_kv(self) -> bool {
+        matches!(self, Tensor::K | Tensor::V | Tensor::DK | Tensor::DV)
+    }
+
+    /// Storage dtype given the input dtype.
+    pub fn dtype(self, input: DType) -> DType {
+        if self.is_input() {
+            input
+        } else {
+            DType::F32
+        }
+    }
+}
+
+/// What a rank-local buffer holds: `tensor` restricted to `tokens` (global positions) and
+/// `heads` (query heads, or key/value heads for K, V, dK, dV). Memory order is
+/// `[batch, tokens, heads, head_dim]`, or `[batch, heads, tokens]` for LSE and D.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BufDesc {
+    pub tensor: Tensor,
+    pub tokens: TokenSet,
+    pub heads: Range<usize>,
+}
+
+impl BufDesc {
+    pub fn new(tensor: Tensor, tokens: TokenSet, heads: Range<usize>) -> Self {
+        BufDesc { tensor, tokens, heads }
+    }
+
+    /// Element count.
+    pub fn elems(&self, shape: &AttnShape) -> usize {
+        let per = if self.tensor.is_stats() { 1 } else { shape.head_dim };
+        shape.batch * self.tokens.len() * self.heads.len() * per
+    }
+
+    /// Size in bytes given the input dtype.
+    pub fn bytes(&self, shape: &AttnShape, input: DType) -> u64 {
+        (self.elems(shape) * self.tensor.dtype(input).size()) as u64
+    }
+
+    /// The kernel shape of a (query buffer, key buffer) block.
+    pub fn block_shape(q: &BufDesc, k: &BufDesc, shape: &AttnShape) -> AttnShape {
+        AttnShape {
+            batch: shape.batch,
+            q_len: q.tokens.len(),
+            k_len: k.tokens.len(),
+            heads: q.heads.len(),
+            kv_heads: k.heads.len(),
+            head_dim: shape.head_dim,
+        }
+    }
+}
+
+/// Initial value of an allocated buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fill {
+    /// 0 (sums, outputs).
+    Zero,
+    /// −inf (an LSE accumulator no key has reached yet).
+    NegInf,
+}
+
+impl Fill {
+    pub fn value(self) -> f32 {
+        match self {
+            Fill::Zero => 0.0,
+            Fill::NegInf => f32::NEG_INFINITY,
+        }
+    }
+}
+
+/// One operation of a rank's program.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum Op {
+    /// Point-to-point sends and receives posted together as one group. Received buffers are
+    /// allocated from their descriptors.
+    Comm { phase: usize, sends: Vec<(usize, BufId)>, recvs: Vec<(usize, BufId)> },
+    /// Allocates a buffer filled with `fill` (0 for sums, −inf for an LSE accumulator).
+    Alloc { buf: BufId, fill: Fill },
+    /// Copies the (tokens ∩, heads ∩) part of `src` into `dst`.
+    Copy { src: BufId, dst: BufId },
+    /// Adds the (tokens ∩, heads ∩) part of `src` into `dst` (f32 gradients).
+    Add { src: BufId, dst: BufId },
+    /// Merges a partial (O, LSE) into an accumulator covering its tokens and heads.
+    Merge { o: BufId, lse: BufId, o_acc: BufId, lse_acc: BufId },
+    /// Attention of the query buffer against the key/value buffers, merged into (o, lse).
+    /// `area` is the number of kept (query, key) pairs per head and batch entry.
+    Fwd { q: BufId, k: BufId, v: BufId, o: BufId, lse: BufId, area: u64 },
+    /// Exact partial gradients of the block, added into dq, dk, dv.
+    Bwd {
+        q: BufId,
+        k: BufId,
+        v: BufId,
+        d_o: BufId,
+        lse: BufId,
+        delta: BufId,
+        dq: BufId,
+        dk: BufId,
+        dv: BufId,
+        area: u64,
+    },
+    /// The buffer is no longer needed.
+    Free { buf: BufId },
+}
+
+impl Op {
+    /// Buffers the op reads or writes.
+    pub fn uses(&self) -> Vec<BufId> {
+        match self {
+            Op::Comm { sends, recvs, .. } => sends.iter().chain(recvs).map(|x| x.1).collect(),
+            Op::Alloc { buf, .. } | Op::Free { buf } => vec![*buf],
+            Op::Copy { src, dst } | Op::Add { src, dst } => vec![*src, *dst],
+            Op::Merge { o, lse, o_acc, lse_acc } => vec![*o, *lse, *o_acc, *lse_acc],
+            Op::Fwd { q, k, v, o, lse, .. } => vec![*q, *k, *v, *o, *lse],
+            Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, .. } => vec![*q, *k, *v, *d_o, *lse, *delta, *dq, *dk, *dv],
+        }
+    }
+}
+
+/// One rank's program.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RankProgram {
+    /// Descriptors of every buffer the program uses, indexed by [`BufId`].
+    pub bufs: Vec<BufDesc>,
+    /// Buffers the caller provides (this rank's shard of each input tensor, in layout order).
+    pub inputs: Vec<(Tensor, BufId)>,
+    /// Buffers the caller gets back (this rank's shard of each output).
+    pub outputs: Vec<(Tensor, BufId)>,
+    /// `steps[t]` is the ops of step t, executed in order.
+    pub steps: Vec<Vec<Op>>,
+}
+
+/// Forward or backward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pass {
+    Forward,
+    Backward,
+}
+
+/// How ring-style strategies run the backward pass.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RingBackward {
+    /// K and V circulate (each visit's dK/dV goes back to the owner); Q, dO, LSE, D, dQ stay.
+    #[default]
+    KvCirculate,
+    /// BurstAttention: Q, dO, LSE and D circulate (each visit's dQ goes back to the owner);
+    /// K, V, dK, dV stay.
+    QCirculate,
+}
+
+/// Options of a planner.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PlanOptions {
+    /// Forward (default) or backward.
+    pub pass: Option<Pass>,
+    /// Backward variant of ring strategies.
+    pub ring_backward: RingBackward,
+    /// Chunk size in tokens of the dispatch solver (default: about 16 chunks per rank).
+    pub chunk_tokens: Option<usize>,
+    /// Document lengths of a packed batch: zigzag then uses the per-document zig-zag layout.
+    pub documents: Option<Vec<usize>>,
+    /// Balanced: run the published last step (owners only, half the ranks idle for even P)
+    /// instead of splitting its blocks between owner and idle rank.
+    #[serde(default)]
+    pub balanced_no_split: bool,
+}
+
+impl PlanOptions {
+    pub fn forward() -> Self {
+        PlanOptions { pass: Some(Pass::Forward), ..Default::default() }
+    }
+
+    pub fn backward(ring_backward: RingBackward) -> Self {
+        PlanOptions { pass: Some(Pass::Backward), ring_backward, ..Default::default() }
+    }
+
+    /// These options for `pass`.
+    pub fn with_pass(&self, pass: Pass) -> Self {
+        PlanOptions { pass: Some(pass), ..self.clone() }
+    }
+
+    pub fn pass(&self) -> Pass {
+        self.pass.unwrap_or(Pass::Forward)
+    }
+}
+
+/// A complete distributed schedule (serialisable: `serde_json::to_string(&plan)` gives every
+/// rank's program).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Plan {
+    pub strategy: Strategy,
+    pub pass: Pass,
+    pub ring_backward: RingBackward,
+    pub world: usize,
+    pub shape: AttnShape,
+    pub dtype: DType,
+    pub layout: Layout,
+    /// One label per step (for the table).
+    pub step_labels: Vec<String>,
+    pub ranks: Vec<RankProgram>,
+}
+
+impl Plan {
+    pub fn steps(&self) -> usize {
+        self.step_labels.len()
+    }
+}

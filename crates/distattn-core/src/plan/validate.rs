@@ -1,0 +1,114 @@
+//! Structural checks of a plan.
+
+use super::{Op, Plan};
+use crate::{Error, Result};
+
+impl Plan {
+    /// Checks structural invariants: one program per rank, every buffer an op uses is in its
+    /// rank's table, sends match receives with equal descriptors, compute blocks are consistent
+    /// with the shapes. A plan may come from a file, so a broken one is an
+    /// [`Error::InvalidPlan`], never a panic.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Error::InvalidPlan(format!("{}: {m}", self.strategy));
+        if self.ranks.len() != self.world {
+            return Err(bad(format!("{} rank programs for a world of {}", self.ranks.len(), self.world)));
+        }
+        let g = self.shape.group();
+        for (r, prog) in self.ranks.iter().enumerate() {
+            if prog.steps.len() != self.steps() {
+                return Err(bad(format!("rank {r} has {} steps, expected {}", prog.steps.len(), self.steps())));
+            }
+            for op in prog.steps.iter().flatten() {
+                for b in op.uses() {
+                    if b >= prog.bufs.len() {
+                        return Err(bad(format!("rank {r} uses undefined buffer {b}")));
+                    }
+                }
+                match op {
+                    Op::Fwd { q, k, v, .. } | Op::Bwd { q, k, v, .. } => {
+                        let (q, k, v) = (&prog.bufs[*q], &prog.bufs[*k], &prog.bufs[*v]);
+                        if k.tokens != v.tokens
+                            || k.heads != v.heads
+                            || q.heads.start != k.heads.start * g
+                            || q.heads.len() != k.heads.len() * g
+                        {
+                            return Err(bad(format!("rank {r}: inconsistent block {q:?} × {k:?}")));
+                        }
+                    }
+                    Op::Comm { phase, sends, .. } => {
+                        for &(to, buf) in sends {
+                            let peer = self.ranks.get(to).ok_or_else(|| bad(format!("rank {r} sends to rank {to}")))?;
+                            let ok = peer.steps.iter().flatten().any(|o| match o {
+                                Op::Comm { phase: p, recvs, .. } => {
+                                    p == phase
+                                        && recvs
+                                            .iter()
+                                            .any(|&(from, rb)| from == r && peer.bufs.get(rb) == Some(&prog.bufs[buf]))
+                                }
+                                _ => false,
+                            });
+                            if !ok {
+                                return Err(bad(format!(
+                                    "rank {r} sends buffer {buf} to {to}, which never receives it"
+                                )));
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::plan::{BufDesc, Layout, Op, Pass, Plan, RankProgram, RingBackward, Tensor, TokenSet};
+    use crate::{AttnShape, DType, Error, Strategy};
+
+    /// Two ranks; rank 0 sends its K shard to rank 1.
+    fn send_k() -> Plan {
+        let k0 = BufDesc::new(Tensor::K, TokenSet::range(0..4), 0..1);
+        let program =
+            |bufs, comm| RankProgram { bufs, inputs: Vec::new(), outputs: Vec::new(), steps: vec![vec![comm]] };
+        Plan {
+            strategy: Strategy::Ring,
+            pass: Pass::Forward,
+            ring_backward: RingBackward::KvCirculate,
+            world: 2,
+            shape: AttnShape::new(1, 8, 8, 1, 1, 16).unwrap(),
+            dtype: DType::F32,
+            layout: Layout::contiguous(8, 8, 2),
+            step_labels: vec!["send".into()],
+            ranks: vec![
+                program(vec![k0.clone()], Op::Comm { phase: 0, sends: vec![(1, 0)], recvs: Vec::new() }),
+                program(vec![k0], Op::Comm { phase: 0, sends: Vec::new(), recvs: vec![(0, 0)] }),
+            ],
+        }
+    }
+
+    #[test]
+    fn broken_plans_are_invalid_plan_errors() {
+        send_k().validate().unwrap();
+        let mut to_nobody = send_k();
+        if let Op::Comm { sends, .. } = &mut to_nobody.ranks[0].steps[0][0] {
+            sends[0].0 = 7;
+        }
+        let mut unreceived = send_k();
+        unreceived.ranks[1].bufs[0].tokens = TokenSet::range(4..8);
+        let mut undefined = send_k();
+        undefined.ranks[1].steps[0].push(Op::Free { buf: 1 });
+        let mut received_into_nothing = send_k();
+        if let Op::Comm { recvs, .. } = &mut received_into_nothing.ranks[1].steps[0][0] {
+            recvs[0].1 = 5;
+        }
+        let mut missing_rank = send_k();
+        missing_rank.ranks.pop();
+        for broken in [to_nobody, unreceived, undefined, received_into_nothing, missing_rank] {
+            let e = broken.validate().unwrap_err();
+            assert!(matches!(e, Error::InvalidPlan(_)), "{e}");
+            assert!(e.to_string().starts_with("invalid plan: ring: "), "{e}");
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! Planners: one short file per strategy. Each turns (world, shape, mask) into a [`Plan`]
+//! through the shared plan builder; none of them executes anything. [`build`] is the one way
+//! to build a plan.
+
+mod allgather;
+mod balanced;
+mod builder;
+mod dispatch;
+mod hybrid;
+mod ring;
+mod ulysses;
+mod zigzag;
+
+pub use dispatch::dispatch_layout;
+pub use hybrid::default_ulysses_degree;
+
+use crate::plan::{Plan, PlanOptions};
+use crate::{AttnShape, DType, Error, Mask, Result, Strategy};
+use builder::Builder;
+
+/// Builds the plan of `strategy` for `world` ranks.
+pub fn build(
+    strategy: Strategy,
+    world: usize,
+    shape: &AttnShape,
+    mask: &Mask,
+    dtype: DType,
+    opts: &PlanOptions,
+) -> Result<Plan> {
+    shape.validate()?;
+    if world == 0 {
+        return Err(Error::ZeroDim { what: "world size" });
+    }
+    mask.check_fits(shape)?;
+    let mut b = Builder::new(strategy, world, shape, mask, dtype, opts);
+    match strategy {
+        Strategy::Ring => ring::plan(&mut b),
+        Strategy::Zigzag => zigzag::plan(&mut b),
+        Strategy::Striped => zigzag::plan_striped(&mut b),
+        Strategy::Balanced => balanced::plan(&mut b),
+        Strategy::Ulysses => ulysses::plan(&mut b),
+        Strategy::Hybrid { ulysses_degree } => hybrid::plan(&mut b, ulysses_degree),
+        Strategy::Allgather => allgather::plan(&mut b),
+        Strategy::Dispatch => dispatch::plan(&mut b),
+    }?;
+    b.finish()
+}
+
+#[cfg(test)]
+mod tests;

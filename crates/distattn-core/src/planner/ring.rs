@@ -1,0 +1,133 @@
+//! Ring attention: K/V blocks circulate around the ranks; each step every rank computes its
+//! queries against the block it holds, skipping blocks the mask leaves empty (the causal steps
+//! above the diagonal). The ring core here is shared by zigzag, striped and hybrid.
+//!
+//! Backward comes in two variants ([`RingBackward`]): K and V circulate (dQ stays), or
+//! BurstAttention's Q, dO, LSE and D circulate (K, V, dK, dV stay). Either way the gradient a
+//! rank computes for a visiting block goes straight back to the block's owner.
+
+use super::builder::{BufSet, Builder, BwdBufs, FwdBufs, GradBufs, KvBufs, PassBufs};
+use crate::plan::{BufId, Fill, Layout, Op, RingBackward};
+use crate::Result;
+
+pub(super) fn plan(b: &mut Builder) -> Result<()> {
+    let layout = Layout::contiguous(b.shape.q_len, b.shape.k_len, b.world);
+    over_layout(b, layout, "ring")
+}
+
+/// A ring over all ranks in rank order, on the given layout.
+pub(super) fn over_layout(b: &mut Builder, layout: Layout, name: &str) -> Result<()> {
+    let members: Vec<usize> = (0..b.world).collect();
+    match b.declare_pass(layout) {
+        PassBufs::Forward(bufs) => forward(b, 0, &members, &bufs, name),
+        PassBufs::Backward(bufs) => backward(b, 0, &members, &bufs, name),
+    }
+    Ok(())
+}
+
+/// Forward ring among `members` (ranks, in ring order) starting at `step0`; `bufs[r]` is rank
+/// r's own shard and accumulators. Uses steps `step0 .. step0 + members.len()`.
+pub(super) fn forward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[FwdBufs], name: &str) {
+    let n = members.len();
+    // held[i]: the K/V member i holds at this step.
+    let mut held: Vec<KvBufs> = members.iter().map(|&r| bufs[r].kv).collect();
+    for t in 0..n {
+        let step = step0 + t;
+        b.label(step, format!("{name} {t}: kv from -{t}"));
+        let mut next = held.clone();
+        if t + 1 < n {
+            for (i, &kv) in held.iter().enumerate() {
+                let to = (i + 1) % n;
+                next[to] = b.transfer_set(step, 0, members[i], members[to], kv);
+            }
+        }
+        for (&rank, &kv) in members.iter().zip(&held) {
+            b.fwd(rank, step, FwdBufs { kv, ..bufs[rank] });
+        }
+        held = next;
+    }
+}
+
+/// Backward ring among `members`; `bufs[r]` is rank r's own shard and accumulators. Uses
+/// steps `step0 .. step0 + members.len()`.
+///
+/// The gradient of a travelling block does not travel with it: at step 0 a member adds into
+/// its own accumulators, and at a later step it computes into a fresh buffer that goes straight
+/// back to the block's owner (phase 1), which adds it after its next step's compute. So no
+/// step waits for a neighbour's previous compute, only for inputs sent a step ahead; just the
+/// last step's partials are waited for, at the end.
+pub(super) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[BwdBufs], name: &str) {
+    let n = members.len();
+    if n == 1 {
+        b.label(step0, format!("{name} 0"));
+        b.bwd(members[0], step0, bufs[members[0]]);
+        return;
+    }
+    // What travels: the K/V side (gradients dK, dV) or the query side (Q, dO, LSE, D; dQ).
+    let travelling = b.opts.ring_backward;
+    let what = match travelling {
+        RingBackward::KvCirculate => "kv",
+        RingBackward::QCirculate => "q,dO,lse,D",
+    };
+    // held[i]: the buffers member i computes with at this step.
+    let mut held: Vec<BwdBufs> = members.iter().map(|&r| bufs[r]).collect();
+    // Partials received in the previous step: (rank, received buffer, its accumulator there).
+    let mut pending: Vec<(usize, BufId, BufId)> = Vec::new();
+    for t in 0..n {
+        let step = step0 + t;
+        b.label(step, format!("{name} {t}: {what} from -{t}"));
+        let mut next = held.clone();
+        if t + 1 < n {
+            for (i, own) in held.iter().enumerate() {
+                let to = (i + 1) % n;
+                let (from_rank, to_rank) = (members[i], members[to]);
+                match travelling {
+                    RingBackward::KvCirculate => next[to].kv = b.transfer_set(step, 0, from_rank, to_rank, own.kv),
+                    RingBackward::QCirculate => next[to].query = b.transfer_set(step, 0, from_rank, to_rank, own.query),
+                }
+            }
+        }
+        // (computing rank, owner rank, partial gradient, the owner's accumulator)
+        let mut partials = Vec::new();
+        for (i, &block) in held.iter().enumerate() {
+            let rank = members[i];
+            let owner = members[(i + n - t % n) % n];
+            let mut block = block;
+            if t > 0 {
+                if b.area(rank, block.query.q, block.kv.k) == 0 {
+                    continue;
+                }
+                // The visiting side's gradients go into fresh buffers, sent back to its owner.
+                let owner_grads = bufs[owner].grads;
+                let mut partial = |acc: BufId| {
+                    let desc = b.desc(owner, acc).clone();
+                    let part = b.alloc(rank, step, desc, Fill::Zero);
+                    partials.push((rank, owner, part, acc));
+                    part
+                };
+                block.grads = match travelling {
+                    RingBackward::KvCirculate => GradBufs { dkv: owner_grads.dkv.map(&mut partial), ..block.grads },
+                    RingBackward::QCirculate => GradBufs { dq: partial(owner_grads.dq), ..block.grads },
+                };
+            }
+            b.bwd(rank, step, block);
+        }
+        // The previous step's partials, added after this step's compute (they had it to arrive).
+        add_pending(b, step, &mut pending);
+        for (rank, owner, part, acc) in partials {
+            let got = b.transfer(step, 1, rank, owner, part);
+            pending.push((owner, got, acc));
+        }
+        if t + 1 == n {
+            add_pending(b, step, &mut pending);
+        }
+        held = next;
+    }
+}
+
+/// Adds every pending (rank, received partial, accumulator) at `step` and empties the list.
+fn add_pending(b: &mut Builder, step: usize, pending: &mut Vec<(usize, BufId, BufId)>) {
+    for (rank, got, acc) in pending.drain(..) {
+        b.push(rank, step, Op::Add { src: got, dst: acc });
+    }
+}

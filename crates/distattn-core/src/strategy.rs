@@ -1,0 +1,129 @@
+//! The context-parallel strategies a plan can be built with, and their names.
+
+use crate::{Error, Result};
+use std::fmt;
+use std::str::FromStr;
+
+/// A context-parallel strategy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Ring over a contiguous layout: K/V circulate, blocks with no kept pair are skipped.
+    Ring,
+    /// Ring over the zig-zag layout (2P chunks): equal causal work on every rank and step.
+    Zigzag,
+    /// Ring over the striped layout (token i on rank i mod P).
+    Striped,
+    /// DistFlashAttn: idle ranks help busy ones with query blocks; last step split by tokens.
+    Balanced,
+    /// All-to-all from sequence- to head-sharding, local attention, all-to-all back.
+    Ulysses,
+    /// USP: Ulysses in groups of `ulysses_degree` adjacent ranks, ring across the groups.
+    /// `0` picks a degree.
+    Hybrid { ulysses_degree: usize },
+    /// All-gather K and V once; backward reduce-scatters dK and dV.
+    Allgather,
+    /// Mask-aware dispatch: query chunks balanced by kept area, K/V chunks sent only where
+    /// needed.
+    Dispatch,
+}
+
+impl Strategy {
+    /// Every strategy (hybrid with an automatic degree).
+    pub const ALL: [Strategy; 8] = [
+        Strategy::Ring,
+        Strategy::Zigzag,
+        Strategy::Striped,
+        Strategy::Balanced,
+        Strategy::Ulysses,
+        Strategy::Hybrid { ulysses_degree: 0 },
+        Strategy::Allgather,
+        Strategy::Dispatch,
+    ];
+
+    /// Sets the Ulysses degree of a hybrid strategy (no effect on others).
+    pub fn with_ulysses_degree(self, u: usize) -> Strategy {
+        match self {
+            Strategy::Hybrid { .. } => Strategy::Hybrid { ulysses_degree: u },
+            s => s,
+        }
+    }
+
+    /// Whether the strategy circulates K/V on a ring (and so has two backward variants).
+    pub fn is_ring(self) -> bool {
+        matches!(self, Strategy::Ring | Strategy::Zigzag | Strategy::Striped | Strategy::Hybrid { .. })
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Strategy::Ring => write!(f, "ring"),
+            Strategy::Zigzag => write!(f, "zigzag"),
+            Strategy::Striped => write!(f, "striped"),
+            Strategy::Balanced => write!(f, "balanced"),
+            Strategy::Ulysses => write!(f, "ulysses"),
+            Strategy::Hybrid { ulysses_degree: 0 } => write!(f, "hybrid"),
+            Strategy::Hybrid { ulysses_degree } => write!(f, "hybrid:{ulysses_degree}"),
+            Strategy::Allgather => write!(f, "allgather"),
+            Strategy::Dispatch => write!(f, "dispatch"),
+        }
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Strategy> {
+        let bad = |reason: &str| Error::invalid(format!("strategy '{s}'"), reason);
+        let (name, arg) = s.split_once(':').unwrap_or((s, ""));
+        let st = match name.trim().to_ascii_lowercase().as_str() {
+            "ring" => Strategy::Ring,
+            "zigzag" | "zig-zag" => Strategy::Zigzag,
+            "striped" => Strategy::Striped,
+            "balanced" | "distflashattn" => Strategy::Balanced,
+            "ulysses" => Strategy::Ulysses,
+            "hybrid" | "usp" => {
+                let u = if arg.is_empty() {
+                    0
+                } else {
+                    arg.parse().map_err(|_| bad("expected hybrid:U with U the Ulysses degree"))?
+                };
+                return Ok(Strategy::Hybrid { ulysses_degree: u });
+            }
+            "allgather" | "all-gather" => Strategy::Allgather,
+            "dispatch" | "magi" => Strategy::Dispatch,
+            _ => {
+                return Err(bad(
+                    "unknown strategy; expected ring, zigzag, striped, balanced, ulysses, hybrid[:U], allgather or dispatch",
+                ))
+            }
+        };
+        if !arg.is_empty() {
+            return Err(bad("only hybrid takes an argument"));
+        }
+        Ok(st)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategy_names_round_trip() {
+        let mut all = Strategy::ALL.to_vec();
+        all.push(Strategy::Hybrid { ulysses_degree: 2 });
+        for s in all {
+            assert_eq!(s.to_string().parse::<Strategy>().unwrap(), s);
+        }
+        assert_eq!("hybrid:4".parse::<Strategy>().unwrap(), Strategy::Hybrid { ulysses_degree: 4 });
+        assert_eq!(
+            "hybrid".parse::<Strategy>().unwrap().with_ulysses_degree(2),
+            Strategy::Hybrid { ulysses_degree: 2 }
+        );
+        let e = "spiral".parse::<Strategy>().unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        assert!(e.to_string().starts_with("invalid strategy 'spiral': unknown strategy"), "{e}");
+        assert!("ring:2".parse::<Strategy>().is_err());
+    }
+}
