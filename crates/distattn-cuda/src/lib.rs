@@ -1,7 +1,7 @@
 //! CUDA backend of distattn.
 //!
 //! Flash attention forward and backward and the LSE merge of partial results, as CUDA kernels
-//! (`src/kernels/flash.cu`, tensor-core `mma.sync.m16n8k16`, `ldmatrix`, `cp.async` double
+//! (`src/kernels`, tensor-core `mma.sync.m16n8k16`, `ldmatrix`, `cp.async` double
 //! buffering, online softmax in exp2) compiled at run time by NVRTC for the GPU found and
 //! cached on disk ([`compile`]). Masks of `distattn-core` arrive as per-tile lists built on the
 //! host ([`plan::TilePlan`]): empty tiles are never visited, full tiles run without mask
@@ -91,7 +91,7 @@ struct DevicePlan {
     n_major: usize,
 }
 
-// Kernel parameter blocks; field order and types mirror the structs in flash.cu.
+// Kernel parameter blocks; field order and types mirror the structs in kernels/params.cuh.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct FwdParams {
@@ -262,7 +262,7 @@ impl CudaBackend {
             return Ok(k.clone());
         }
         let cfg = KernelConfig::new(dtype, head_dim)?.for_arch(&self.arch);
-        let compiled = compile::compile_variant(&cfg, &self.arch, false)?;
+        let compiled = compile::compile_module(&compile::ModuleKind::Flash(cfg), &self.arch, false)?;
         let module = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
@@ -394,7 +394,7 @@ impl CudaBackend {
             pad_: 0,
         };
         let cfg_l = LaunchConfig {
-            // x: query tile x query head within its KV head group (see fwd_block in flash.cu).
+            // x: query tile x query head within its KV head group (see fwd_block in kernels/params.cuh).
             grid_dim: (
                 (plan.n_major * (shape.heads / shape.kv_heads)) as u32,
                 shape.kv_heads as u32,
@@ -616,7 +616,7 @@ mod tests {
 
     #[test]
     fn param_layouts_match_the_kernel_structs() {
-        // flash.cu: 9 pointers + 6 ints + float + pad.
+        // params.cuh: 9 pointers + 6 ints + float + pad.
         assert_eq!(std::mem::size_of::<FwdParams>(), 9 * 8 + 8 * 4);
         assert_eq!(std::mem::size_of::<BwdParams>(), 12 * 8 + 8 * 4);
         assert_eq!(std::mem::size_of::<DeltaParams>(), 4 * 8 + 2 * 4);

@@ -38,7 +38,7 @@ fn main() {
                 continue;
             }
             let cfg = cfg.for_arch(arch);
-            match compile::compile_variant(&cfg, arch, true) {
+            match compile::compile_module(&compile::ModuleKind::Flash(cfg), arch, true) {
                 Err(e) => {
                     failures += 1;
                     println!("FAIL {arch} {} d{}: {e}", cfg.dtype, cfg.head_dim);
