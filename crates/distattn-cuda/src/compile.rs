@@ -4,8 +4,8 @@
 //! root source that includes the others, handed to NVRTC as in-memory headers named by their
 //! path under `src/kernels` ([`KERNEL_HEADERS`]). What a module holds and how it is compiled is
 //! its [`ModuleKind`]: the attention kernels of one (dtype, head dim) with their parameters as
-//! `-D` defines. Each is compiled for the architecture of the GPU found (`sm_90a` on Hopper) by
-//! [`compile_module`]. CUBINs are cached on disk under `DISTATTN_CACHE_DIR` (default
+//! `-D` defines, or the auxiliary kernels of one dtype. Each is compiled for the architecture of
+//! the GPU found (`sm_90a` on Hopper) by [`compile_module`]. CUBINs are cached on disk under `DISTATTN_CACHE_DIR` (default
 //! `~/.cache/distattn`), keyed by a hash of (sources, options, arch, NVRTC version), so a second
 //! run starts without compiling.
 
@@ -16,6 +16,9 @@ use std::path::{Path, PathBuf};
 /// The root of the attention kernels' module: the portable kernels (`mma.sync`, sm_80+)
 /// followed by the Hopper ones (`wgmma`, compiled only for sm_90a).
 const FLASH_ROOT: &str = include_str!("kernels/flash.cu");
+/// The root of the auxiliary kernels' module (row delta, conversion, piece copies and adds, LSE
+/// merge, random fill).
+const AUX_ROOT: &str = include_str!("kernels/aux.cu");
 
 /// Every file a root may include, by the name it is included as.
 pub const KERNEL_HEADERS: &[(&str, &str)] = &[
@@ -26,7 +29,6 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = &[
     ("sm90/primitives.cuh", include_str!("kernels/sm90/primitives.cuh")),
     ("sm90/forward.cu", include_str!("kernels/sm90/forward.cu")),
     ("sm90/backward.cu", include_str!("kernels/sm90/backward.cu")),
-    ("aux.cu", include_str!("kernels/aux.cu")),
 ];
 
 pub(crate) fn backend_err(reason: impl Into<String>) -> Error {
@@ -74,7 +76,7 @@ impl KernelConfig {
     /// The tuned configuration for a dtype and head dim.
     pub fn new(dtype: DType, head_dim: usize) -> Result<Self> {
         if !matches!(dtype, DType::BF16 | DType::F16) {
-            return Err(Error::UnsupportedDType(format!("{dtype} (the CUDA backend takes bf16 and f16)")));
+            return Err(unsupported_dtype(dtype));
         }
         let (fwd_warps, fwd_mr, fwd_bn) = match head_dim {
             64 | 128 => (4, 2, 64),
@@ -213,7 +215,7 @@ impl KernelConfig {
     /// The `-D` options of this variant.
     pub fn defines(&self) -> Vec<String> {
         vec![
-            format!("-DDA_BF16={}", (self.dtype == DType::BF16) as u8),
+            dtype_define(self.dtype),
             format!("-DHEAD_DIM={}", self.head_dim),
             format!("-DFWD_WARPS={}", self.fwd_warps),
             format!("-DFWD_MR={}", self.fwd_mr),
@@ -371,11 +373,23 @@ pub fn cache_dir() -> Option<PathBuf> {
     std::env::var("HOME").ok().map(|h| Path::new(&h).join(".cache").join("distattn"))
 }
 
+/// The `-D` option selecting the kernels' element type (`elem_t`): bf16 or f16.
+fn dtype_define(dtype: DType) -> String {
+    format!("-DDA_BF16={}", (dtype == DType::BF16) as u8)
+}
+
+/// The dtype error of the CUDA backend, for types other than bf16 and f16.
+fn unsupported_dtype(dtype: DType) -> Error {
+    Error::UnsupportedDType(format!("{dtype} (the CUDA backend takes bf16 and f16)"))
+}
+
 /// What a module holds, and so which root, defines and options it is compiled with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ModuleKind {
     /// The attention kernels of one configuration (`kernels/flash.cu`).
     Flash(KernelConfig),
+    /// The auxiliary kernels of one element type, bf16 or f16 (`kernels/aux.cu`).
+    Aux(DType),
 }
 
 impl ModuleKind {
@@ -383,17 +397,28 @@ impl ModuleKind {
     pub fn root(&self) -> (&'static str, &'static str) {
         match self {
             ModuleKind::Flash(_) => ("flash.cu", FLASH_ROOT),
+            ModuleKind::Aux(_) => ("aux.cu", AUX_ROOT),
         }
     }
 
-    /// The name of the module in cache files and messages (`flash-bf16-d128`).
+    /// The element type of the module's kernels.
+    pub fn dtype(&self) -> DType {
+        match self {
+            ModuleKind::Flash(cfg) => cfg.dtype,
+            ModuleKind::Aux(dtype) => *dtype,
+        }
+    }
+
+    /// The name of the module in cache files and messages (`flash-bf16-d128`, `aux-f16`).
     pub fn label(&self) -> String {
         match self {
             ModuleKind::Flash(cfg) => format!("flash-{}-d{}", cfg.dtype, cfg.head_dim),
+            ModuleKind::Aux(dtype) => format!("aux-{dtype}"),
         }
     }
 
-    /// Options passed to NVRTC for this module and `arch`.
+    /// Options passed to NVRTC for this module and `arch`. The attention kernels are compiled
+    /// with fast math; the auxiliary ones are not (the merge's exp and log stay accurate).
     pub fn options(&self, arch: &str, includes: &[PathBuf], verbose: bool) -> Vec<String> {
         let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()];
         match self {
@@ -401,6 +426,7 @@ impl ModuleKind {
                 o.push("--use_fast_math".into());
                 o.extend(cfg.defines());
             }
+            ModuleKind::Aux(dtype) => o.push(dtype_define(*dtype)),
         }
         for i in includes {
             o.push(format!("--include-path={}", i.display()));
@@ -419,6 +445,9 @@ impl ModuleKind {
 /// Compiles one module to a CUBIN for `arch`, using the disk cache unless `verbose` (a
 /// verbose compile always runs NVRTC, to get the ptxas report).
 pub fn compile_module(kind: &ModuleKind, arch: &str, verbose: bool) -> Result<Compiled> {
+    if !matches!(kind.dtype(), DType::BF16 | DType::F16) {
+        return Err(unsupported_dtype(kind.dtype()));
+    }
     let includes = find_cuda_includes();
     let inc = includes.as_ref().map(|v| v.as_slice()).unwrap_or(&[]);
     let opts = kind.options(arch, inc, verbose);

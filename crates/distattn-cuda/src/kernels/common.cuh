@@ -2,19 +2,24 @@
 // (conversions, exp2, cp.async, ldmatrix, mma.sync, row loads, f32 reductions).
 //
 // The host passes compile-time parameters as -D defines (compile.rs): DA_BF16 (1 for bf16, 0 for
-// f16) and HEAD_DIM. No system headers are needed: conversions and tensor-core instructions are
-// inline PTX (sm_80+); the kernel files include each other from NVRTC's in-memory headers.
+// f16) in every module, HEAD_DIM in the attention kernels' (the auxiliary kernels' module,
+// aux.cu, defines DA_AUX instead: it has no head dim and takes row lengths as arguments). No
+// system headers are needed: conversions and tensor-core instructions are inline PTX (sm_80+);
+// the kernel files include each other from NVRTC's in-memory headers.
 #pragma once
 
 typedef unsigned short elem_t;
 typedef unsigned int u32;
+typedef long long i64;
 typedef unsigned long long u64;
 
+#ifndef DA_AUX
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
 #endif
 #define D HEAD_DIM
 #define LDS (D + 8) // smem row stride in elements (16-byte pad: conflict-free ldmatrix)
+#endif
 
 #define NEG_INF (__int_as_float(0xff800000))
 #define POS_INF (__int_as_float(0x7f800000))
@@ -41,6 +46,16 @@ __device__ __forceinline__ float to_f32(elem_t x) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
     return f;
 #endif
+}
+
+__device__ __forceinline__ elem_t from_f32(float x) {
+    elem_t r;
+#if DA_BF16
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#endif
+    return r;
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -117,6 +132,7 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1)
 #endif
 }
 
+#ifndef DA_AUX
 // Loads ROWS x D elements (rows r0.. of a strided tensor) into smem (row stride LDS) with
 // cp.async; rows at or past `limit` are zero-filled.
 template <int ROWS, int NT>
@@ -145,3 +161,4 @@ __device__ __forceinline__ void load_rows(elem_t* s, const elem_t* base, size_t 
         }
     }
 }
+#endif // !DA_AUX

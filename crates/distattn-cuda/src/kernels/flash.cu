@@ -1,5 +1,6 @@
-// distattn CUDA kernels: flash attention forward, backward (delta, dK/dV + dQ accumulation,
-// dQ conversion) and the LSE merge of partial results.
+// distattn CUDA kernels: flash attention forward and backward (dK/dV + dQ accumulation). The
+// backward's row delta and dQ conversion and the LSE merge of partial results are in the
+// auxiliary kernels' module (aux.cu).
 //
 // Compiled at run time by NVRTC, one module per (dtype, head dim, arch), from this root and the
 // files it includes (NVRTC in-memory headers, named by their path under src/kernels). The host
@@ -11,7 +12,6 @@
 #include "common.cuh"
 #include "params.cuh"
 #include "sm80/forward.cu"
-#include "aux.cu"
 #include "sm80/backward.cu"
 #include "sm90/backward.cu"
 #include "sm90/forward.cu"

@@ -1,5 +1,5 @@
-// What the host passes to the kernels: the parameter structs (mirrored in Rust by
-// src/lib.rs) and the mapping of the forward's launch grid onto blocks.
+// What the host passes to the kernels: the parameter structs (mirrored in Rust by src/lib.rs
+// and src/aux.rs) and the mapping of the forward's launch grid onto blocks.
 //
 // Layouts (elements): Q/O/dO/dQ [b, nq, h, d], K/V/dK/dV [b, nk, hkv, d], LSE/delta [b, h, nq]
 // in f32 (natural log for LSE). Masks arrive as per-tile lists built on the host:
@@ -35,14 +35,6 @@ __device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p) {
     return {p.n_tiles - 1 - rank, kvh * G + hg, kvh, (int)blockIdx.z};
 }
 
-struct DeltaParams {
-    const elem_t* o;
-    const elem_t* dout;
-    float* delta;
-    long long rows; // batch * q_len * heads
-    int q_len, heads;
-};
-
 struct BwdParams {
     const elem_t* q;
     const elem_t* k;
@@ -60,17 +52,29 @@ struct BwdParams {
     float scale_log2, scale;
 };
 
-struct MergeParams {
-    const float* o_parts;   // [n_parts][b, nq, h, d]
-    const float* lse_parts; // [n_parts][b, h, nq]
-    float* o_out;           // f32 [b, nq, h, d]
-    elem_t* o_out_t;        // optional dtype copy (null)
-    float* lse_out;         // [b, h, nq]
-    long long rows;         // b * nq * h
-    int n_parts, q_len, heads, pad_;
-};
-
 // A tensor map (CUtensorMap, encoded on the host) describes a [batch][rows][heads][D] tensor
 // as 4-d {D, rows, heads, batch}; boxes are 64 columns (128 bytes, swizzled like wgmma's
 // operands) x R rows, rows past the end read as zeros. The Hopper kernels take them by value.
 struct __align__(64) TmaMap { u64 v[16]; };
+
+// ---- the auxiliary kernels' (aux.cu)
+
+// D = rowsum(dO * O) of `rows` rows of head_dim values.
+struct DeltaParams {
+    const void* o; // elem_t (delta_o_elem) or float (delta_o_f32)
+    const elem_t* dout;
+    float* delta;
+    long long rows; // batch * q_len * heads
+    int head_dim, q_len, heads, pad_;
+};
+
+// A merge of a partial (O, LSE) into accumulators (f32, O rows of d values): rows (b, h, t) for
+// b < batch, h < nh, t < total; t is a token of the pieces `tp` (n_pieces quads), h the source's
+// head hs0 + h of hs and the accumulator's head hd0 + h of hd; the source has ns tokens and the
+// accumulator nd.
+struct MergeParams {
+    const float* o; const float* lse; float* oacc; float* lacc;
+    const i64* tp;  // per token piece: src token, dst token, length, start in the flattened pieces
+    i64 total; i64 ns; i64 nd;
+    int n_pieces; int batch; int nh; int hs; int hd; int hs0; int hd0; int d;
+};
