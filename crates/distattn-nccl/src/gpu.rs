@@ -4,13 +4,14 @@
 //! and the generic one of `distattn-dist` through the [`Backend`] trait ([`GpuRank`] implements
 //! it; transfers then block).
 
-use crate::buf::{gpu_err, Aux, GpuBuf, GpuElem, MergeSpec};
+use crate::buf::{gpu_err, GpuBuf, GpuElem, MergeSpec};
 use crate::nccl::NcclComm;
 use crate::schedule::{schedule, Lane, Schedule};
 use crate::timeline::{StepTimes, Timeline};
-use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream};
+use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use distattn_core::plan::{sub_mask, BufDesc, Op, Plan, Tensor};
 use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Mask, Result};
+use distattn_cuda::aux::{AuxKernels, MergeDims, PieceOp};
 use distattn_cuda::{CudaBackend, CudaElement};
 use distattn_dist::backend::{Backend, MergeRow, Piece};
 use distattn_dist::exec::{pieces, FailureKind, InjectedFailure};
@@ -22,7 +23,8 @@ use std::sync::{Arc, Mutex};
 pub struct GpuRank {
     pub be: CudaBackend,
     pub comm: NcclComm,
-    pub aux: Aux,
+    /// The auxiliary kernels (piece copies and adds, merges, fills) by dtype, loaded on first use.
+    aux: Mutex<HashMap<DType, Arc<AuxKernels>>>,
     /// Uploaded index lists, by content and stream.
     cache: Mutex<HashMap<(u64, usize), Arc<CudaSlice<i64>>>>,
 }
@@ -36,6 +38,48 @@ pub struct RunOutput {
 
 fn ev_err(e: cudarc::driver::DriverError) -> Error {
     gpu_err("events")(e)
+}
+
+/// A run of explicit merge rows: `len` rows from `first` on, whose source and accumulator LSE
+/// indices step by 1 and O offsets by `o_steps` (source, accumulator; multiples of the head dim).
+#[derive(Debug, Clone, PartialEq)]
+struct RowRun {
+    first: MergeRow,
+    len: usize,
+    o_steps: [usize; 2],
+}
+
+impl RowRun {
+    /// The O steps with which row `r` continues this run, if it does.
+    fn steps_to(&self, r: MergeRow, head_dim: usize) -> Option<[usize; 2]> {
+        let (sl, dl, so, dof) = self.first;
+        let n = self.len;
+        if r.0 != sl + n || r.1 != dl + n || r.2 <= so || r.3 <= dof {
+            return None;
+        }
+        let (ds, dd) = (r.2 - so, r.3 - dof);
+        #[allow(clippy::manual_is_multiple_of)] // MSRV 1.80
+        let steps = (ds % n == 0 && dd % n == 0).then_some([ds / n, dd / n])?;
+        #[allow(clippy::manual_is_multiple_of)] // MSRV 1.80
+        let fits = steps.iter().all(|&st| st % head_dim == 0) && (n == 1 || steps == self.o_steps);
+        fits.then_some(steps)
+    }
+}
+
+/// `rows` as maximal runs, in order (a run of one row steps by one O row).
+fn row_runs(rows: &[MergeRow], head_dim: usize) -> Vec<RowRun> {
+    let mut runs: Vec<RowRun> = Vec::new();
+    for &r in rows {
+        if let Some(run) = runs.last_mut() {
+            if let Some(steps) = run.steps_to(r, head_dim) {
+                run.o_steps = steps;
+                run.len += 1;
+                continue;
+            }
+        }
+        runs.push(RowRun { first: r, len: 1, o_steps: [head_dim; 2] });
+    }
+    runs
 }
 
 /// Sets the device memory pool so that freed blocks are reused only when already free (no
@@ -94,9 +138,24 @@ pub fn pool_peak_bytes(be: &CudaBackend, reset: bool) -> Result<u64> {
 impl GpuRank {
     pub fn new(be: CudaBackend, comm: NcclComm) -> Result<GpuRank> {
         tune_mem_pool(&be)?;
-        let aux = Aux::new(be.context())?;
         comm.set_producer(be.stream().clone());
-        Ok(GpuRank { be, comm, aux, cache: Mutex::new(HashMap::new()) })
+        Ok(GpuRank { be, comm, aux: Mutex::new(HashMap::new()), cache: Mutex::new(HashMap::new()) })
+    }
+
+    /// The auxiliary kernels of `dtype` (bf16 or f16). Their f32 kernels are in the module of
+    /// either: for `F32`, one already loaded (else bf16's).
+    pub fn aux(&self, dtype: DType) -> Result<Arc<AuxKernels>> {
+        let mut map = self.aux.lock().map_err(|_| Error::Comm("auxiliary kernels poisoned".into()))?;
+        let dtype = match dtype {
+            DType::F32 => map.keys().next().copied().unwrap_or(DType::BF16),
+            d => d,
+        };
+        if let Some(a) = map.get(&dtype) {
+            return Ok(a.clone());
+        }
+        let a = Arc::new(AuxKernels::load(self.be.context(), dtype)?);
+        map.insert(dtype, a.clone());
+        Ok(a)
     }
 
     pub fn rank(&self) -> usize {
@@ -139,10 +198,53 @@ impl GpuRank {
             return Ok(());
         }
         let s = self.stream(lane);
+        let (op, aux_dtype) = match (add, src.dtype(), dst.dtype()) {
+            (false, a, b) if a == b => (PieceOp::Copy { elem_bytes: a.size() }, a),
+            (true, a, DType::F32) => (PieceOp::Add { src: a }, a),
+            (_, a, b) => {
+                return Err(Error::DTypeMismatch {
+                    a: "piece source".into(),
+                    a_dtype: a.to_string(),
+                    b: "destination".into(),
+                    b_dtype: b.to_string(),
+                })
+            }
+        };
         let flat: Vec<i64> = p.iter().flat_map(|&(a, b, n)| [a as i64, b as i64, n as i64]).collect();
         let max = p.iter().map(|x| x.2).max().unwrap_or(0);
         let dev = self.indices(s, lane.index(), &flat)?;
-        self.aux.pieces(s, src, dst, &dev, p.len(), max, add)
+        let aux = self.aux(aux_dtype)?;
+        let pieces = dev.device_ptr(s).0;
+        // SAFETY: `pieces` holds the triples on `s`, and the executor's pieces lie within both
+        // buffers, whose dtypes select `op`.
+        unsafe { aux.pieces(s, op, src.ptr(s), dst.ptr(s), pieces, p.len(), max) }
+    }
+
+    /// Merges a partial (O, LSE) into accumulators by the `dims` spec (quads uploaded at
+    /// `quads`), the four buffers' addresses offset by `base` elements (O, LSE, O acc, LSE acc).
+    #[allow(clippy::too_many_arguments)]
+    fn merge_spec(
+        &self,
+        o: &GpuBuf,
+        lse: &GpuBuf,
+        oacc: &GpuBuf,
+        lacc: &GpuBuf,
+        base: [usize; 4],
+        dims: &MergeDims,
+        quads: &CudaSlice<i64>,
+    ) -> Result<()> {
+        for b in [o, lse, oacc, lacc] {
+            if b.dtype() != DType::F32 {
+                return Err(Error::Backend { backend: "cuda", reason: "merge of non-f32 buffers".into() });
+            }
+        }
+        let s = self.be.stream();
+        let at = |b: &GpuBuf, i: usize| b.ptr(s) + (base[i] * 4) as u64;
+        let aux = self.aux(DType::F32)?;
+        let quads = quads.device_ptr(s).0;
+        // SAFETY: the four buffers are f32 on `s` and cover the rows of `dims` from their bases
+        // (the executor's specs and row runs lie within them); `quads` holds its pieces.
+        unsafe { aux.merge(s, at(o, 0), at(lse, 1), at(oacc, 2), at(lacc, 3), dims, quads) }
     }
 
     fn run_merge(
@@ -159,9 +261,8 @@ impl GpuRank {
         if spec.quads.is_empty() {
             return Ok(());
         }
-        let s = self.be.stream();
-        let dev = self.indices(s, 0, &spec.quads)?;
-        self.aux.merge(s, o, lse, oacc, lacc, &spec, &dev)
+        let dev = self.indices(self.be.stream(), 0, &spec.quads)?;
+        self.merge_spec(o, lse, oacc, lacc, [0; 4], &spec.dims(), &dev)
     }
 
     /// Forward of one block into fresh f32 (O, LSE).
@@ -577,13 +678,27 @@ impl Backend for GpuRank {
         rows: &[MergeRow],
         head_dim: usize,
     ) -> Result<()> {
-        if rows.is_empty() {
-            return Ok(());
+        // Explicit rows, merged a run at a time: a run is one piece of one head at the run's
+        // first row (LSE indices step by 1, O offsets by a head stride on each side).
+        for run in row_runs(rows, head_dim) {
+            let dims = MergeDims {
+                batch: 1,
+                heads: 1,
+                hs: run.o_steps[0] / head_dim,
+                hd: run.o_steps[1] / head_dim,
+                hs0: 0,
+                hd0: 0,
+                ns: run.len,
+                nd: run.len,
+                head_dim,
+                n_pieces: 1,
+                total: run.len,
+            };
+            let quads = self.indices(self.be.stream(), 0, &[0, 0, run.len as i64, 0])?;
+            let (sl, dl, so, dof) = run.first;
+            self.merge_spec(o, lse, o_acc, lse_acc, [so, sl, dof, dl], &dims, &quads)?;
         }
-        let s = self.be.stream();
-        let flat: Vec<i64> = rows.iter().flat_map(|&(a, b, c, d)| [a as i64, b as i64, c as i64, d as i64]).collect();
-        let dev = self.indices(s, 0, &flat)?;
-        self.aux.merge_rows(s, o, lse, o_acc, lse_acc, &dev, rows.len(), head_dim)
+        Ok(())
     }
 
     fn forward(
@@ -627,5 +742,56 @@ impl Backend for GpuRank {
         self.run_pieces(Lane::Compute, &gk, &dk, &whole, true)?;
         self.run_pieces(Lane::Compute, &gv, &dv, &whole, true)?;
         Ok((dq, dk, dv))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distattn_core::plan::TokenSet;
+
+    /// The rows a list of runs stands for.
+    fn rows_of(runs: &[RowRun]) -> Vec<MergeRow> {
+        let mut out = Vec::new();
+        for run in runs {
+            let (sl, dl, so, dof) = run.first;
+            for t in 0..run.len {
+                out.push((sl + t, dl + t, so + t * run.o_steps[0], dof + t * run.o_steps[1]));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn row_runs_cover_the_executor_rows() {
+        let shape = AttnShape::new(2, 64, 64, 8, 4, 16).unwrap();
+        let cases = [
+            (
+                BufDesc::new(Tensor::O, TokenSet::range(8..24), 0..8),
+                BufDesc::new(Tensor::O, TokenSet::range(0..32), 0..8),
+            ),
+            (
+                BufDesc::new(Tensor::O, TokenSet::range(0..32), 2..6),
+                BufDesc::new(Tensor::O, TokenSet::range(0..64), 0..8),
+            ),
+            (
+                BufDesc::new(Tensor::O, TokenSet::union([&TokenSet::range(0..8), &TokenSet::range(40..48)]), 0..4),
+                BufDesc::new(Tensor::O, TokenSet::union([&TokenSet::range(0..16), &TokenSet::range(32..48)]), 2..8),
+            ),
+        ];
+        for (src, dst) in cases {
+            let rows = distattn_dist::exec::merge_rows(&src, &dst, &shape);
+            let runs = row_runs(&rows, shape.head_dim);
+            assert_eq!(rows_of(&runs), rows, "{src:?} -> {dst:?}");
+            // One run per (batch, head, token piece).
+            let pieces = src.tokens.pieces_into(&dst.tokens).len();
+            let heads = src.heads.end.min(dst.heads.end) - src.heads.start.max(dst.heads.start);
+            assert_eq!(runs.len(), shape.batch * heads * pieces, "{src:?} -> {dst:?}");
+        }
+        // Rows that follow no pattern stay rows of their own.
+        let odd = [(5, 1, 80, 16), (9, 2, 96, 48), (6, 3, 32, 0)];
+        let runs = row_runs(&odd, 16);
+        assert_eq!(runs.len(), 3);
+        assert_eq!(rows_of(&runs), odd);
     }
 }

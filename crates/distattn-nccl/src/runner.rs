@@ -245,6 +245,7 @@ pub fn device_inputs(g: &GpuRank, plan: &Plan, seed: u64) -> Result<Vec<GpuBuf>>
     }
     let prog = &plan.ranks[g.rank()];
     let s = g.compute_stream();
+    let aux = g.aux(DType::BF16)?;
     let mut out = Vec::new();
     for (i, &(t, id)) in prog.inputs.iter().enumerate() {
         let n = prog.bufs[id].elems(&plan.shape);
@@ -253,7 +254,7 @@ pub fn device_inputs(g: &GpuRank, plan: &Plan, seed: u64) -> Result<Vec<GpuBuf>>
             Tensor::Delta => GpuBuf::filled(s, DType::F32, n, 0.0)?,
             _ => {
                 let b = GpuBuf::alloc(s, DType::BF16, n)?;
-                g.aux.rand_bf16(s, &b, seed * 131 + (g.rank() * 17 + i) as u64, 1.7)?;
+                b.rand_fill(s, &aux, seed * 131 + (g.rank() * 17 + i) as u64, 1.7)?;
                 b
             }
         };
