@@ -8,48 +8,10 @@
 
 use crate::compile::{self, backend_err, ModuleKind};
 use crate::drv;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use crate::params::{DeltaParams, MergeParams};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 use distattn_core::{AttnShape, DType, Error, Result};
 use std::sync::Arc;
-
-// Parameter blocks; field order and types mirror the structs in kernels/params.cuh.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct DeltaParams {
-    o: u64,
-    dout: u64,
-    delta: u64,
-    rows: i64,
-    head_dim: i32,
-    q_len: i32,
-    heads: i32,
-    pad_: i32,
-}
-// SAFETY: plain data with the layout of the kernel's parameter.
-unsafe impl DeviceRepr for DeltaParams {}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MergeParams {
-    o: u64,
-    lse: u64,
-    oacc: u64,
-    lacc: u64,
-    tp: u64,
-    total: i64,
-    ns: i64,
-    nd: i64,
-    n_pieces: i32,
-    batch: i32,
-    nh: i32,
-    hs: i32,
-    hd: i32,
-    hs0: i32,
-    hd0: i32,
-    d: i32,
-}
-// SAFETY: plain data with the layout of the kernel's parameter.
-unsafe impl DeviceRepr for MergeParams {}
 
 /// What the piece kernel does with each `(src offset, dst offset, len)` piece (offsets and
 /// lengths in elements).

@@ -5,10 +5,12 @@
 //! path under `src/kernels` ([`KERNEL_HEADERS`]). What a module holds and how it is compiled is
 //! its [`ModuleKind`]: the attention kernels of one (dtype, head dim) with their parameters as
 //! `-D` defines, or the auxiliary kernels of one dtype. Each is compiled for the architecture of
-//! the GPU found (`sm_90a` on Hopper) by [`compile_module`]. CUBINs are cached on disk under `DISTATTN_CACHE_DIR` (default
-//! `~/.cache/distattn`), keyed by a hash of (sources, options, arch, NVRTC version), so a second
-//! run starts without compiling.
+//! the GPU found (`sm_90a` on Hopper) by [`compile_module`]; every module's source ends with
+//! assertions that the kernels' parameter structs have the host's layouts (`src/params.rs`).
+//! CUBINs are cached on disk under `DISTATTN_CACHE_DIR` (default `~/.cache/distattn`), keyed by a
+//! hash of (sources, options, arch, NVRTC version), so a second run starts without compiling.
 
+use crate::params;
 use distattn_core::{DType, Error, Result};
 use std::ffi::{c_char, CString};
 use std::path::{Path, PathBuf};
@@ -401,6 +403,12 @@ impl ModuleKind {
         }
     }
 
+    /// The source NVRTC compiles: the root, then the assertions that the parameter structs it
+    /// declares have the host's layouts.
+    pub fn source(&self) -> String {
+        format!("{}{}", self.root().1, params::layout_asserts(&params::layouts()))
+    }
+
     /// The element type of the module's kernels.
     pub fn dtype(&self) -> DType {
         match self {
@@ -452,7 +460,8 @@ pub fn compile_module(kind: &ModuleKind, arch: &str, verbose: bool) -> Result<Co
     let inc = includes.as_ref().map(|v| v.as_slice()).unwrap_or(&[]);
     let opts = kind.options(arch, inc, verbose);
     let ver = nvrtc_version()?;
-    let (name, src) = kind.root();
+    let (name, _) = kind.root();
+    let src = kind.source();
     // The include paths are not part of the key: the kernels include no system header.
     let key_opts = kind.options(arch, &[], false).join(" ");
     let mut key_parts: Vec<&[u8]> = vec![src.as_bytes()];
@@ -472,7 +481,7 @@ pub fn compile_module(kind: &ModuleKind, arch: &str, verbose: bool) -> Result<Co
             }
         }
     }
-    let out = nvrtc_compile(src, name, KERNEL_HEADERS, &opts).map_err(|e| match &includes {
+    let out = nvrtc_compile(&src, name, KERNEL_HEADERS, &opts).map_err(|e| match &includes {
         Err(inc_err) => backend_err(format!("{e}; note: {inc_err}")),
         Ok(_) => e,
     })?;

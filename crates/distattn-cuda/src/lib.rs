@@ -18,6 +18,7 @@
 pub mod aux;
 pub mod compile;
 mod multi;
+mod params;
 pub mod plan;
 mod tma;
 
@@ -29,6 +30,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Mask, Result};
+use params::{BwdParams, FwdParams};
 use plan::TilePlan;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -89,56 +91,6 @@ struct DevicePlan {
     bits: CudaSlice<u32>,
     n_major: usize,
 }
-
-// Kernel parameter blocks; field order and types mirror the structs in kernels/params.cuh.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct FwdParams {
-    q: u64,
-    k: u64,
-    v: u64,
-    o: u64,
-    o_f32: u64,
-    lse: u64,
-    tile_ptr: u64,
-    tiles: u64,
-    bits: u64,
-    batch: i32,
-    q_len: i32,
-    k_len: i32,
-    heads: i32,
-    kv_heads: i32,
-    n_tiles: i32,
-    scale_log2: f32,
-    pad_: i32,
-}
-unsafe impl DeviceRepr for FwdParams {}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct BwdParams {
-    q: u64,
-    k: u64,
-    v: u64,
-    dout: u64,
-    lse: u64,
-    delta: u64,
-    dq_acc: u64,
-    dk: u64,
-    dv: u64,
-    tile_ptr: u64,
-    tiles: u64,
-    bits: u64,
-    batch: i32,
-    q_len: i32,
-    k_len: i32,
-    heads: i32,
-    kv_heads: i32,
-    n_tiles: i32,
-    scale_log2: f32,
-    scale: f32,
-}
-unsafe impl DeviceRepr for BwdParams {}
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 
@@ -600,12 +552,5 @@ mod tests {
             assert!(matches!(CudaBackend::new(0), Err(Error::Backend { .. })));
         }
         assert!(CudaBackend::new(1 << 20).is_err());
-    }
-
-    #[test]
-    fn param_layouts_match_the_kernel_structs() {
-        // params.cuh: 9 pointers + 6 ints + float + pad.
-        assert_eq!(std::mem::size_of::<FwdParams>(), 9 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<BwdParams>(), 12 * 8 + 8 * 4);
     }
 }

@@ -1,5 +1,6 @@
-// What the host passes to the kernels: the parameter structs (mirrored in Rust by src/lib.rs
-// and src/aux.rs) and the mapping of the forward's launch grid onto blocks.
+// What the host passes to the kernels: the parameter structs and the mapping of the forward's
+// launch grid onto blocks. The host defines each struct once, in src/params.rs, and every module
+// compiled ends with static_asserts that the declarations here have its sizes and offsets.
 //
 // Layouts (elements): Q/O/dO/dQ [b, nq, h, d], K/V/dK/dV [b, nk, hkv, d], LSE/delta [b, h, nq]
 // in f32 (natural log for LSE). Masks arrive as per-tile lists built on the host:
