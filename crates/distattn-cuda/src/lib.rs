@@ -228,9 +228,11 @@ impl CudaBackend {
         Ok(a)
     }
 
-    /// Compiles (or loads from the cache) the kernels of a dtype and head dim ahead of use.
+    /// Compiles (or loads from the cache) the kernels of a dtype and head dim ahead of use, and
+    /// the auxiliary kernels of the dtype.
     pub fn prepare(&self, dtype: DType, head_dim: usize) -> Result<()> {
-        self.kernels(dtype, head_dim).map(|_| ())
+        self.kernels(dtype, head_dim)?;
+        self.aux(dtype).map(|_| ())
     }
 
     fn plan(&self, mask: &Mask, bm: usize, bn: usize, by_key: bool) -> Result<Arc<DevicePlan>> {
