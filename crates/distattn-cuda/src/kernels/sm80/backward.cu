@@ -1,4 +1,5 @@
 // ---------------------------------------------------------------- backward: dK, dV (+ dQ atomics)
+// On mma.sync (sm_80+): flash_bwd_dkdv (v1) and flash_bwd_dkdv2 (v2, sm_90+ where it fits).
 #include "common.cuh"
 #include "params.cuh"
 

@@ -13,7 +13,7 @@
 #ifndef FWD_WG
 #define FWD_WG 0
 #endif
-#if !FWD_WG // (sm_90a at d 64/128: flash_fwd_ws in flash_sm90.cu)
+#if !FWD_WG // (sm_90a at d 64/128: flash_fwd_ws in sm90/forward.cu)
 extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* Qs = (elem_t*)smem_raw;
