@@ -1,18 +1,37 @@
 //! Run-time compilation of the kernels with NVRTC, with a disk cache of CUBINs.
 //!
-//! The kernel source (`kernels/flash.cu`) is embedded in the binary. Each (dtype, head dim)
-//! variant is compiled with its parameters as `-D` defines for the architecture of the GPU
-//! found (`sm_90a` on Hopper). CUBINs are cached on disk under `DISTATTN_CACHE_DIR` (default
-//! `~/.cache/distattn`), keyed by a hash of (source, options, arch, NVRTC version), so a second
-//! run starts without compiling.
+//! The kernel sources (`src/kernels`) are embedded in the binary. A module is compiled from a
+//! root source that includes the others, handed to NVRTC as in-memory headers named by their
+//! path under `src/kernels` ([`KERNEL_HEADERS`]). What a module holds and how it is compiled is
+//! its [`ModuleKind`]: the attention kernels of one (dtype, head dim) with their parameters as
+//! `-D` defines, or the auxiliary kernels of one dtype. Each is compiled for the architecture of
+//! the GPU found (`sm_90a` on Hopper) by [`compile_module`]; every module's source ends with
+//! assertions that the kernels' parameter structs have the host's layouts (`src/params.rs`).
+//! CUBINs are cached on disk under `DISTATTN_CACHE_DIR` (default `~/.cache/distattn`), keyed by a
+//! hash of (sources, options, arch, NVRTC version), so a second run starts without compiling.
 
+use crate::params;
 use distattn_core::{DType, Error, Result};
-use std::ffi::CString;
+use std::ffi::{c_char, CString};
 use std::path::{Path, PathBuf};
 
-/// The kernel source, embedded: the portable kernels (`mma.sync`, sm_80+) followed by the
-/// Hopper ones (`wgmma`, compiled only for sm_90a).
-pub const FLASH_SRC: &str = concat!(include_str!("kernels/flash.cu"), include_str!("kernels/flash_sm90.cu"));
+/// The root of the attention kernels' module: the portable kernels (`mma.sync`, sm_80+)
+/// followed by the Hopper ones (`wgmma`, compiled only for sm_90a).
+const FLASH_ROOT: &str = include_str!("kernels/flash.cu");
+/// The root of the auxiliary kernels' module (row delta, conversion, piece copies and adds, LSE
+/// merge, random fill).
+const AUX_ROOT: &str = include_str!("kernels/aux.cu");
+
+/// Every file a root may include, by the name it is included as.
+pub const KERNEL_HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("params.cuh", include_str!("kernels/params.cuh")),
+    ("sm80/forward.cu", include_str!("kernels/sm80/forward.cu")),
+    ("sm80/backward.cu", include_str!("kernels/sm80/backward.cu")),
+    ("sm90/primitives.cuh", include_str!("kernels/sm90/primitives.cuh")),
+    ("sm90/forward.cu", include_str!("kernels/sm90/forward.cu")),
+    ("sm90/backward.cu", include_str!("kernels/sm90/backward.cu")),
+];
 
 pub(crate) fn backend_err(reason: impl Into<String>) -> Error {
     Error::Backend { backend: "cuda", reason: reason.into() }
@@ -59,7 +78,7 @@ impl KernelConfig {
     /// The tuned configuration for a dtype and head dim.
     pub fn new(dtype: DType, head_dim: usize) -> Result<Self> {
         if !matches!(dtype, DType::BF16 | DType::F16) {
-            return Err(Error::UnsupportedDType(format!("{dtype} (the CUDA backend takes bf16 and f16)")));
+            return Err(unsupported_dtype(dtype));
         }
         let (fwd_warps, fwd_mr, fwd_bn) = match head_dim {
             64 | 128 => (4, 2, 64),
@@ -198,7 +217,7 @@ impl KernelConfig {
     /// The `-D` options of this variant.
     pub fn defines(&self) -> Vec<String> {
         vec![
-            format!("-DDA_BF16={}", (self.dtype == DType::BF16) as u8),
+            dtype_define(self.dtype),
             format!("-DHEAD_DIM={}", self.head_dim),
             format!("-DFWD_WARPS={}", self.fwd_warps),
             format!("-DFWD_MR={}", self.fwd_mr),
@@ -356,35 +375,103 @@ pub fn cache_dir() -> Option<PathBuf> {
     std::env::var("HOME").ok().map(|h| Path::new(&h).join(".cache").join("distattn"))
 }
 
-/// Options passed to NVRTC for a variant.
-pub fn nvrtc_options(cfg: &KernelConfig, arch: &str, includes: &[PathBuf], verbose: bool) -> Vec<String> {
-    let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), "--use_fast_math".into()];
-    o.extend(cfg.defines());
-    for i in includes {
-        o.push(format!("--include-path={}", i.display()));
-    }
-    if verbose {
-        o.push("--ptxas-options=-v".into());
-    }
-    // Extra defines for experiments (part of the cache key through the options).
-    if let Ok(extra) = std::env::var("DISTATTN_EXTRA_DEFINES") {
-        o.extend(extra.split_whitespace().map(String::from));
-    }
-    o
+/// The `-D` option selecting the kernels' element type (`elem_t`): bf16 or f16.
+fn dtype_define(dtype: DType) -> String {
+    format!("-DDA_BF16={}", (dtype == DType::BF16) as u8)
 }
 
-/// Compiles one variant to a CUBIN for `arch`, using the disk cache unless `verbose` (a
+/// The dtype error of the CUDA backend, for types other than bf16 and f16.
+fn unsupported_dtype(dtype: DType) -> Error {
+    Error::UnsupportedDType(format!("{dtype} (the CUDA backend takes bf16 and f16)"))
+}
+
+/// What a module holds, and so which root, defines and options it is compiled with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ModuleKind {
+    /// The attention kernels of one configuration (`kernels/flash.cu`).
+    Flash(KernelConfig),
+    /// The auxiliary kernels of one element type, bf16 or f16 (`kernels/aux.cu`).
+    Aux(DType),
+}
+
+impl ModuleKind {
+    /// The name (as NVRTC reports it) and text of the module's root source.
+    pub fn root(&self) -> (&'static str, &'static str) {
+        match self {
+            ModuleKind::Flash(_) => ("flash.cu", FLASH_ROOT),
+            ModuleKind::Aux(_) => ("aux.cu", AUX_ROOT),
+        }
+    }
+
+    /// The source NVRTC compiles: the root, then the assertions that the parameter structs it
+    /// declares have the host's layouts.
+    pub fn source(&self) -> String {
+        format!("{}{}", self.root().1, params::layout_asserts(&params::layouts()))
+    }
+
+    /// The element type of the module's kernels.
+    pub fn dtype(&self) -> DType {
+        match self {
+            ModuleKind::Flash(cfg) => cfg.dtype,
+            ModuleKind::Aux(dtype) => *dtype,
+        }
+    }
+
+    /// The name of the module in cache files and messages (`flash-bf16-d128`, `aux-f16`).
+    pub fn label(&self) -> String {
+        match self {
+            ModuleKind::Flash(cfg) => format!("flash-{}-d{}", cfg.dtype, cfg.head_dim),
+            ModuleKind::Aux(dtype) => format!("aux-{dtype}"),
+        }
+    }
+
+    /// Options passed to NVRTC for this module and `arch`. The attention kernels are compiled
+    /// with fast math; the auxiliary ones are not (the merge's exp and log stay accurate).
+    pub fn options(&self, arch: &str, includes: &[PathBuf], verbose: bool) -> Vec<String> {
+        let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()];
+        match self {
+            ModuleKind::Flash(cfg) => {
+                o.push("--use_fast_math".into());
+                o.extend(cfg.defines());
+            }
+            ModuleKind::Aux(dtype) => o.push(dtype_define(*dtype)),
+        }
+        for i in includes {
+            o.push(format!("--include-path={}", i.display()));
+        }
+        if verbose {
+            o.push("--ptxas-options=-v".into());
+        }
+        // Extra defines for experiments (part of the cache key through the options).
+        if let Ok(extra) = std::env::var("DISTATTN_EXTRA_DEFINES") {
+            o.extend(extra.split_whitespace().map(String::from));
+        }
+        o
+    }
+}
+
+/// Compiles one module to a CUBIN for `arch`, using the disk cache unless `verbose` (a
 /// verbose compile always runs NVRTC, to get the ptxas report).
-pub fn compile_variant(cfg: &KernelConfig, arch: &str, verbose: bool) -> Result<Compiled> {
+pub fn compile_module(kind: &ModuleKind, arch: &str, verbose: bool) -> Result<Compiled> {
+    if !matches!(kind.dtype(), DType::BF16 | DType::F16) {
+        return Err(unsupported_dtype(kind.dtype()));
+    }
     let includes = find_cuda_includes();
     let inc = includes.as_ref().map(|v| v.as_slice()).unwrap_or(&[]);
-    let opts = nvrtc_options(cfg, arch, inc, verbose);
+    let opts = kind.options(arch, inc, verbose);
     let ver = nvrtc_version()?;
-    // The include paths are not part of the key: the kernels include no header.
-    let key_opts = nvrtc_options(cfg, arch, &[], false).join(" ");
-    let key = fnv64(&[FLASH_SRC.as_bytes(), key_opts.as_bytes(), format!("{ver:?}").as_bytes()]);
-    let cache_file =
-        cache_dir().map(|d| d.join(format!("flash-{}-d{}-{arch}-{key:016x}.cubin", cfg.dtype, cfg.head_dim)));
+    let (name, _) = kind.root();
+    let src = kind.source();
+    // The include paths are not part of the key: the kernels include no system header.
+    let key_opts = kind.options(arch, &[], false).join(" ");
+    let mut key_parts: Vec<&[u8]> = vec![src.as_bytes()];
+    for (header, text) in KERNEL_HEADERS {
+        key_parts.extend([header.as_bytes(), text.as_bytes()]);
+    }
+    let ver = format!("{ver:?}");
+    key_parts.extend([key_opts.as_bytes(), ver.as_bytes()]);
+    let key = fnv64(&key_parts);
+    let cache_file = cache_dir().map(|d| d.join(format!("{}-{arch}-{key:016x}.cubin", kind.label())));
     if !verbose {
         if let Some(f) = &cache_file {
             if let Ok(bytes) = std::fs::read(f) {
@@ -394,7 +481,7 @@ pub fn compile_variant(cfg: &KernelConfig, arch: &str, verbose: bool) -> Result<
             }
         }
     }
-    let out = nvrtc_compile(FLASH_SRC, "flash.cu", &opts).map_err(|e| match &includes {
+    let out = nvrtc_compile(&src, name, KERNEL_HEADERS, &opts).map_err(|e| match &includes {
         Err(inc_err) => backend_err(format!("{e}; note: {inc_err}")),
         Ok(_) => e,
     })?;
@@ -411,18 +498,43 @@ pub fn compile_variant(cfg: &KernelConfig, arch: &str, verbose: bool) -> Result<
     Ok(out)
 }
 
-/// Runs NVRTC on `src` and returns the CUBIN (options must name a real `sm_` architecture).
-pub fn nvrtc_compile(src: &str, name: &str, opts: &[String]) -> Result<Compiled> {
+/// Runs NVRTC on `src`, whose `#include "name"`s resolve to `headers` (name, text), and returns
+/// the CUBIN (options must name a real `sm_` architecture).
+pub fn nvrtc_compile(src: &str, name: &str, headers: &[(&str, &str)], opts: &[String]) -> Result<Compiled> {
     use cudarc::nvrtc::{result, sys};
     if !nvrtc_available() {
         return Err(no_nvrtc());
     }
     let c_src = CString::new(src).map_err(|_| backend_err("kernel source contains a NUL byte"))?;
     let c_name = CString::new(name).map_err(|_| backend_err("bad program name"))?;
-    let prog =
-        result::create_program(&c_src, Some(&c_name)).map_err(|e| backend_err(format!("nvrtcCreateProgram: {e:?}")))?;
+    let c_headers = headers
+        .iter()
+        .map(|(n, text)| Ok((CString::new(*n)?, CString::new(*text)?)))
+        .collect::<std::result::Result<Vec<_>, std::ffi::NulError>>()
+        .map_err(|_| backend_err("kernel header contains a NUL byte"))?;
+    let header_texts: Vec<*const c_char> = c_headers.iter().map(|(_, t)| t.as_ptr()).collect();
+    let header_names: Vec<*const c_char> = c_headers.iter().map(|(n, _)| n.as_ptr()).collect();
+    let n_headers = i32::try_from(headers.len()).map_err(|_| backend_err("too many kernel headers"))?;
+    let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: every pointer refers to a NUL-terminated string owned by this frame (`c_src`,
+    // `c_name`, `c_headers`), and the two header arrays hold `n_headers` entries each; NVRTC
+    // copies what it keeps.
+    let r = unsafe {
+        sys::nvrtcCreateProgram(
+            &mut prog,
+            c_src.as_ptr(),
+            c_name.as_ptr(),
+            n_headers,
+            header_texts.as_ptr(),
+            header_names.as_ptr(),
+        )
+    };
+    if r != sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(backend_err(format!("nvrtcCreateProgram: {r:?}")));
+    }
     // SAFETY: `prog` is a live program until destroyed below.
     let res = unsafe { result::compile_program(prog, opts) };
+    // SAFETY: as above; the log exists after a compile, failed or not.
     let log = unsafe { result::get_program_log(prog) }
         .map(|v| {
             let bytes: Vec<u8> = v.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
@@ -439,6 +551,7 @@ pub fn nvrtc_compile(src: &str, name: &str, opts: &[String]) -> Result<Compiled>
                 Err(backend_err(format!("nvrtcGetCUBINSize failed ({r:?}); options must name an sm_ architecture")))
             } else {
                 let mut buf = vec![0u8; size];
+                // SAFETY: `buf` holds the `size` bytes NVRTC reported.
                 let r = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut _) };
                 if r != sys::nvrtcResult::NVRTC_SUCCESS {
                     Err(backend_err(format!("nvrtcGetCUBIN failed ({r:?})")))

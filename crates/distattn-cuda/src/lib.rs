@@ -1,7 +1,7 @@
 //! CUDA backend of distattn.
 //!
 //! Flash attention forward and backward and the LSE merge of partial results, as CUDA kernels
-//! (`src/kernels/flash.cu`, tensor-core `mma.sync.m16n8k16`, `ldmatrix`, `cp.async` double
+//! (`src/kernels`, tensor-core `mma.sync.m16n8k16`, `ldmatrix`, `cp.async` double
 //! buffering, online softmax in exp2) compiled at run time by NVRTC for the GPU found and
 //! cached on disk ([`compile`]). Masks of `distattn-core` arrive as per-tile lists built on the
 //! host ([`plan::TilePlan`]): empty tiles are never visited, full tiles run without mask
@@ -15,11 +15,14 @@
 //! / [`CudaBackend::merge`] on device buffers, or [`CudaBackend::forward_host`] /
 //! [`CudaBackend::backward_host`] on host slices.
 
+pub mod aux;
 pub mod compile;
 mod multi;
+mod params;
 pub mod plan;
 mod tma;
 
+use aux::{AuxKernels, MergeDims};
 use compile::{backend_err, KernelConfig};
 pub use cudarc;
 use cudarc::driver::{
@@ -27,6 +30,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Mask, Result};
+use params::{BwdParams, FwdParams};
 use plan::TilePlan;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -77,10 +81,7 @@ struct Kernels {
     cfg: KernelConfig,
     _module: Arc<CudaModule>,
     fwd: CudaFunction,
-    delta: CudaFunction,
     dkdv: Option<CudaFunction>,
-    convert: CudaFunction,
-    merge: CudaFunction,
 }
 
 /// A tile plan uploaded to the device.
@@ -90,84 +91,6 @@ struct DevicePlan {
     bits: CudaSlice<u32>,
     n_major: usize,
 }
-
-// Kernel parameter blocks; field order and types mirror the structs in flash.cu.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct FwdParams {
-    q: u64,
-    k: u64,
-    v: u64,
-    o: u64,
-    o_f32: u64,
-    lse: u64,
-    tile_ptr: u64,
-    tiles: u64,
-    bits: u64,
-    batch: i32,
-    q_len: i32,
-    k_len: i32,
-    heads: i32,
-    kv_heads: i32,
-    n_tiles: i32,
-    scale_log2: f32,
-    pad_: i32,
-}
-unsafe impl DeviceRepr for FwdParams {}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct DeltaParams {
-    o: u64,
-    dout: u64,
-    delta: u64,
-    rows: i64,
-    q_len: i32,
-    heads: i32,
-}
-unsafe impl DeviceRepr for DeltaParams {}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct BwdParams {
-    q: u64,
-    k: u64,
-    v: u64,
-    dout: u64,
-    lse: u64,
-    delta: u64,
-    dq_acc: u64,
-    dk: u64,
-    dv: u64,
-    tile_ptr: u64,
-    tiles: u64,
-    bits: u64,
-    batch: i32,
-    q_len: i32,
-    k_len: i32,
-    heads: i32,
-    kv_heads: i32,
-    n_tiles: i32,
-    scale_log2: f32,
-    scale: f32,
-}
-unsafe impl DeviceRepr for BwdParams {}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MergeParams {
-    o_parts: u64,
-    lse_parts: u64,
-    o_out: u64,
-    o_out_t: u64,
-    lse_out: u64,
-    rows: i64,
-    n_parts: i32,
-    q_len: i32,
-    heads: i32,
-    pad_: i32,
-}
-unsafe impl DeviceRepr for MergeParams {}
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 
@@ -182,6 +105,7 @@ pub struct CudaBackend {
     cc: (i32, i32),
     max_smem: usize,
     modules: Mutex<HashMap<(DType, usize), Arc<Kernels>>>,
+    aux: Mutex<HashMap<DType, Arc<AuxKernels>>>,
     plans: Mutex<HashMap<PlanKey, Arc<DevicePlan>>>,
 }
 
@@ -230,6 +154,7 @@ impl CudaBackend {
             cc,
             max_smem,
             modules: Mutex::new(HashMap::new()),
+            aux: Mutex::new(HashMap::new()),
             plans: Mutex::new(HashMap::new()),
         })
     }
@@ -262,7 +187,7 @@ impl CudaBackend {
             return Ok(k.clone());
         }
         let cfg = KernelConfig::new(dtype, head_dim)?.for_arch(&self.arch);
-        let compiled = compile::compile_variant(&cfg, &self.arch, false)?;
+        let compiled = compile::compile_module(&compile::ModuleKind::Flash(cfg), &self.arch, false)?;
         let module = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
@@ -271,10 +196,7 @@ impl CudaBackend {
         let k = Kernels {
             cfg,
             fwd: f(cfg.fwd_kernel())?,
-            delta: f("bwd_delta")?,
             dkdv: if cfg.has_backward() { Some(f(cfg.dkdv_kernel())?) } else { None },
-            convert: f("convert_f32")?,
-            merge: f("lse_merge")?,
             _module: module.clone(),
         };
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
@@ -295,9 +217,22 @@ impl CudaBackend {
         Ok(k)
     }
 
-    /// Compiles (or loads from the cache) the kernels of a dtype and head dim ahead of use.
+    /// The auxiliary kernels of `dtype` (row delta, conversion, merge), loaded on first use.
+    fn aux(&self, dtype: DType) -> Result<Arc<AuxKernels>> {
+        let mut map = self.aux.lock().map_err(|_| backend_err("module cache poisoned"))?;
+        if let Some(a) = map.get(&dtype) {
+            return Ok(a.clone());
+        }
+        let a = Arc::new(AuxKernels::load(&self.ctx, dtype)?);
+        map.insert(dtype, a.clone());
+        Ok(a)
+    }
+
+    /// Compiles (or loads from the cache) the kernels of a dtype and head dim ahead of use, and
+    /// the auxiliary kernels of the dtype.
     pub fn prepare(&self, dtype: DType, head_dim: usize) -> Result<()> {
-        self.kernels(dtype, head_dim).map(|_| ())
+        self.kernels(dtype, head_dim)?;
+        self.aux(dtype).map(|_| ())
     }
 
     fn plan(&self, mask: &Mask, bm: usize, bn: usize, by_key: bool) -> Result<Arc<DevicePlan>> {
@@ -394,7 +329,7 @@ impl CudaBackend {
             pad_: 0,
         };
         let cfg_l = LaunchConfig {
-            // x: query tile x query head within its KV head group (see fwd_block in flash.cu).
+            // x: query tile x query head within its KV head group (see fwd_block in kernels/params.cuh).
             grid_dim: (
                 (plan.n_major * (shape.heads / shape.kv_heads)) as u32,
                 shape.kv_heads as u32,
@@ -459,28 +394,16 @@ impl CudaBackend {
         for (n, b) in [("o", o), ("dout", dout), ("dq", &*dq)] {
             self.check_buf(n, b, shape.q_elems(), shape)?;
         }
-        let kern = self.kernels(T::DTYPE, shape.head_dim)?;
+        let aux = self.aux(T::DTYPE)?;
         let s = &self.stream;
         let delta = unsafe { s.alloc::<f32>(shape.lse_elems()) }.map_err(drv("allocating delta"))?;
         let mut dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).map_err(drv("allocating the dQ accumulator"))?;
-        let rows = (shape.batch * shape.q_len * shape.heads) as i64;
-        let dp = DeltaParams {
-            o: ptr_of(o, s),
-            dout: ptr_of(dout, s),
-            delta: ptr_of(&delta, s),
-            rows,
-            q_len: shape.q_len as i32,
-            heads: shape.heads as i32,
-        };
-        let lc =
-            LaunchConfig { grid_dim: (((rows + 7) / 8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        unsafe { s.launch_builder(&kern.delta).arg(&dp).launch(lc) }.map_err(drv("launching bwd_delta"))?;
+        // SAFETY: O and dO were checked to hold q_elems() values of T, delta holds lse_elems()
+        // f32; all are on this backend's stream.
+        unsafe { aux.row_delta(s, ptr_of(o, s), T::DTYPE, ptr_of(dout, s), ptr_of(&delta, s), shape) }?;
         self.backward_with_delta(q, k, v, dout, lse, &delta, shape, mask, opts, &mut dq_acc, dk, dv)?;
-        let n2 = (shape.q_elems() / 2) as i64;
-        let lc =
-            LaunchConfig { grid_dim: (((n2 + 255) / 256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        unsafe { s.launch_builder(&kern.convert).arg(&dq_acc).arg(dq).arg(&n2).launch(lc) }
-            .map_err(drv("launching convert_f32"))?;
+        // SAFETY: dq_acc and dq hold q_elems() values (f32, T) on this stream.
+        unsafe { aux.convert_f32(s, ptr_of(&dq_acc, s), ptr_of(dq, s), shape.q_elems()) }?;
         // Workspace buffers are freed in stream order (async free) when they drop here.
         Ok(())
     }
@@ -511,24 +434,43 @@ impl CudaBackend {
         if let Some(t) = &o_out_t {
             self.check_buf("o_out_t", t, shape.q_elems(), shape)?;
         }
-        let kern = self.kernels(T::DTYPE, shape.head_dim)?;
+        let aux = self.aux(T::DTYPE)?;
         let s = &self.stream;
-        let rows = (shape.batch * shape.q_len * shape.heads) as i64;
-        let mp = MergeParams {
-            o_parts: ptr_of(o_parts, s),
-            lse_parts: ptr_of(lse_parts, s),
-            o_out: ptr_of(o_out, s),
-            o_out_t: o_out_t.as_ref().map(|x| ptr_of(x, s)).unwrap_or(0),
-            lse_out: ptr_of(lse_out, s),
-            rows,
-            n_parts: n_parts as i32,
-            q_len: shape.q_len as i32,
-            heads: shape.heads as i32,
-            pad_: 0,
+        // The accumulators start empty (O = 0, LSE = -inf: what rows no part reaches keep); each
+        // part is merged into them through the identity spec (every row to the same row).
+        s.memset_zeros(o_out).map_err(drv("clearing the merged O"))?;
+        let lse_out_ptr = ptr_of(lse_out, s);
+        // SAFETY: lse_out holds lse_elems() f32 on this stream.
+        unsafe { sys::cuMemsetD32Async(lse_out_ptr, f32::NEG_INFINITY.to_bits(), shape.lse_elems(), s.cu_stream()) }
+            .result()
+            .map_err(drv("clearing the merged LSE"))?;
+        let dims = MergeDims {
+            batch: shape.batch,
+            heads: shape.heads,
+            hs: shape.heads,
+            hd: shape.heads,
+            hs0: 0,
+            hd0: 0,
+            ns: shape.q_len,
+            nd: shape.q_len,
+            head_dim: shape.head_dim,
+            n_pieces: 1,
+            total: shape.q_len,
         };
-        let lc =
-            LaunchConfig { grid_dim: (((rows + 7) / 8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        unsafe { s.launch_builder(&kern.merge).arg(&mp).launch(lc) }.map_err(drv("launching lse_merge"))?;
+        let quads = s.clone_htod(&[0, 0, shape.q_len as i64, 0]).map_err(drv("uploading the merge spec"))?;
+        let (o_out_ptr, quads_ptr) = (ptr_of(o_out, s), ptr_of(&quads, s));
+        for part in 0..n_parts {
+            let o = ptr_of(o_parts, s) + (part * shape.q_elems() * 4) as u64;
+            let lse = ptr_of(lse_parts, s) + (part * shape.lse_elems() * 4) as u64;
+            // SAFETY: part `part` of o_parts / lse_parts and the outputs hold the q_elems() /
+            // lse_elems() f32 the identity spec covers; the quads are uploaded above; all on
+            // this stream.
+            unsafe { aux.merge(s, o, lse, o_out_ptr, lse_out_ptr, &dims, quads_ptr) }?;
+        }
+        if let Some(t) = o_out_t {
+            // SAFETY: o_out and t hold q_elems() values (f32, T) on this stream.
+            unsafe { aux.convert_f32(s, o_out_ptr, ptr_of(t, s), shape.q_elems()) }?;
+        }
         Ok(())
     }
 
@@ -612,14 +554,5 @@ mod tests {
             assert!(matches!(CudaBackend::new(0), Err(Error::Backend { .. })));
         }
         assert!(CudaBackend::new(1 << 20).is_err());
-    }
-
-    #[test]
-    fn param_layouts_match_the_kernel_structs() {
-        // flash.cu: 9 pointers + 6 ints + float + pad.
-        assert_eq!(std::mem::size_of::<FwdParams>(), 9 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<BwdParams>(), 12 * 8 + 8 * 4);
-        assert_eq!(std::mem::size_of::<DeltaParams>(), 4 * 8 + 2 * 4);
-        assert_eq!(std::mem::size_of::<MergeParams>(), 6 * 8 + 4 * 4);
     }
 }

@@ -7,8 +7,10 @@
 //! need no bounds checks in the kernel.
 
 use crate::compile::backend_err;
+use crate::params::StructLayout;
 use cudarc::driver::{sys, DeviceRepr};
 use distattn_core::{AttnShape, DType, Result};
+use std::mem::{offset_of, size_of};
 
 /// An encoded `CUtensorMap`, passed to kernels by value (`__grid_constant__`).
 #[repr(transparent)]
@@ -16,6 +18,10 @@ use distattn_core::{AttnShape, DType, Result};
 pub(crate) struct TensorMap(sys::CUtensorMap);
 // SAFETY: plain 128-byte, 64-byte-aligned data, the layout the kernel parameter declares.
 unsafe impl DeviceRepr for TensorMap {}
+
+/// The host layout of the kernels' `TmaMap` (their 16 words are the driver's `CUtensorMap`).
+pub(crate) const TMA_MAP_LAYOUT: StructLayout =
+    StructLayout { name: "TmaMap", size: size_of::<TensorMap>(), fields: &[("v", offset_of!(TensorMap, 0.opaque))] };
 
 /// The shape of a row-major `[batch][rows][heads][head_dim]` tensor.
 #[derive(Debug, Clone, Copy)]

@@ -1,11 +1,9 @@
-//! Device buffers of the multi-GPU executor and the small kernels it needs besides attention:
-//! piece copies and adds (with bf16/f16 → f32), LSE merges of partial results, fills.
+//! Device buffers of the multi-GPU executor, and the compact spec of its LSE merges (the kernels
+//! they feed are `distattn_cuda::aux`'s).
 
-use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg,
-};
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use distattn_core::{DType, Error, Result};
+use distattn_cuda::aux::{AuxKernels, MergeDims};
 use half::{bf16, f16};
 use std::sync::Arc;
 
@@ -92,6 +90,20 @@ impl GpuBuf {
             }
         };
         r.result().map_err(gpu_err("filling a buffer"))
+    }
+
+    /// Fills the buffer, of `aux`'s dtype, with deterministic uniform values in [-a, a).
+    pub fn rand_fill(&self, stream: &Arc<CudaStream>, aux: &AuxKernels, seed: u64, a: f32) -> Result<()> {
+        if self.dtype() != aux.dtype() {
+            return Err(Error::DTypeMismatch {
+                a: "random fill".into(),
+                a_dtype: self.dtype().to_string(),
+                b: "auxiliary kernels".into(),
+                b_dtype: aux.dtype().to_string(),
+            });
+        }
+        // SAFETY: the buffer holds `len` values of the kernels' dtype on `stream`'s device.
+        unsafe { aux.rand_fill(stream, self.ptr(stream), self.len, seed, a) }
     }
 
     /// Frees the buffer in the order of `stream` (which must be ordered after every use).
@@ -182,115 +194,6 @@ gpu_elem!(f32, F32);
 gpu_elem!(bf16, BF16);
 gpu_elem!(f16, F16);
 
-const AUX_SRC: &str = r#"
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef long long i64;
-__device__ __forceinline__ float bf2f(u16 x) { return __uint_as_float(((u32)x) << 16); }
-__device__ __forceinline__ float h2f(u16 x) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f; }
-__device__ __forceinline__ u16 f2bf(float f) {
-    u32 u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (u16)(u >> 16);
-}
-
-#define PIECE_KERNEL(NAME, ST, DT, EXPR) \
-extern "C" __global__ void NAME(const ST* __restrict__ src, DT* __restrict__ dst, const i64* __restrict__ pieces) { \
-    const i64 s = pieces[3 * blockIdx.x], d = pieces[3 * blockIdx.x + 1], n = pieces[3 * blockIdx.x + 2]; \
-    for (i64 i = (i64)blockIdx.y * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.y * blockDim.x) { EXPR; } \
-}
-PIECE_KERNEL(copy_u16, u16, u16, dst[d + i] = src[s + i])
-PIECE_KERNEL(copy_u32, u32, u32, dst[d + i] = src[s + i])
-PIECE_KERNEL(add_f32, float, float, dst[d + i] += src[s + i])
-PIECE_KERNEL(add_bf16, u16, float, dst[d + i] += bf2f(src[s + i]))
-PIECE_KERNEL(add_f16, u16, float, dst[d + i] += h2f(src[s + i]))
-
-__device__ __forceinline__ void merge_one(const float* o, const float* lse, float* oacc, float* lacc,
-                                          i64 sl, i64 dl, i64 so, i64 dof, int d, int lane) {
-    const float lb = lse[sl];
-    const float la = lacc[dl];
-    __syncwarp();
-    if (!(lb > -3.0e38f)) return;  // -inf or NaN: nothing to add
-    if (!(la > -3.0e38f)) {
-        for (int c = lane; c < d; c += 32) oacc[dof + c] = o[so + c];
-        if (lane == 0) lacc[dl] = lb;
-        return;
-    }
-    const float m = fmaxf(la, lb);
-    float wa = expf(la - m), wb = expf(lb - m);
-    const float sum = wa + wb;
-    wa /= sum;
-    wb /= sum;
-    for (int c = lane; c < d; c += 32) oacc[dof + c] = wa * oacc[dof + c] + wb * o[so + c];
-    if (lane == 0) lacc[dl] = m + logf(sum);
-}
-
-struct MergeArgs {
-    const float* o; const float* lse; float* oacc; float* lacc;
-    const i64* tp;  // per token piece: src token, dst token, length, start in the flattened pieces
-    i64 total; i64 ns; i64 nd;
-    int n_pieces; int batch; int nh; int hs; int hd; int hs0; int hd0; int d;
-};
-
-// One warp per (batch, head, token) row of the token pieces.
-extern "C" __global__ void merge_pieces(MergeArgs a) {
-    const i64 row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
-    if (row >= (i64)a.batch * a.nh * a.total) return;
-    const i64 t = row % a.total;
-    const i64 bh = row / a.total;
-    const int h = (int)(bh % a.nh), b = (int)(bh / a.nh);
-    int lo = 0, hi = a.n_pieces - 1;
-    while (lo < hi) { int mid = (lo + hi + 1) / 2; if (a.tp[4 * mid + 3] <= t) lo = mid; else hi = mid - 1; }
-    const i64 off = t - a.tp[4 * lo + 3];
-    const i64 i = a.tp[4 * lo] + off, j = a.tp[4 * lo + 1] + off;
-    const int hsl = a.hs0 + h, hdl = a.hd0 + h;
-    merge_one(a.o, a.lse, a.oacc, a.lacc,
-              ((i64)b * a.hs + hsl) * a.ns + i, ((i64)b * a.hd + hdl) * a.nd + j,
-              (((i64)b * a.ns + i) * a.hs + hsl) * a.d, (((i64)b * a.nd + j) * a.hd + hdl) * a.d, a.d, lane);
-}
-
-// Explicit rows (source LSE index, destination LSE index, source O offset, destination O offset).
-extern "C" __global__ void merge_list(const float* o, const float* lse, float* oacc, float* lacc, const i64* rows, i64 n, int d) {
-    const i64 r = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (r >= n) return;
-    merge_one(o, lse, oacc, lacc, rows[4 * r], rows[4 * r + 1], rows[4 * r + 2], rows[4 * r + 3], d, threadIdx.x & 31);
-}
-
-// Deterministic pseudo-random fill, uniform in [-a, a).
-__device__ __forceinline__ float hash_unit(unsigned long long x) {
-    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
-    return (float)(x >> 40) * (1.0f / 16777216.0f);
-}
-extern "C" __global__ void rand_bf16(u16* dst, i64 n, unsigned long long seed, float a) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        dst[i] = f2bf((hash_unit(seed * 0x9e3779b97f4a7c15ULL + i) * 2.f - 1.f) * a);
-}
-"#;
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MergeArgs {
-    o: u64,
-    lse: u64,
-    oacc: u64,
-    lacc: u64,
-    tp: u64,
-    total: i64,
-    ns: i64,
-    nd: i64,
-    n_pieces: i32,
-    batch: i32,
-    nh: i32,
-    hs: i32,
-    hd: i32,
-    hs0: i32,
-    hd0: i32,
-    d: i32,
-}
-unsafe impl DeviceRepr for MergeArgs {}
-
 /// The compact description of a merge: token pieces and a head range.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MergeSpec {
@@ -338,6 +241,23 @@ impl MergeSpec {
         }
     }
 
+    /// The spec as the merge kernel takes it (the quads uploaded apart).
+    pub fn dims(&self) -> MergeDims {
+        MergeDims {
+            batch: self.batch,
+            heads: self.heads,
+            hs: self.hs,
+            hd: self.hd,
+            hs0: self.hs0,
+            hd0: self.hd0,
+            ns: self.ns,
+            nd: self.nd,
+            head_dim: self.head_dim,
+            n_pieces: self.quads.len() / 4,
+            total: self.total,
+        }
+    }
+
     /// The rows it merges, in `distattn_dist::exec::merge_rows` form (for tests).
     pub fn rows(&self) -> Vec<(usize, usize, usize, usize)> {
         let mut out = Vec::new();
@@ -361,203 +281,11 @@ impl MergeSpec {
     }
 }
 
-/// The auxiliary kernels, loaded in one context.
-pub struct Aux {
-    _module: Arc<CudaModule>,
-    copy_u16: CudaFunction,
-    copy_u32: CudaFunction,
-    add_f32: CudaFunction,
-    add_bf16: CudaFunction,
-    add_f16: CudaFunction,
-    merge_pieces: CudaFunction,
-    merge_list: CudaFunction,
-    rand_bf16: CudaFunction,
-}
-
-/// Compiles the auxiliary kernels to PTX (no GPU needed; NVRTC must load).
-pub fn compile_aux() -> Result<cudarc::nvrtc::Ptx> {
-    cudarc::nvrtc::compile_ptx(AUX_SRC)
-        .map_err(|e| Error::Backend { backend: "cuda", reason: format!("compiling the auxiliary kernels: {e}") })
-}
-
-impl Aux {
-    pub fn new(ctx: &Arc<CudaContext>) -> Result<Aux> {
-        let ptx = compile_aux()?;
-        let m = ctx.load_module(ptx).map_err(gpu_err("loading the auxiliary kernels"))?;
-        let f = |n: &str| m.load_function(n).map_err(gpu_err("loading an auxiliary kernel"));
-        Ok(Aux {
-            copy_u16: f("copy_u16")?,
-            copy_u32: f("copy_u32")?,
-            add_f32: f("add_f32")?,
-            add_bf16: f("add_bf16")?,
-            add_f16: f("add_f16")?,
-            merge_pieces: f("merge_pieces")?,
-            merge_list: f("merge_list")?,
-            rand_bf16: f("rand_bf16")?,
-            _module: m,
-        })
-    }
-
-    /// Copies (`add = false`, same dtype) or adds into f32 (`add = true`) the given pieces
-    /// (`(src, dst, len)` triples uploaded as i64, `n_pieces` of them, longest `max_len`).
-    pub fn pieces(
-        &self,
-        s: &Arc<CudaStream>,
-        src: &GpuBuf,
-        dst: &GpuBuf,
-        pieces: &CudaSlice<i64>,
-        n_pieces: usize,
-        max_len: usize,
-        add: bool,
-    ) -> Result<()> {
-        if n_pieces == 0 || max_len == 0 {
-            return Ok(());
-        }
-        let f = match (add, src.dtype(), dst.dtype()) {
-            (false, a, b) if a == b && a.size() == 2 => &self.copy_u16,
-            (false, a, b) if a == b && a.size() == 4 => &self.copy_u32,
-            (true, DType::F32, DType::F32) => &self.add_f32,
-            (true, DType::BF16, DType::F32) => &self.add_bf16,
-            (true, DType::F16, DType::F32) => &self.add_f16,
-            (_, a, b) => {
-                return Err(Error::DTypeMismatch {
-                    a: "piece source".into(),
-                    a_dtype: a.to_string(),
-                    b: "destination".into(),
-                    b_dtype: b.to_string(),
-                })
-            }
-        };
-        let y = max_len.div_ceil(256 * 4).clamp(1, 4096) as u32;
-        let mut left = n_pieces;
-        let mut first = 0usize;
-        while left > 0 {
-            let n = left.min(65535 * 1024);
-            let (sp, dp) = (src.ptr(s), dst.ptr(s));
-            let pp = pieces.device_ptr(s).0 + (first * 3 * 8) as u64;
-            let cfg = LaunchConfig { grid_dim: (n as u32, y, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            unsafe { s.launch_builder(f).arg(&sp).arg(&dp).arg(&pp).launch(cfg) }
-                .map_err(gpu_err("launching a piece copy"))?;
-            left -= n;
-            first += n;
-        }
-        Ok(())
-    }
-
-    /// Merges a partial (O, LSE) into accumulators by a compact spec whose quads are uploaded.
-    #[allow(clippy::too_many_arguments)]
-    pub fn merge(
-        &self,
-        s: &Arc<CudaStream>,
-        o: &GpuBuf,
-        lse: &GpuBuf,
-        oacc: &GpuBuf,
-        lacc: &GpuBuf,
-        spec: &MergeSpec,
-        quads: &CudaSlice<i64>,
-    ) -> Result<()> {
-        let rows = spec.batch * spec.heads * spec.total;
-        if rows == 0 {
-            return Ok(());
-        }
-        for b in [o, lse, oacc, lacc] {
-            if b.dtype() != DType::F32 {
-                return Err(Error::Backend { backend: "cuda", reason: "merge of non-f32 buffers".into() });
-            }
-        }
-        let a = MergeArgs {
-            o: o.ptr(s),
-            lse: lse.ptr(s),
-            oacc: oacc.ptr(s),
-            lacc: lacc.ptr(s),
-            tp: quads.device_ptr(s).0,
-            total: spec.total as i64,
-            ns: spec.ns as i64,
-            nd: spec.nd as i64,
-            n_pieces: (spec.quads.len() / 4) as i32,
-            batch: spec.batch as i32,
-            nh: spec.heads as i32,
-            hs: spec.hs as i32,
-            hd: spec.hd as i32,
-            hs0: spec.hs0 as i32,
-            hd0: spec.hd0 as i32,
-            d: spec.head_dim as i32,
-        };
-        let cfg =
-            LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        unsafe { s.launch_builder(&self.merge_pieces).arg(&a).launch(cfg) }
-            .map_err(gpu_err("launching merge_pieces"))?;
-        Ok(())
-    }
-
-    /// Merges explicit rows (uploaded quads of i64).
-    #[allow(clippy::too_many_arguments)]
-    pub fn merge_rows(
-        &self,
-        s: &Arc<CudaStream>,
-        o: &GpuBuf,
-        lse: &GpuBuf,
-        oacc: &GpuBuf,
-        lacc: &GpuBuf,
-        rows: &CudaSlice<i64>,
-        n: usize,
-        d: usize,
-    ) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let (po, pl, pa, pla, pr) = (o.ptr(s), lse.ptr(s), oacc.ptr(s), lacc.ptr(s), rows.device_ptr(s).0);
-        let (n64, d32) = (n as i64, d as i32);
-        let cfg = LaunchConfig { grid_dim: (n.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        unsafe {
-            s.launch_builder(&self.merge_list)
-                .arg(&po)
-                .arg(&pl)
-                .arg(&pa)
-                .arg(&pla)
-                .arg(&pr)
-                .arg(&n64)
-                .arg(&d32)
-                .launch(cfg)
-        }
-        .map_err(gpu_err("launching merge_list"))?;
-        Ok(())
-    }
-
-    /// Fills a bf16 buffer with deterministic uniform values in [-a, a).
-    pub fn rand_bf16(&self, s: &Arc<CudaStream>, b: &GpuBuf, seed: u64, a: f32) -> Result<()> {
-        if b.len == 0 {
-            return Ok(());
-        }
-        if b.dtype() != DType::BF16 {
-            return Err(Error::Backend { backend: "cuda", reason: "rand_bf16 on a non-bf16 buffer".into() });
-        }
-        let (p, n) = (b.ptr(s), b.len as i64);
-        let cfg = LaunchConfig { grid_dim: (1024, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        unsafe { s.launch_builder(&self.rand_bf16).arg(&p).arg(&n).arg(&seed).arg(&a).launch(cfg) }
-            .map_err(gpu_err("launching rand_bf16"))?;
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use distattn_core::plan::{BufDesc, Tensor, TokenSet};
     use distattn_core::AttnShape;
-
-    #[test]
-    fn aux_kernels_compile_when_nvrtc_is_present() {
-        if !distattn_cuda::compile::nvrtc_available() {
-            eprintln!("NVRTC not found: skipped");
-            return;
-        }
-        let ptx = compile_aux().unwrap();
-        let src = ptx.to_src();
-        for k in ["copy_u16", "add_bf16", "merge_pieces", "merge_list", "rand_bf16"] {
-            assert!(src.contains(k), "{k} missing from the PTX");
-        }
-    }
 
     #[test]
     fn merge_spec_matches_the_executor_rows() {

@@ -1,11 +1,13 @@
-//! CI compile check: compiles every kernel variant with NVRTC for sm_90a and sm_80 (no GPU
-//! needed), prints ptxas' resource report and fails on any compile error, register spill,
-//! stack frame or serialised warpgroup MMA.
+//! CI compile check: compiles every module with NVRTC for sm_90a and sm_80 (no GPU needed) —
+//! every attention kernel variant and the auxiliary kernels of each dtype — prints ptxas'
+//! resource report and fails on any compile error, register spill, stack frame or serialised
+//! warpgroup MMA.
 //!
 //! Without NVRTC it skips (exit 0) unless `DISTATTN_REQUIRE_NVRTC=1`, which makes it fail.
 //! Extra architectures: `nvrtc-check sm_89 sm_120 ...` (replaces the default list).
 
-use distattn_cuda::compile::{self, KernelConfig};
+use distattn_core::DType;
+use distattn_cuda::compile::{self, KernelConfig, ModuleKind};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -31,36 +33,38 @@ fn main() {
         "{:<8} {:<5} {:>4} {:<16} {:>5} {:>6} {:>6} {:>6}",
         "arch", "dtype", "d", "kernel", "regs", "stack", "spillS", "spillL"
     );
+    let dims = std::env::var("DISTATTN_CHECK_DIMS").unwrap_or_default();
     for arch in &archs {
-        let dims = std::env::var("DISTATTN_CHECK_DIMS").unwrap_or_default();
-        for cfg in KernelConfig::all() {
-            if !dims.is_empty() && !dims.split(',').any(|d| d == cfg.head_dim.to_string()) {
-                continue;
-            }
-            let cfg = cfg.for_arch(arch);
-            match compile::compile_variant(&cfg, arch, true) {
+        let flash = KernelConfig::all()
+            .into_iter()
+            .filter(|cfg| dims.is_empty() || dims.split(',').any(|d| d == cfg.head_dim.to_string()))
+            .map(|cfg| ModuleKind::Flash(cfg.for_arch(arch)));
+        for kind in flash.chain([ModuleKind::Aux(DType::BF16), ModuleKind::Aux(DType::F16)]) {
+            // The dK/dV kernel exists for every head dim but is only used up to 128.
+            let (dim, has_backward) = match kind {
+                ModuleKind::Flash(cfg) => (cfg.head_dim.to_string(), cfg.has_backward()),
+                ModuleKind::Aux(_) => ("-".to_string(), true),
+            };
+            let label = kind.label();
+            match compile::compile_module(&kind, arch, true) {
                 Err(e) => {
                     failures += 1;
-                    println!("FAIL {arch} {} d{}: {e}", cfg.dtype, cfg.head_dim);
+                    println!("FAIL {arch} {label}: {e}");
                 }
                 Ok(c) => {
                     // ptxas serialises warpgroup MMAs it cannot keep in flight (warning C7510):
                     // correct, but the kernel loses the point of being asynchronous.
                     for line in c.log.lines().filter(|l| l.contains("wgmma")) {
                         failures += 1;
-                        println!("FAIL {arch} {} d{}: {line}", cfg.dtype, cfg.head_dim);
+                        println!("FAIL {arch} {label}: {line}");
                     }
                     let res = compile::parse_ptxas(&c.log);
                     if res.is_empty() {
                         failures += 1;
-                        println!(
-                            "FAIL {arch} {} d{}: no ptxas report in the NVRTC log:\n{}",
-                            cfg.dtype, cfg.head_dim, c.log
-                        );
+                        println!("FAIL {arch} {label}: no ptxas report in the NVRTC log:\n{}", c.log);
                     }
                     for r in res {
-                        // The dK/dV kernel exists for every head dim but is only used up to 128.
-                        let used = cfg.has_backward() || !r.name.starts_with("flash_bwd_dkdv");
+                        let used = has_backward || !r.name.starts_with("flash_bwd_dkdv");
                         let bad = used && (r.spill_stores > 0 || r.spill_loads > 0 || r.stack_frame > 0);
                         if bad {
                             failures += 1;
@@ -68,8 +72,8 @@ fn main() {
                         println!(
                             "{:<8} {:<5} {:>4} {:<16} {:>5} {:>6} {:>6} {:>6}{}",
                             arch,
-                            cfg.dtype.to_string(),
-                            cfg.head_dim,
+                            kind.dtype().to_string(),
+                            dim,
                             r.name,
                             r.registers,
                             r.stack_frame,
@@ -92,5 +96,5 @@ fn main() {
         println!("nvrtc-check: {failures} failure(s)");
         std::process::exit(1);
     }
-    println!("nvrtc-check: all variants compiled with no spills");
+    println!("nvrtc-check: all modules compiled with no spills");
 }

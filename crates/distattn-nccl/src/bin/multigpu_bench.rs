@@ -15,9 +15,10 @@
 use distattn_core::plan::{BufDesc, Pass, Plan, PlanOptions, RingBackward, Tensor};
 use distattn_core::planner::build;
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, MaskSpec, Result, Strategy};
+use distattn_cuda::aux::AuxKernels;
 use distattn_cuda::CudaBackend;
 use distattn_dist::unshard_into;
-use distattn_nccl::buf::{Aux, GpuBuf};
+use distattn_nccl::buf::GpuBuf;
 use distattn_nccl::gpu::{pool_peak_bytes, GpuRank};
 use distattn_nccl::launch::LaunchEnv;
 use distattn_nccl::runner::{device_inputs, upload_inputs, with_gpu_ranks};
@@ -361,12 +362,12 @@ fn flops_fwd(mask: &Mask, shape: &AttnShape) -> f64 {
 /// Times single-GPU kernels (forward, backward) on GPU 0, ms (median).
 fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)> {
     let be = CudaBackend::new(0)?;
-    let aux = Aux::new(be.context())?;
+    let aux = AuxKernels::load(be.context(), DType::BF16)?;
     let s = be.stream().clone();
     let opts = AttnOptions::default();
     let mk = |n: usize, seed: u64| -> Result<GpuBuf> {
         let b = GpuBuf::alloc(&s, DType::BF16, n)?;
-        aux.rand_bf16(&s, &b, seed, 1.7)?;
+        b.rand_fill(&s, &aux, seed, 1.7)?;
         Ok(b)
     };
     use distattn_nccl::buf::GpuElem;

@@ -1,0 +1,306 @@
+//! The auxiliary kernels (`kernels/aux.cu`), one module per element type: the backward's row
+//! delta D = rowsum(dO ∘ O) (O in the element type or f32) and dQ conversion, piece copies and
+//! adds, the LSE merge of partial results by token pieces, and a deterministic random fill.
+//!
+//! The launchers take raw device addresses and counts (the callers own the buffers: device
+//! slices here, typed buffers of the multi-GPU executor), so they are `unsafe`: each says what
+//! its addresses must hold.
+
+use crate::compile::{self, backend_err, ModuleKind};
+use crate::drv;
+use crate::params::{DeltaParams, MergeParams};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use distattn_core::{AttnShape, DType, Error, Result};
+use std::sync::Arc;
+
+/// What the piece kernel does with each `(src offset, dst offset, len)` piece (offsets and
+/// lengths in elements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PieceOp {
+    /// `dst[d..d+n] = src[s..s+n]`, elements of `elem_bytes` bytes (2 or 4), same type.
+    Copy { elem_bytes: usize },
+    /// `dst[d..d+n] += src[s..s+n]` into f32, from f32 or the module's element type.
+    Add { src: DType },
+}
+
+/// The compact spec of a merge of a partial (O, LSE) into accumulators, whose `n_pieces`
+/// `(src token, dst token, len, start)` quads are on the device: rows `(b, h, t)` for `b <
+/// batch`, `h < heads`, `t < total` (the pieces' tokens in order, `start` the running sum of the
+/// lengths); source head `hs0 + h` of `hs` and token of `ns`, accumulator head `hd0 + h` of `hd`
+/// and token of `nd`; rows of `head_dim` values. O is `[b, tokens, heads, head_dim]` and LSE
+/// `[b, heads, tokens]`, both f32, on each side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MergeDims {
+    pub batch: usize,
+    pub heads: usize,
+    pub hs: usize,
+    pub hd: usize,
+    pub hs0: usize,
+    pub hd0: usize,
+    pub ns: usize,
+    pub nd: usize,
+    pub head_dim: usize,
+    pub n_pieces: usize,
+    pub total: usize,
+}
+
+/// The auxiliary kernels of one element type, loaded in one context.
+pub struct AuxKernels {
+    dtype: DType,
+    _module: Arc<CudaModule>,
+    delta_o_elem: CudaFunction,
+    delta_o_f32: CudaFunction,
+    convert_f32: CudaFunction,
+    copy_u16: CudaFunction,
+    copy_u32: CudaFunction,
+    add_f32: CudaFunction,
+    add_elem: CudaFunction,
+    merge_pieces: CudaFunction,
+    rand_fill: CudaFunction,
+}
+
+/// One block of 256 threads per `per_block` items.
+fn blocks_of_256(items: usize, per_block: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (items.div_ceil(per_block) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+impl AuxKernels {
+    /// Compiles (or loads from the disk cache) and loads the kernels of `dtype` (bf16 or f16) for
+    /// the GPU of `ctx`.
+    pub fn load(ctx: &Arc<CudaContext>, dtype: DType) -> Result<AuxKernels> {
+        let cc = ctx.compute_capability().map_err(drv("compute capability"))?;
+        let compiled = compile::compile_module(&ModuleKind::Aux(dtype), &compile::arch_for(cc), false)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
+            .map_err(drv("loading the auxiliary kernels"))?;
+        let f = |name: &str| module.load_function(name).map_err(drv("loading an auxiliary kernel"));
+        Ok(AuxKernels {
+            dtype,
+            delta_o_elem: f("delta_o_elem")?,
+            delta_o_f32: f("delta_o_f32")?,
+            convert_f32: f("convert_f32")?,
+            copy_u16: f("copy_u16")?,
+            copy_u32: f("copy_u32")?,
+            add_f32: f("add_f32")?,
+            add_elem: f("add_elem")?,
+            merge_pieces: f("merge_pieces")?,
+            rand_fill: f("rand_fill")?,
+            _module: module,
+        })
+    }
+
+    /// The element type of the kernels.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn check_elem(&self, what: &str, dtype: DType) -> Result<()> {
+        if dtype == self.dtype {
+            return Ok(());
+        }
+        Err(Error::DTypeMismatch {
+            a: what.into(),
+            a_dtype: dtype.to_string(),
+            b: "auxiliary kernels".into(),
+            b_dtype: self.dtype.to_string(),
+        })
+    }
+
+    /// Row delta `delta = rowsum(dO ∘ O)` (`[b, h, nq]`, f32) of O and dO (`[b, nq, h, d]`), O
+    /// of `o_dtype` (f32 or the module's type) and dO of the module's type.
+    ///
+    /// # Safety
+    /// `o`, `dout` and `delta` are addresses, in the context of `s`, of buffers holding that
+    /// many elements of those types (O and dO 4-byte aligned), not written by another stream
+    /// while the kernel runs.
+    pub unsafe fn row_delta(
+        &self,
+        s: &CudaStream,
+        o: u64,
+        o_dtype: DType,
+        dout: u64,
+        delta: u64,
+        shape: &AttnShape,
+    ) -> Result<()> {
+        let f = if o_dtype == DType::F32 {
+            &self.delta_o_f32
+        } else {
+            self.check_elem("row delta's O", o_dtype)?;
+            &self.delta_o_elem
+        };
+        let rows = shape.batch * shape.q_len * shape.heads;
+        let p = DeltaParams {
+            o,
+            dout,
+            delta,
+            rows: rows as i64,
+            head_dim: shape.head_dim as i32,
+            q_len: shape.q_len as i32,
+            heads: shape.heads as i32,
+            pad_: 0,
+        };
+        // SAFETY: the parameter block matches the kernel's; the caller vouches for the buffers.
+        unsafe { s.launch_builder(f).arg(&p).launch(blocks_of_256(rows, 8)) }
+            .map_err(drv("launching the row delta"))?;
+        Ok(())
+    }
+
+    /// Converts `n` (even) f32 values at `src` to the module's type at `dst`.
+    ///
+    /// # Safety
+    /// `src` and `dst` are addresses, in the context of `s`, of buffers of at least `n` values of
+    /// those types (8- and 4-byte aligned).
+    pub unsafe fn convert_f32(&self, s: &CudaStream, src: u64, dst: u64, n: usize) -> Result<()> {
+        #[allow(clippy::manual_is_multiple_of)] // MSRV 1.80
+        if n % 2 != 0 {
+            return Err(backend_err(format!("convert_f32 converts pairs; {n} values given")));
+        }
+        let n2 = (n / 2) as i64;
+        // SAFETY: (src, dst, pairs) is the kernel's signature; the caller vouches for the buffers.
+        unsafe { s.launch_builder(&self.convert_f32).arg(&src).arg(&dst).arg(&n2).launch(blocks_of_256(n / 2, 256)) }
+            .map_err(drv("launching convert_f32"))?;
+        Ok(())
+    }
+
+    /// Copies or adds `n_pieces` pieces (`op`), listed on the device at `pieces` as `(src, dst,
+    /// len)` i64 triples, the longest `max_len` elements.
+    ///
+    /// # Safety
+    /// `pieces` holds `3 n_pieces` i64 in the context of `s`; `src` and `dst` are addresses there
+    /// of buffers of `op`'s types (an add's destination is f32) covering every piece.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn pieces(
+        &self,
+        s: &CudaStream,
+        op: PieceOp,
+        src: u64,
+        dst: u64,
+        pieces: u64,
+        n_pieces: usize,
+        max_len: usize,
+    ) -> Result<()> {
+        let f = match op {
+            PieceOp::Copy { elem_bytes: 2 } => &self.copy_u16,
+            PieceOp::Copy { elem_bytes: 4 } => &self.copy_u32,
+            PieceOp::Copy { elem_bytes } => {
+                return Err(backend_err(format!("piece copies move 2- or 4-byte elements, not {elem_bytes}")))
+            }
+            PieceOp::Add { src: DType::F32 } => &self.add_f32,
+            PieceOp::Add { src } => {
+                self.check_elem("piece source", src)?;
+                &self.add_elem
+            }
+        };
+        if n_pieces == 0 || max_len == 0 {
+            return Ok(());
+        }
+        let y = max_len.div_ceil(256 * 4).clamp(1, 4096) as u32;
+        let mut left = n_pieces;
+        let mut first = 0usize;
+        while left > 0 {
+            let n = left.min(65535 * 1024);
+            let first_piece = pieces + (first * 3 * 8) as u64;
+            let cfg = LaunchConfig { grid_dim: (n as u32, y, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: (src, dst, pieces) is the kernels' signature; the caller vouches for the
+            // buffers, and these `n` pieces are within the list.
+            unsafe { s.launch_builder(f).arg(&src).arg(&dst).arg(&first_piece).launch(cfg) }
+                .map_err(drv("launching a piece copy"))?;
+            left -= n;
+            first += n;
+        }
+        Ok(())
+    }
+
+    /// Merges a partial (O at `o`, LSE at `lse`) into accumulators (`o_acc`, `lse_acc`) by a
+    /// compact spec whose quads are on the device at `quads`. A row whose partial LSE is −inf
+    /// is left as it is; an accumulator row at −inf takes the partial's values.
+    ///
+    /// # Safety
+    /// All four buffers are f32 in the context of `s`, covering the rows `dims` describes;
+    /// `quads` holds `4 dims.n_pieces` i64 there.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn merge(
+        &self,
+        s: &CudaStream,
+        o: u64,
+        lse: u64,
+        o_acc: u64,
+        lse_acc: u64,
+        dims: &MergeDims,
+        quads: u64,
+    ) -> Result<()> {
+        let rows = dims.batch * dims.heads * dims.total;
+        if rows == 0 {
+            return Ok(());
+        }
+        let a = MergeParams {
+            o,
+            lse,
+            oacc: o_acc,
+            lacc: lse_acc,
+            tp: quads,
+            total: dims.total as i64,
+            ns: dims.ns as i64,
+            nd: dims.nd as i64,
+            n_pieces: dims.n_pieces as i32,
+            batch: dims.batch as i32,
+            nh: dims.heads as i32,
+            hs: dims.hs as i32,
+            hd: dims.hd as i32,
+            hs0: dims.hs0 as i32,
+            hd0: dims.hd0 as i32,
+            d: dims.head_dim as i32,
+        };
+        // SAFETY: the parameter block matches the kernel's; the caller vouches for the buffers.
+        unsafe { s.launch_builder(&self.merge_pieces).arg(&a).launch(blocks_of_256(rows, 8)) }
+            .map_err(drv("launching merge_pieces"))?;
+        Ok(())
+    }
+
+    /// Fills `n` values of the module's type at `dst` with deterministic uniform values in
+    /// [-a, a) (the same for the same seed).
+    ///
+    /// # Safety
+    /// `dst` is the address, in the context of `s`, of a buffer of at least `n` such values.
+    pub unsafe fn rand_fill(&self, s: &CudaStream, dst: u64, n: usize, seed: u64, a: f32) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n = n as i64;
+        let cfg = LaunchConfig { grid_dim: (1024, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: (dst, n, seed, a) is the kernel's signature; the caller vouches for the buffer.
+        unsafe { s.launch_builder(&self.rand_fill).arg(&dst).arg(&n).arg(&seed).arg(&a).launch(cfg) }
+            .map_err(drv("launching rand_fill"))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aux_kernels_compile_when_nvrtc_is_present() {
+        if !compile::nvrtc_available() {
+            eprintln!("NVRTC not found: skipped");
+            return;
+        }
+        for dtype in [DType::BF16, DType::F16] {
+            let c = compile::compile_module(&ModuleKind::Aux(dtype), "sm_80", true).unwrap();
+            let names: Vec<String> = compile::parse_ptxas(&c.log).into_iter().map(|r| r.name).collect();
+            for k in [
+                "delta_o_elem",
+                "delta_o_f32",
+                "convert_f32",
+                "copy_u16",
+                "copy_u32",
+                "add_f32",
+                "add_elem",
+                "merge_pieces",
+                "rand_fill",
+            ] {
+                assert!(names.iter().any(|n| n == k), "{k} missing from the {dtype} module: {names:?}");
+            }
+        }
+    }
+}

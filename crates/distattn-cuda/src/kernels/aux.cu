@@ -1,0 +1,132 @@
+// distattn auxiliary kernels: the backward's row delta and dQ conversion, the multi-GPU
+// executor's piece copies and adds, the LSE merge of partial results and a deterministic random
+// fill. Launched by src/aux.rs.
+//
+// Compiled at run time by NVRTC as a module of its own per element type (DA_BF16), for the GPU's
+// architecture and without fast math (the merge's exp and log are the accurate ones). It has no
+// head dim: row lengths are arguments.
+#define DA_AUX 1
+#include "common.cuh"
+#include "params.cuh"
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+
+// ---------------------------------------------------------------- backward: delta = rowsum(dO * O)
+
+// Two consecutive values as f32: of the element type, or f32.
+__device__ __forceinline__ float2 load_f32x2(const elem_t* p) {
+    const u32 a = *(const u32*)p;
+    return make_float2(to_f32((elem_t)(a & 0xffff)), to_f32((elem_t)(a >> 16)));
+}
+__device__ __forceinline__ float2 load_f32x2(const float* p) { return *(const float2*)p; }
+
+// One warp per row (head_dim is even). O of type OT: the element type (a forward's output) or f32
+// (the merged O of the multi-GPU backward).
+template <typename OT>
+__device__ __forceinline__ void row_delta(const DeltaParams& p) {
+    const long long row = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= p.rows) return;
+    const OT* o = (const OT*)p.o + row * p.head_dim;
+    const elem_t* d = p.dout + row * p.head_dim;
+    float acc = 0.f;
+    for (int c = lane * 2; c < p.head_dim; c += 64) {
+        const float2 a = load_f32x2(o + c), g = load_f32x2(d + c);
+        acc += a.x * g.x + a.y * g.y;
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, s);
+    if (lane == 0) {
+        const int h = (int)(row % p.heads);
+        const long long bi = row / p.heads; // b * q_len + i
+        const int i = (int)(bi % p.q_len);
+        const long long bb = bi / p.q_len;
+        p.delta[(bb * p.heads + h) * p.q_len + i] = acc;
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) delta_o_elem(const DeltaParams p) { row_delta<elem_t>(p); }
+extern "C" __global__ void __launch_bounds__(256) delta_o_f32(const DeltaParams p) { row_delta<float>(p); }
+
+// ---------------------------------------------------------------- backward: dQ f32 -> dtype
+
+extern "C" __global__ void __launch_bounds__(256) convert_f32(const float* src, elem_t* dst, long long n2) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n2) {
+        float2 v = ((const float2*)src)[i];
+        ((u32*)dst)[i] = pack2(v.x, v.y);
+    }
+}
+
+// ---------------------------------------------------------------- piece copies and adds
+
+// For each (s, d, n) triple of `pieces` (blockIdx.x picks the piece, blockIdx.y strides through
+// it): dst[d + i] = src[s + i] (copy, same type) or dst[d + i] += src[s + i] as f32 (ADD), i < n.
+template <bool ADD, typename S, typename T>
+__device__ __forceinline__ void run_piece(const S* __restrict__ src, T* __restrict__ dst,
+                                          const i64* __restrict__ pieces) {
+    const i64 s = pieces[3 * blockIdx.x], d = pieces[3 * blockIdx.x + 1], n = pieces[3 * blockIdx.x + 2];
+    for (i64 i = (i64)blockIdx.y * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.y * blockDim.x) {
+        if constexpr (ADD) dst[d + i] += to_f32(src[s + i]);
+        else dst[d + i] = src[s + i];
+    }
+}
+extern "C" __global__ void copy_u16(const unsigned short* src, unsigned short* dst, const i64* pieces) {
+    run_piece<false>(src, dst, pieces);
+}
+extern "C" __global__ void copy_u32(const u32* src, u32* dst, const i64* pieces) { run_piece<false>(src, dst, pieces); }
+extern "C" __global__ void add_f32(const float* src, float* dst, const i64* pieces) { run_piece<true>(src, dst, pieces); }
+extern "C" __global__ void add_elem(const elem_t* src, float* dst, const i64* pieces) {
+    run_piece<true>(src, dst, pieces);
+}
+
+// ---------------------------------------------------------------- merge of partial (O, LSE)
+
+__device__ __forceinline__ void merge_one(const float* o, const float* lse, float* oacc, float* lacc,
+                                          i64 sl, i64 dl, i64 so, i64 dof, int d, int lane) {
+    const float lb = lse[sl];
+    const float la = lacc[dl];
+    __syncwarp();
+    if (!(lb > -3.0e38f)) return;  // -inf or NaN: nothing to add
+    if (!(la > -3.0e38f)) {
+        for (int c = lane; c < d; c += 32) oacc[dof + c] = o[so + c];
+        if (lane == 0) lacc[dl] = lb;
+        return;
+    }
+    const float m = fmaxf(la, lb);
+    float wa = expf(la - m), wb = expf(lb - m);
+    const float sum = wa + wb;
+    wa /= sum;
+    wb /= sum;
+    for (int c = lane; c < d; c += 32) oacc[dof + c] = wa * oacc[dof + c] + wb * o[so + c];
+    if (lane == 0) lacc[dl] = m + logf(sum);
+}
+
+// One warp per (batch, head, token) row of the token pieces.
+extern "C" __global__ void merge_pieces(MergeParams a) {
+    const i64 row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= (i64)a.batch * a.nh * a.total) return;
+    const i64 t = row % a.total;
+    const i64 bh = row / a.total;
+    const int h = (int)(bh % a.nh), b = (int)(bh / a.nh);
+    int lo = 0, hi = a.n_pieces - 1;
+    while (lo < hi) { int mid = (lo + hi + 1) / 2; if (a.tp[4 * mid + 3] <= t) lo = mid; else hi = mid - 1; }
+    const i64 off = t - a.tp[4 * lo + 3];
+    const i64 i = a.tp[4 * lo] + off, j = a.tp[4 * lo + 1] + off;
+    const int hsl = a.hs0 + h, hdl = a.hd0 + h;
+    merge_one(a.o, a.lse, a.oacc, a.lacc,
+              ((i64)b * a.hs + hsl) * a.ns + i, ((i64)b * a.hd + hdl) * a.nd + j,
+              (((i64)b * a.ns + i) * a.hs + hsl) * a.d, (((i64)b * a.nd + j) * a.hd + hdl) * a.d, a.d, lane);
+}
+
+// ---------------------------------------------------------------- deterministic random fill
+
+// Deterministic pseudo-random fill, uniform in [-a, a).
+__device__ __forceinline__ float hash_unit(unsigned long long x) {
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+    return (float)(x >> 40) * (1.0f / 16777216.0f);
+}
+extern "C" __global__ void rand_fill(elem_t* dst, i64 n, unsigned long long seed, float a) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        dst[i] = from_f32((hash_unit(seed * 0x9e3779b97f4a7c15ULL + i) * 2.f - 1.f) * a);
+}

@@ -1,0 +1,81 @@
+// What the host passes to the kernels: the parameter structs and the mapping of the forward's
+// launch grid onto blocks. The host defines each struct once, in src/params.rs, and every module
+// compiled ends with static_asserts that the declarations here have its sizes and offsets.
+//
+// Layouts (elements): Q/O/dO/dQ [b, nq, h, d], K/V/dK/dV [b, nk, hkv, d], LSE/delta [b, h, nq]
+// in f32 (natural log for LSE). Masks arrive as per-tile lists built on the host:
+// tile_ptr[t]..tile_ptr[t+1] index into `tiles` (x = other-axis tile, y = offset in u32 words
+// of the tile's bitmask in `bits`, or -1 for a full tile). Bitmask rows are query rows of the
+// tile, BN bits per row (bit = key column), so full tiles need no mask arithmetic at all.
+#pragma once
+#include "common.cuh"
+
+struct FwdParams {
+    const elem_t* q;
+    const elem_t* k;
+    const elem_t* v;
+    elem_t* o;
+    float* o_f32; // optional (null)
+    float* lse;
+    const int* tile_ptr;
+    const int2* tiles;
+    const u32* bits;
+    int batch, q_len, k_len, heads, kv_heads, n_tiles;
+    float scale_log2;
+    int pad_;
+};
+
+// A forward block's query tile, head, KV head and batch. Grid: (query tile x query head within
+// its KV head's group, KV head, batch). Heavy (late causal) tiles first; the G query heads of a
+// KV head run side by side, so the K/V tiles they all read are fetched from memory once (long
+// sequences outgrow the L2).
+struct FwdBlock { int qt, h, kvh, b; };
+__device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p) {
+    const int G = p.heads / p.kv_heads, kvh = blockIdx.y;
+    const int rank = blockIdx.x / G, hg = blockIdx.x % G; // (unsigned division: cheaper)
+    return {p.n_tiles - 1 - rank, kvh * G + hg, kvh, (int)blockIdx.z};
+}
+
+struct BwdParams {
+    const elem_t* q;
+    const elem_t* k;
+    const elem_t* v;
+    const elem_t* dout;
+    const float* lse;
+    const float* delta;
+    float* dq_acc;
+    elem_t* dk;
+    elem_t* dv;
+    const int* tile_ptr; // per key tile
+    const int2* tiles;   // x = query tile, y = bitmask offset or -1
+    const u32* bits;     // rows = BWD_BM query rows, BWD_BN key bits per row
+    int batch, q_len, k_len, heads, kv_heads, n_tiles;
+    float scale_log2, scale;
+};
+
+// A tensor map (CUtensorMap, encoded on the host) describes a [batch][rows][heads][D] tensor
+// as 4-d {D, rows, heads, batch}; boxes are 64 columns (128 bytes, swizzled like wgmma's
+// operands) x R rows, rows past the end read as zeros. The Hopper kernels take them by value.
+struct __align__(64) TmaMap { u64 v[16]; };
+
+// ---- the auxiliary kernels' (aux.cu)
+
+// D = rowsum(dO * O) of `rows` rows of head_dim values.
+struct DeltaParams {
+    const void* o; // elem_t (delta_o_elem) or float (delta_o_f32)
+    const elem_t* dout;
+    float* delta;
+    long long rows; // batch * q_len * heads
+    int head_dim, q_len, heads, pad_;
+};
+
+// A merge of a partial (O, LSE) into accumulators (f32, O rows of d values): rows (b, h, t) for
+// b < batch, h < nh, t < total; t is a token of the pieces `tp` (n_pieces quads), h the source's
+// head hs0 + h of hs and the accumulator's head hd0 + h of hd; the source has ns tokens and the
+// accumulator nd.
+struct MergeParams {
+    const float* o; const float* lse; float* oacc; float* lacc;
+    const i64* tp;  // per token piece: src token, dst token, length, start in the flattened pieces
+    i64 total; i64 ns; i64 nd;
+    int n_pieces; int batch; int nh; int hs; int hd; int hs0; int hd0; int d;
+};

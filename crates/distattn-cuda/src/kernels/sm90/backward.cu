@@ -1,0 +1,293 @@
+#include "sm90/primitives.cuh"
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && BWD_WG && (D == 128 || D == 64)
+// ---------------------------------------------------------------- backward (sm_90a)
+// Same job and tile plan as flash_bwd_dkdv2 (one block per 128-key tile, a loop over the
+// 64-row query "items" of every query head of the KV head). Consumer warpgroup c owns keys
+// 64c..64c+63:
+//   S^T = K Q^T, dP^T = V dO^T      (shared x shared, 64 x 64 per warpgroup)
+//   P^T, dS^T = P^T (dP^T - delta)  (registers, reused as the A operand:)
+//   dV += P^T dO, dK += dS^T Q      (registers x shared, 64 x D per warpgroup)
+//   dQ = dS K                       (dS^T through shared memory; d 128: warpgroup w takes dQ
+//                                    columns 64w.. over all 128 keys; d 64: all columns over
+//                                    its own 64 keys, so only its own dS^T rows)
+// The block is warp-specialized: warpgroup 0 moves memory (warp 0 brings K and V once and, per
+// item, Q and dO with TMA and the item's LSE and delta rows with plain loads, into BS_STAGES
+// stages signalled by mbarriers; warp 1 adds each item's dQ, left by the consumers in shared
+// memory, into dq_acc with TMA reductions), warpgroups 1 and 2 compute. They order their
+// products so that each elementwise step runs while a product is in flight (P^T under dP^T,
+// dS^T under dV, the dQ staging under dK). dS^T is double-buffered, so one barrier per item
+// (dS^T of both consumers stored) orders its reuse.
+#define WG_BN 128
+#define WG_BM 64
+#define BS_STAGES 2
+// Adds a swizzled f32 tile of R rows x 32 columns (128-byte rows) at src into rows r0.. and
+// columns c0.. of (head h, batch b) of an f32 tensor; rows past its end are dropped.
+template <int R>
+__device__ __forceinline__ void tma_reduce_add(const TmaMap* map, u32 src, int c0, int r0, int h, int b) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+                 ::"l"((u64)map), "r"(src), "r"(c0), "r"(r0), "r"(h), "r"(b) : "memory");
+}
+extern "C" __global__ void __launch_bounds__(384, 1)
+flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo,
+             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,
+             const __grid_constant__ TmaMap tdq) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 raw = smem_u32(smem_raw);
+    const u32 Ks = (raw + 1023) & ~1023u;            // [WG_BN][D]
+    const u32 Vs = Ks + WG_BN * D * 2;               // [WG_BN][D]
+    const u32 Qs = Vs + WG_BN * D * 2;               // BS_STAGES x [WG_BM][D]
+    const u32 dOs = Qs + BS_STAGES * WG_BM * D * 2;  // BS_STAGES x [WG_BM][D]
+    const u32 dSs = dOs + BS_STAGES * WG_BM * D * 2; // 2 x [WG_BN][WG_BM], dS^T
+    const u32 dQs = dSs + 2 * WG_BN * WG_BM * 2;     // 2 consumers x 2 x [WG_BM][32] f32, swizzled
+    const u32 lse_a = dQs + 2 * WG_BM * 64 * 4;      // BS_STAGES x [WG_BM] f32
+    const u32 del_a = lse_a + BS_STAGES * WG_BM * 4; // BS_STAGES x [WG_BM] f32
+    const u32 bars = del_a + BS_STAGES * WG_BM * 4;  // mbarriers, 8 bytes each:
+    const u32 full_kv = bars;                         //   K, V landed
+    const u32 full = bars + 8, freed = full + 8 * BS_STAGES; // item stage landed / read
+    const u32 dq_full = freed + 8 * BS_STAGES, dq_free = dq_full + 16; // per consumer
+    float* lse_s = (float*)(smem_raw + (lse_a - raw));
+    float* del_s = (float*)(smem_raw + (del_a - raw));
+
+    const int kt = blockIdx.x; // key tile 0 first: the heaviest under a causal mask
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int G = p.heads / p.kv_heads;
+    const int tid = threadIdx.x, wg = warpgroup_index(), wi = (tid >> 5) & 3, lane = tid & 31;
+    const int k0 = kt * WG_BN;
+    const int e0 = p.tile_ptr[kt], ne = p.tile_ptr[kt + 1] - e0;
+    const int total = G * ne;
+    constexpr u32 ITEM_BYTES = 2 * WG_BM * D * 2;
+
+    if (tid == 0) {
+        mbar_init(full_kv, 1);
+        for (int i = 0; i < BS_STAGES; ++i) {
+            mbar_init(full + 8 * i, 1);
+            mbar_init(freed + 8 * i, 8); // one arrival per consumer warp
+        }
+        for (int c = 0; c < 2; ++c) {
+            mbar_init(dq_full + 8 * c, 4); // one arrival per warp of consumer c
+            mbar_init(dq_free + 8 * c, 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    // Registers: 384 x 168 at launch, rebalanced (the d 128 consumers need 240).
+    constexpr int PROD_REGS = D == 128 ? 24 : 40, CONS_REGS = D == 128 ? 240 : 232;
+    if (wg == 0) {
+        reg_dealloc<PROD_REGS>();
+        if (wi == 0 && total > 0) { // loads
+            if (lane == 0) {
+                mbar_expect_tx(full_kv, 2 * WG_BN * D * 2);
+                tma_load_rows<WG_BN>(Ks, &tk, full_kv, k0, kvh, b);
+                tma_load_rows<WG_BN>(Vs, &tv, full_kv, k0, kvh, b);
+            }
+            // (24 registers: the item's head and tile entry are stepped, not divided out.)
+            int h = kvh * G, ei = 0;
+#pragma unroll 1
+            for (int it = 0; it < total; ++it) {
+                const int st = it % BS_STAGES, ph = (it / BS_STAGES) & 1;
+                const int qt = p.tiles[e0 + ei].x;
+                if (it >= BS_STAGES) mbar_wait(freed + 8 * st, ph ^ 1);
+                // LSE (in log2 units) and minus delta of the item's rows; rows past the end, and rows
+                // that see no key (LSE -inf), get +inf: P = 2^(s - inf) = 0.
+#pragma unroll
+                for (int r = lane; r < WG_BM; r += 32) {
+                    const int row = qt * WG_BM + r;
+                    const size_t off = ((size_t)b * p.heads + h) * p.q_len + row;
+                    const bool ok = row < p.q_len;
+                    const float lv = ok ? p.lse[off] : NEG_INF;
+                    lse_s[st * WG_BM + r] = lv == NEG_INF ? POS_INF : lv * LOG2E;
+                    del_s[st * WG_BM + r] = ok ? -p.delta[off] : 0.f;
+                }
+                __syncwarp();
+                if (lane == 0) { // the arrival releases the rows stored above with the copies' bytes
+                    mbar_expect_tx(full + 8 * st, ITEM_BYTES);
+                    tma_load_rows<WG_BM>(Qs + st * WG_BM * D * 2, &tq, full + 8 * st, qt * WG_BM, h, b);
+                    tma_load_rows<WG_BM>(dOs + st * WG_BM * D * 2, &tdo, full + 8 * st, qt * WG_BM, h, b);
+                }
+                if (++ei == ne) { ei = 0; ++h; }
+            }
+        } else if (wi == 1 && lane == 0 && total > 0) { // dQ reductions: 2 boxes per consumer
+            int h = kvh * G, ei = 0;
+#pragma unroll 1
+            for (int it = 0; it < total; ++it) {
+                const int qt = p.tiles[e0 + ei].x;
+#pragma unroll 1
+                for (int c = 0; c < 2; ++c) {
+                    mbar_wait(dq_full + 8 * c, it & 1);
+                    for (int cb = 0; cb < 2; ++cb)
+                        tma_reduce_add<WG_BM>(&tdq, dQs + (2 * c + cb) * WG_BM * 128, (D == 128 ? 64 * c : 0) + 32 * cb,
+                                              qt * WG_BM, h, b);
+                    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+                    mbar_arrive(dq_free + 8 * c);
+                }
+                if (++ei == ne) { ei = 0; ++h; }
+            }
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+        }
+        return;
+    }
+    reg_alloc<CONS_REGS>();
+    const int cw = wg - 1;
+    const int g = lane >> 2, t = lane & 3;
+    const int rk = 64 * cw + 16 * wi + g; // this thread's key rows in the tile: rk, rk + 8
+
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    // This thread's staged dQ pairs: rows 16wi + g (+8), columns 8i + 2t, in box i / 4 at 16-byte
+    // chunk (2(i % 4) + t / 2) ^ g (the row's swizzle; rows g and g + 8 share it). Rows g and g ^ 1
+    // would hit the same banks if stored in the same order, so store k writes column block
+    // i = k ^ (g % 4) (within the box): the 16 lanes of each half-warp then cover all 32 banks.
+    const u32 dq_row = dQs + cw * 2 * WG_BM * 128 + (16 * wi + g) * 128 + 8 * (t & 1);
+    const int dq_rot = g & 3;
+    if (total > 0) mbar_wait(full_kv, 0);
+    int2 te_next = total > 0 ? p.tiles[e0] : make_int2(0, -1); // loaded an item ahead
+    for (int it = 0; it < total; ++it) {
+        const int st = it % BS_STAGES, ph = (it / BS_STAGES) & 1;
+        const int2 te = te_next;
+        if (it + 1 < total) te_next = p.tiles[e0 + (it + 1) % ne];
+        const u32 qst = Qs + st * WG_BM * D * 2, dost = dOs + st * WG_BM * D * 2;
+        const u32 dsb = dSs + (it & 1) * WG_BN * WG_BM * 2;
+        const float* lse_st = lse_s + st * WG_BM;
+        const float* ndel_st = del_s + st * WG_BM; // minus delta
+        mbar_wait(full + 8 * st, ph);
+
+        float s[32], dp[32];
+        wg_fence();
+        wg_gemm_kmajor(s, Ks, WG_BN, 64 * cw, qst, WG_BM);
+        wg_commit();
+        // dP^T starts from -delta (per query column), so it ends as dP^T - delta: no delta load
+        // or subtraction between the wait and dS^T. This thread's query columns are 8j + 2t (+1).
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 nd = ((const float2*)(ndel_st + 2 * t))[4 * j];
+            dp[4 * j] = dp[4 * j + 2] = nd.x;
+            dp[4 * j + 1] = dp[4 * j + 3] = nd.y;
+        }
+        wg_fence();
+        wg_gemm_kmajor<32, true>(dp, Vs, WG_BN, 64 * cw, dost, WG_BM);
+        wg_commit();
+        // The item's LSE, read before the wait (the wait is a compiler barrier to loads): under
+        // the tensor cores' shared-memory traffic these loads take long.
+        float2 lse_j[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) lse_j[j] = ((const float2*)(lse_st + 2 * t))[4 * j];
+        wg_wait<1>(); // S^T (dP^T may run)
+        wg_pin(s);
+
+        // P^T as A fragments: k-step kq covers query columns 16kq..16kq+15, i.e. the
+        // accumulator column blocks j = 2kq (fragments 0, 1) and 2kq + 1 (fragments 2, 3).
+        u32 pa[4][4], sa[4][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 l2 = lse_j[j];
+            s[4 * j] = fast_exp2(fmaf(s[4 * j], p.scale_log2, -l2.x));
+            s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], p.scale_log2, -l2.y));
+            s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], p.scale_log2, -l2.x));
+            s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], p.scale_log2, -l2.y));
+        }
+        if (te.y >= 0) { // a partial tile: zero P where the mask drops the pair (a branch, not predication)
+            constexpr int W = WG_BN / 32;
+            const u32* bits = p.bits + te.y + (rk >> 5);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int c2 = 0; c2 < 2; ++c2) {
+                    const u32 w = bits[(8 * j + 2 * t + c2) * W] >> (rk & 31);
+                    if (!(w & 1)) s[4 * j + c2] = 0.f;
+                    if (!(w & 0x100)) s[4 * j + 2 + c2] = 0.f;
+                }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            pa[j >> 1][(j & 1) * 2] = pack2(s[4 * j], s[4 * j + 1]);
+            pa[j >> 1][(j & 1) * 2 + 1] = pack2(s[4 * j + 2], s[4 * j + 3]);
+        }
+        // dV += P^T dO (B = dO, N-major: D columns in D/64 blocks of WG_BM rows).
+        const u64 ddo = wg_desc(dost, WG_BM * 128, 1024);
+        wg_fence();
+#pragma unroll
+        for (int kq = 0; kq < 4; ++kq) wgmma_rs_nD<1>(dv, pa[kq], wg_desc_add(ddo, kq * 16 * 128), 1);
+        wg_commit();
+        wg_wait<1>(); // dP^T (dV may run)
+        wg_pin(dp);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float dsv[4] = {s[4 * j] * dp[4 * j], s[4 * j + 1] * dp[4 * j + 1], s[4 * j + 2] * dp[4 * j + 2],
+                                  s[4 * j + 3] * dp[4 * j + 3]};
+            sa[j >> 1][(j & 1) * 2] = pack2(dsv[0], dsv[1]);
+            sa[j >> 1][(j & 1) * 2 + 1] = pack2(dsv[2], dsv[3]);
+            // dS^T -> shared memory for dQ; rows rk and rk + 8 share the swizzle (rk % 8 = g).
+            const u32 a = dsb + rk * 128 + 4 * t + ((j ^ g) << 4);
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(sa[j >> 1][(j & 1) * 2]));
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(sa[j >> 1][(j & 1) * 2 + 1]));
+        }
+        fence_async_smem();
+        float dq[32];
+#if D == 128
+        named_sync(1, 256); // dS^T of both warpgroups is in shared memory
+        // dQ[:, 64cw..] = dS K[:, 64cw..]: A = dS (M-major: dS^T rows are keys), B = K (N-major).
+        const u64 dds = wg_desc(dsb, WG_BN * 128, 1024), dk_b = wg_desc(Ks + cw * WG_BN * 128, WG_BN * 128, 1024);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_BN / 16; ++kk)
+            wgmma_ss64<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
+#else
+        named_sync(1 + cw, 128); // this warpgroup's dS^T rows (the only ones it reads) are stored
+        // dQ (partial) = dS[:, 64cw..] K[64cw.., :]: this warpgroup's keys only.
+        const u64 dds = wg_desc(dsb + 64 * cw * 128, WG_BN * 128, 1024), dk_b = wg_desc(Ks + 64 * cw * 128, WG_BN * 128, 1024);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma_ss64<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
+#endif
+        wg_commit();
+        // dK += dS^T Q, issued after dQ: dQ is staged while dK runs on the tensor cores.
+        const u64 dq_b = wg_desc(qst, WG_BM * 128, 1024);
+        wg_fence();
+#pragma unroll
+        for (int kq = 0; kq < 4; ++kq) wgmma_rs_nD<1>(dk, sa[kq], wg_desc_add(dq_b, kq * 16 * 128), 1);
+        wg_commit();
+        if (it > 0) mbar_wait(dq_free + 8 * cw, (it - 1) & 1); // the previous dQ has been read
+        wg_wait<1>(); // dV and dQ (dK may run)
+        wg_pin(dq);
+        // Column blocks permuted by dq_rot (two rounds of selects: registers are not indexable).
+        float dqr[32];
+#pragma unroll
+        for (int k = 0; k < 32; ++k) dqr[k] = (dq_rot & 1) ? dq[k ^ 4] : dq[k];
+#pragma unroll
+        for (int k = 0; k < 32; ++k) dq[k] = (dq_rot & 2) ? dqr[k ^ 8] : dqr[k];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int i = (k & 4) | ((k & 3) ^ dq_rot);
+            const u32 a = dq_row + (k >> 2) * WG_BM * 128 + (((2 * (i & 3) + (t >> 1)) ^ g) << 4);
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a + r * 8 * 128),
+                             "f"(dq[4 * k + 2 * r] * p.scale), "f"(dq[4 * k + 2 * r + 1] * p.scale));
+        }
+        fence_async_smem();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(dq_full + 8 * cw);
+        wg_wait<0>(); // dK: the stage's Q and dO are no longer read
+        if (lane == 0) mbar_arrive(freed + 8 * st);
+    }
+    wg_pin(dk);
+    wg_pin(dv);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = k0 + rk + 8 * r;
+        if (key < p.k_len) {
+            const size_t off = (((size_t)b * p.k_len + key) * p.kv_heads + kvh) * D + 2 * t;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                *(u32*)(p.dk + off + i * 8) = pack2(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
+                *(u32*)(p.dv + off + i * 8) = pack2(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+            }
+        }
+    }
+}
+#endif // BWD_WG && (D == 128 || D == 64)
