@@ -260,6 +260,21 @@ impl HostData {
     }
 }
 
+/// `x` as a slice of `U`, which must be `T` itself (the same dtype): for code generic over
+/// [`Element`] that dispatches on `T::DTYPE` to a typed kernel.
+pub fn reinterpret<T: Element, U: Element>(x: &[T]) -> Result<&[U]> {
+    if T::DTYPE != U::DTYPE {
+        return Err(Error::DTypeMismatch {
+            a: "slice".into(),
+            a_dtype: T::DTYPE.to_string(),
+            b: "expected".into(),
+            b_dtype: U::DTYPE.to_string(),
+        });
+    }
+    // Same dtype, so the same type (Element is sealed): a cast of a slice to itself.
+    Ok(bytemuck::cast_slice(x))
+}
+
 /// `values` widened to f32.
 pub fn to_f32_vec<T: Element>(values: &[T]) -> Vec<f32> {
     let mut out = vec![0f32; values.len()];

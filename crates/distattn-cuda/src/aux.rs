@@ -7,7 +7,7 @@
 //! its addresses must hold.
 
 use crate::compile::{self, backend_err, ModuleKind};
-use crate::drv;
+use crate::driver_err as drv;
 use crate::params::{DeltaParams, MergeParams};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 use distattn_core::{AttnShape, DType, Error, Result};

@@ -25,7 +25,10 @@ impl DeviceElement for f16 {}
 impl GpuBuf {
     /// An unwritten buffer, allocated in the order of `stream`.
     pub fn alloc(stream: &Arc<CudaStream>, dtype: DType, len: usize) -> Result<GpuBuf> {
-        let bytes = len.max(1).checked_mul(dtype.size()).ok_or_else(|| Error::invalid("buffer length", format!("{len} elements overflow")))?;
+        let bytes = len
+            .max(1)
+            .checked_mul(dtype.size())
+            .ok_or_else(|| Error::invalid("buffer length", format!("{len} elements overflow")))?;
         // SAFETY: the memory is written before it is read (fills, receives, kernel outputs);
         // bytes have no invalid values.
         let mem = unsafe { stream.alloc::<u8>(bytes) }.map_err(driver_err("allocating a buffer"))?;
@@ -86,7 +89,8 @@ impl GpuBuf {
         self.check_dtype::<T>()?;
         // SAFETY: the bytes hold values of the buffer's dtype, which is T (checked), and any
         // bit pattern is a valid T (Element is Pod); the allocation holds at least len of them.
-        unsafe { self.mem.transmute::<T>(self.len) }.ok_or_else(|| Error::Internal("a device buffer is shorter than its length".into()))
+        unsafe { self.mem.transmute::<T>(self.len) }
+            .ok_or_else(|| Error::Internal("a device buffer is shorter than its length".into()))
     }
 
     /// The buffer as `len` writable elements of `T`, which must be its dtype.
@@ -94,7 +98,8 @@ impl GpuBuf {
         self.check_dtype::<T>()?;
         let len = self.len;
         // SAFETY: as in `view`; every write of a T leaves valid bytes.
-        unsafe { self.mem.transmute_mut::<T>(len) }.ok_or_else(|| Error::Internal("a device buffer is shorter than its length".into()))
+        unsafe { self.mem.transmute_mut::<T>(len) }
+            .ok_or_else(|| Error::Internal("a device buffer is shorter than its length".into()))
     }
 
     /// Sets every element to `fill`, in the order of `stream`.

@@ -667,16 +667,17 @@ impl Communicator for NcclComm {
         let w = self.inner.world;
         if send.dtype() != distattn_core::DType::F32
             || recv.dtype() != distattn_core::DType::F32
-            || recv.len * w != send.len
+            || recv.len() * w != send.len()
         {
             return Err(Error::Comm(format!(
                 "reduce_scatter: f32 buffers of {} and {} elements for {w} ranks",
-                send.len, recv.len
+                send.len(),
+                recv.len()
             )));
         }
         self.before_blocking()?;
         let s = self.stream.clone();
-        let (sp, rp, n) = (send.ptr(&s), recv.ptr(&s), recv.len);
+        let (sp, rp, n) = (send.ptr(&s), recv.ptr(&s), recv.len());
         let cs = s.cu_stream() as nsys::cudaStream_t;
         self.enqueue("reduce_scatter", |comm| unsafe {
             nsys::ncclReduceScatter(

@@ -172,9 +172,17 @@ pub struct GpuBench {
 /// generated on the GPUs, each from a barrier to its end on the slowest rank. Returns the
 /// median forward and (when asked) backward times, and the timelines of one more run.
 pub fn time_gpu_strategy(bench: &GpuBench, shape: &AttnShape, mask: &Mask, opts: &AttnOptions) -> Result<GpuTiming> {
-    let mut plans: Vec<Plan> = vec![build(bench.strategy, bench.world, shape, mask, DType::BF16, &bench.plan.with_pass(Pass::Forward))?];
+    let mut plans: Vec<Plan> =
+        vec![build(bench.strategy, bench.world, shape, mask, DType::BF16, &bench.plan.with_pass(Pass::Forward))?];
     if bench.backward {
-        plans.push(build(bench.strategy, bench.world, shape, mask, DType::BF16, &bench.plan.with_pass(Pass::Backward))?);
+        plans.push(build(
+            bench.strategy,
+            bench.world,
+            shape,
+            mask,
+            DType::BF16,
+            &bench.plan.with_pass(Pass::Backward),
+        )?);
     }
     let per_rank = with_gpu_ranks(bench.world, bench.first_gpu, bench.timeout, |g| {
         let progs = plans.iter().map(|p| prepare(p, g.rank(), mask)).collect::<Result<Vec<_>>>()?;

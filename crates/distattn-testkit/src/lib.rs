@@ -5,9 +5,12 @@
 //! * [`random`]: inputs drawn from a seed that is printed and can be replayed
 //!   (`DISTATTN_SEED=<n>`), never zeros;
 //! * [`compare`]: relative errors against the f64 reference, with −inf (rows that see no key)
-//!   required to match exactly and NaN always failing.
+//!   required to match exactly and NaN always failing;
+//! * [`plans`]: every strategy's plans run on a caller's ranks against the reference (the
+//!   GPU tests of the CUDA and NCCL crates).
 
 pub mod compare;
+pub mod plans;
 pub mod random;
 pub mod reference;
 

@@ -129,7 +129,14 @@ impl Head<'_> {
 }
 
 /// The (batch, head) pairs of `shape`, as heads over `q`, `k`, `v`.
-fn heads<'a>(shape: &'a AttnShape, mask: &'a Mask, scale: f64, q: &'a [f64], k: &'a [f64], v: &'a [f64]) -> Vec<Head<'a>> {
+fn heads<'a>(
+    shape: &'a AttnShape,
+    mask: &'a Mask,
+    scale: f64,
+    q: &'a [f64],
+    k: &'a [f64],
+    v: &'a [f64],
+) -> Vec<Head<'a>> {
     (0..shape.batch * shape.heads)
         .map(|bh| Head { shape, mask, scale, b: bh / shape.heads, h: bh % shape.heads, q, k, v })
         .collect()
@@ -190,7 +197,11 @@ pub fn backward<T: Element>(
     let per: Vec<[Vec<f64>; 3]> =
         heads(shape, mask, scale, &q, &k, &v).par_iter().map(|head| head.backward(&d_o)).collect();
     let d = shape.head_dim;
-    let mut g = RefGrads { dq: vec![0f64; shape.q_elems()], dk: vec![0f64; shape.kv_elems()], dv: vec![0f64; shape.kv_elems()] };
+    let mut g = RefGrads {
+        dq: vec![0f64; shape.q_elems()],
+        dk: vec![0f64; shape.kv_elems()],
+        dv: vec![0f64; shape.kv_elems()],
+    };
     for (bh, [dq, dk, dv]) in per.into_iter().enumerate() {
         let (b, h) = (bh / shape.heads, bh % shape.heads);
         for i in 0..shape.q_len {

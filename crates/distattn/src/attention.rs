@@ -2,8 +2,8 @@
 //! where it runs ([`Execution`]), with `forward` and `backward` taking the same arguments in
 //! the same order whatever runs them.
 
-use distattn_core::plan::build;
 use distattn_core::plan::Pass;
+use distattn_core::planner::build;
 use distattn_core::{
     AttnOptions, AttnShape, DType, Element, Error, Forward, Grads, Mask, Plan, PlanOptions, Result, Strategy,
 };

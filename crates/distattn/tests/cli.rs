@@ -19,7 +19,7 @@ fn save(dir: &Path, name: &str, shape: &[usize], seed: u32, dtype: DType) -> Pat
         _ => {
             // Store bf16 bit patterns as uint16, the documented way to pass bf16 through .npy.
             let t = HostTensor::from_f32(shape.to_vec(), &vals, DType::BF16);
-            let distattn::TensorData::BF16(bits) = t.data else { unreachable!() };
+            let distattn::HostData::BF16(bits) = t.data else { unreachable!() };
             let mut bytes = Vec::new();
             let header = format!(
                 "{{'descr': '<u2', 'fortran_order': False, 'shape': ({}), }}",

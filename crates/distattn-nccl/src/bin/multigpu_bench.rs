@@ -1,7 +1,7 @@
-//! Multi-GPU checks and benchmark of distattn (run on a machine with several GPUs).
+//! Multi-GPU benchmark of distattn (run on a machine with several GPUs; the exactness checks
+//! are the ignored tests of `tests/gpus.rs`).
 //!
 //! ```text
-//! distattn-multigpu-bench check  --gpus N [--seq 4096] [--heads 8] [--kv-heads 4] [--masks 'causal;full;…'] [--out FILE]
 //! distattn-multigpu-bench bench  --gpus N [--seqs 32768,131072] [--strategies zigzag,balanced,dispatch]
 //!                                [--passes fwd,fwdbwd] [--heads 32] [--kv-heads 8] [--mask causal]
 //!                                [--iters 4] [--out FILE] [--timelines FILE] [--single]
@@ -10,19 +10,14 @@
 //! distattn-multigpu-bench worker   (one rank, from RANK/WORLD_SIZE/LOCAL_RANK/NCCL_COMM_ID)
 //! ```
 
-#![allow(clippy::type_complexity, clippy::too_many_arguments)]
-
-use distattn_core::plan::{BufDesc, Pass, Plan, PlanOptions, RingBackward, Tensor};
+use distattn_core::plan::{Pass, Plan, PlanOptions, RingBackward};
 use distattn_core::planner::build;
+use distattn_core::timeline::{Timeline, TimelineRun};
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, MaskSpec, Result, Strategy};
-use distattn_cuda::aux::AuxKernels;
-use distattn_cuda::CudaBackend;
-use distattn_dist::unshard_into;
-use distattn_nccl::buf::GpuBuf;
-use distattn_nccl::gpu::{pool_peak_bytes, GpuRank};
+use distattn_cuda::{CudaBackend, GpuBuf};
+use distattn_exec::{execute, prepare, Communicator, ExecOptions};
 use distattn_nccl::launch::LaunchEnv;
-use distattn_nccl::runner::{device_inputs, upload_inputs, with_gpu_ranks};
-use distattn_nccl::{gpu_rank_from_env, schedule, Timeline, TimelineRun};
+use distattn_nccl::{device_inputs, gpu_rank_from_env, with_gpu_ranks, GpuRank};
 use half::bf16;
 use serde_json::json;
 use std::collections::HashMap;
@@ -63,39 +58,6 @@ impl Args {
     fn has(&self, k: &str) -> bool {
         self.0.contains_key(k)
     }
-}
-
-fn rel_err(x: &[f32], r: &[f32]) -> f64 {
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (a, b) in x.iter().zip(r) {
-        if b.is_finite() {
-            if !a.is_finite() {
-                return f64::INFINITY;
-            }
-            num += (*a as f64 - *b as f64).powi(2);
-            den += (*b as f64).powi(2);
-        } else if a != b {
-            return f64::INFINITY;
-        }
-    }
-    if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    }
-}
-
-fn randn(seed: u64, n: usize) -> Vec<bf16> {
-    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let u = (x >> 40) as f32 / (1u64 << 24) as f32;
-            bf16::from_f32((u - 0.5) * 3.4641)
-        })
-        .collect()
 }
 
 fn device_name() -> String {
@@ -153,206 +115,6 @@ fn run_cases<R: Send>(
         .collect()
 }
 
-// ------------------------------------------------------------------------------------ check
-
-struct Case {
-    mask: usize,
-    strategy: Strategy,
-    pass: Pass,
-    rb: RingBackward,
-    overlap: bool,
-}
-
-fn check(a: &Args) -> Res<bool> {
-    let world = a.num("gpus", 4);
-    let n = a.num("seq", 4096);
-    let (h, kvh, d) = (a.num("heads", 8), a.num("kv-heads", 4), 128);
-    let shape = AttnShape::new(1, n, n, h, kvh, d)?;
-    let opts = AttnOptions::default();
-    // Masks separated by ';' (specs contain commas).
-    let specs: Vec<MaskSpec> = a
-        .get("masks", "causal;full;window:512,0;docs-random-causal:7")
-        .split(';')
-        .map(|s| s.parse())
-        .collect::<Result<_>>()?;
-    let masks: Vec<Mask> = specs.iter().map(|s| s.build(n, n)).collect::<Result<_>>()?;
-    let q = randn(1, shape.q_elems());
-    let k = randn(2, shape.kv_elems());
-    let v = randn(3, shape.kv_elems());
-    let dout = randn(4, shape.q_elems());
-    // Single-GPU references (same machine, same kernels).
-    let be = CudaBackend::new(0)?;
-    let t0 = Instant::now();
-    let mut refs = Vec::new();
-    for m in &masks {
-        let f = be.forward_host(&q, &k, &v, &shape, m, &opts)?;
-        let g = be.backward_host(&q, &k, &v, &f.o, &dout, &f.lse, &shape, m, &opts)?;
-        let o32: Vec<f32> = f.o.iter().map(|x| x.to_f32()).collect();
-        let delta = distattn_cpu::row_delta(&o32, &dout, &shape)?;
-        refs.push((o32, f.lse, g, delta));
-    }
-    drop(be);
-    println!("single-GPU references: {} masks in {:.1} s", masks.len(), t0.elapsed().as_secs_f64());
-    let mut cases = Vec::new();
-    for mi in 0..masks.len() {
-        for st in Strategy::ALL {
-            cases.push(Case {
-                mask: mi,
-                strategy: st,
-                pass: Pass::Forward,
-                rb: RingBackward::KvCirculate,
-                overlap: true,
-            });
-            cases.push(Case {
-                mask: mi,
-                strategy: st,
-                pass: Pass::Backward,
-                rb: RingBackward::KvCirculate,
-                overlap: true,
-            });
-            if st.is_ring() {
-                cases.push(Case {
-                    mask: mi,
-                    strategy: st,
-                    pass: Pass::Backward,
-                    rb: RingBackward::QCirculate,
-                    overlap: true,
-                });
-            }
-        }
-    }
-    // The generic executor through the Backend trait (blocking transfers), on one mask.
-    for st in [Strategy::Zigzag, Strategy::Dispatch, Strategy::Ulysses] {
-        cases.push(Case { mask: 0, strategy: st, pass: Pass::Forward, rb: RingBackward::KvCirculate, overlap: false });
-        cases.push(Case { mask: 0, strategy: st, pass: Pass::Backward, rb: RingBackward::KvCirculate, overlap: false });
-    }
-    let plans: Vec<std::result::Result<Plan, String>> = cases
-        .iter()
-        .map(|c| {
-            build(c.strategy, world, &shape, &masks[c.mask], DType::BF16, &plan_opts(&specs[c.mask], n, c.pass, c.rb))
-                .map_err(|e| e.to_string())
-        })
-        .collect();
-    let t0 = Instant::now();
-    let results = run_cases(world, Duration::from_secs(60), cases.len(), |g, ci| {
-        let c = &cases[ci];
-        let Ok(plan) = &plans[ci] else { return Ok(Vec::new()) };
-        let (_, lse, _, delta) = &refs[c.mask];
-        let full_in = |t: Tensor| match t {
-            Tensor::Q => Some(&q[..]),
-            Tensor::K => Some(&k[..]),
-            Tensor::V => Some(&v[..]),
-            Tensor::DO => Some(&dout[..]),
-            _ => None,
-        };
-        let full_f = |t: Tensor| match t {
-            Tensor::Lse => Some(&lse[..]),
-            Tensor::Delta => Some(&delta[..]),
-            _ => None,
-        };
-        let inputs = upload_inputs::<bf16>(g, plan, &full_in, &full_f)?;
-        let prog = &plan.ranks[g.rank()];
-        let outs = if c.overlap {
-            g.execute(plan, None, &masks[c.mask], &opts, inputs, false, None)?.outputs
-        } else {
-            distattn_dist::execute_rank(plan, g, &g.comm, &masks[c.mask], &opts, inputs, None)?
-        };
-        let mut res = Vec::new();
-        for (&(t, id), b) in prog.outputs.iter().zip(&outs) {
-            res.push((t, prog.bufs[id].clone(), b.download_f32(g.compute_stream())?));
-        }
-        Ok(res)
-    });
-    println!("{} cases on {world} GPUs in {:.1} s", cases.len(), t0.elapsed().as_secs_f64());
-    let mut by_case: HashMap<usize, std::result::Result<Vec<(Tensor, BufDesc, Vec<f32>)>, String>> = HashMap::new();
-    for (ci, r) in results.into_iter().enumerate() {
-        by_case.insert(ci, r.map(|v| v.into_iter().flatten().collect()));
-    }
-    let mut ok = true;
-    let mut rows = Vec::new();
-    println!(
-        "{:<28} {:<10} {:<13} {:<8} {:>10} {:>10} {:>10}  result",
-        "mask", "strategy", "pass", "executor", "err O/dQ", "err L/dK", "err dV"
-    );
-    for (ci, c) in cases.iter().enumerate() {
-        let pass = match (c.pass, c.rb) {
-            (Pass::Forward, _) => "fwd",
-            (Pass::Backward, RingBackward::KvCirculate) => "bwd",
-            (Pass::Backward, RingBackward::QCirculate) => "bwd-qcirc",
-        };
-        let exec = if c.overlap { "overlap" } else { "generic" };
-        let (o_ref, lse_ref, g_ref, _) = &refs[c.mask];
-        let (errs, verdict) = match (&plans[ci], by_case.get(&ci)) {
-            (Err(e), _) => (vec![], format!("unsupported: {e}")),
-            (Ok(_), None) => {
-                ok = false;
-                (vec![], "MISSING".into())
-            }
-            (Ok(_), Some(Err(e))) => {
-                ok = false;
-                (vec![], format!("FAIL: {e}"))
-            }
-            (Ok(_), Some(Ok(res))) => {
-                let errs = if c.pass == Pass::Forward {
-                    let (mut o, mut l) = (vec![0f32; shape.q_elems()], vec![f32::NEG_INFINITY; shape.lse_elems()]);
-                    for (t, d, data) in res {
-                        match t {
-                            Tensor::O => unshard_into(data, d, &shape, &mut o),
-                            Tensor::Lse => unshard_into(data, d, &shape, &mut l),
-                            _ => {}
-                        }
-                    }
-                    vec![rel_err(&o, o_ref), rel_err(&l, lse_ref)]
-                } else {
-                    let (mut dq, mut dk, mut dv) =
-                        (vec![0f32; shape.q_elems()], vec![0f32; shape.kv_elems()], vec![0f32; shape.kv_elems()]);
-                    for (t, d, data) in res {
-                        match t {
-                            Tensor::DQ => unshard_into(data, d, &shape, &mut dq),
-                            Tensor::DK => unshard_into(data, d, &shape, &mut dk),
-                            Tensor::DV => unshard_into(data, d, &shape, &mut dv),
-                            _ => {}
-                        }
-                    }
-                    let f = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
-                    vec![rel_err(&dq, &f(&g_ref.dq)), rel_err(&dk, &f(&g_ref.dk)), rel_err(&dv, &f(&g_ref.dv))]
-                };
-                let pass_ok = errs.iter().all(|e| *e <= 1e-2);
-                ok &= pass_ok;
-                (errs, if pass_ok { "PASS".into() } else { "FAIL".into() })
-            }
-        };
-        let e = |i: usize| errs.get(i).map_or("-".to_string(), |x| format!("{x:.2e}"));
-        println!(
-            "{:<28} {:<10} {:<13} {:<8} {:>10} {:>10} {:>10}  {}",
-            specs[c.mask].to_string(),
-            c.strategy.to_string(),
-            pass,
-            exec,
-            e(0),
-            e(1),
-            e(2),
-            verdict
-        );
-        rows.push(json!({"mask": specs[c.mask].to_string(), "strategy": c.strategy.to_string(), "pass": pass, "executor": exec,
-            "gpus": world, "seq": n, "heads": h, "kv_heads": kvh, "head_dim": d, "errors": errs, "result": verdict}));
-    }
-    let passed = rows.iter().filter(|r| r["result"] == "PASS").count();
-    let failed =
-        rows.iter().filter(|r| r["result"].as_str().is_some_and(|x| x.starts_with("FAIL") || x == "MISSING")).count();
-    println!(
-        "GPU exactness vs single GPU: {passed} pass, {failed} fail, {} unsupported (tolerance rel err <= 1e-2)",
-        rows.len() - passed - failed
-    );
-    if let Some(p) = a.0.get("out") {
-        std::fs::write(
-            p,
-            serde_json::to_string_pretty(&json!({"device": device_name(), "gpus": world, "rows": rows}))?,
-        )?;
-    }
-    Ok(ok)
-}
-
 // ------------------------------------------------------------------------------------ bench
 
 fn flops_fwd(mask: &Mask, shape: &AttnShape) -> f64 {
@@ -362,15 +124,13 @@ fn flops_fwd(mask: &Mask, shape: &AttnShape) -> f64 {
 /// Times single-GPU kernels (forward, backward) on GPU 0, ms (median).
 fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)> {
     let be = CudaBackend::new(0)?;
-    let aux = AuxKernels::load(be.context(), DType::BF16)?;
     let s = be.stream().clone();
     let opts = AttnOptions::default();
     let mk = |n: usize, seed: u64| -> Result<GpuBuf> {
-        let b = GpuBuf::alloc(&s, DType::BF16, n)?;
-        b.rand_fill(&s, &aux, seed, 1.7)?;
+        let mut b = GpuBuf::alloc(&s, DType::BF16, n)?;
+        be.fill_random(&mut b, seed, 1.7)?;
         Ok(b)
     };
-    use distattn_nccl::buf::GpuElem;
     let (q, k, v, dout) =
         (mk(shape.q_elems(), 1)?, mk(shape.kv_elems(), 2)?, mk(shape.kv_elems(), 3)?, mk(shape.q_elems(), 4)?);
     let mut o = GpuBuf::alloc(&s, DType::BF16, shape.q_elems())?;
@@ -388,36 +148,27 @@ fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)
             be.synchronize()?;
             ts.push(t0.elapsed().as_secs_f64() * 1e3);
         }
-        ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        ts.sort_by(|a, b| a.total_cmp(b));
         Ok(ts[ts.len() / 2])
     };
+    let (qv, kv, vv, dov) = (q.view::<bf16>()?, k.view::<bf16>()?, v.view::<bf16>()?, dout.view::<bf16>()?);
     let fwd = time(&mut || {
-        be.forward::<bf16>(
-            bf16::of(&q)?,
-            bf16::of(&k)?,
-            bf16::of(&v)?,
-            shape,
-            mask,
-            &opts,
-            bf16::of_mut(&mut o)?,
-            f32::of_mut(&mut lse)?,
-            None,
-        )
+        be.forward::<bf16>(&qv, &kv, &vv, shape, mask, &opts, &mut o.view_mut()?, &mut lse.view_mut()?, None)
     })?;
     let bwd = time(&mut || {
         be.backward::<bf16>(
-            bf16::of(&q)?,
-            bf16::of(&k)?,
-            bf16::of(&v)?,
-            bf16::of(&o)?,
-            bf16::of(&dout)?,
-            f32::of(&lse)?,
+            &qv,
+            &kv,
+            &vv,
+            &o.view()?,
+            &lse.view()?,
+            &dov,
             shape,
             mask,
             &opts,
-            bf16::of_mut(&mut dq)?,
-            bf16::of_mut(&mut dk)?,
-            bf16::of_mut(&mut dv)?,
+            &mut dq.view_mut()?,
+            &mut dk.view_mut()?,
+            &mut dv.view_mut()?,
         )
     })?;
     Ok((fwd, bwd))
@@ -526,29 +277,30 @@ fn bench(a: &Args) -> Res<()> {
     let results = run_cases(world, Duration::from_secs(120), cases.len(), |g, ci| {
         let c = &cases[ci];
         let Some(Ok((pf, pb, mask))) = plans.get(&(c.seq, c.strategy)) else { return Ok(None) };
-        let (sf, sb) = (schedule(&pf.ranks[g.rank()]), schedule(&pb.ranks[g.rank()]));
+        let (pf_r, pb_r) = (prepare(pf, g.rank(), mask)?, prepare(pb, g.rank(), mask)?);
         let run = |timeline: bool| -> Result<(f64, Vec<Timeline>)> {
-            let fin = device_inputs(g, pf, 1)?;
-            let bin = if c.fwdbwd { Some(device_inputs(g, pb, 2)?) } else { None };
-            g.comm.wait_stream(g.compute_stream())?;
-            distattn_core::Communicator::barrier(&g.comm)?;
+            let fin = device_inputs(g, &pf_r, 1)?;
+            let bin = if c.fwdbwd { Some(device_inputs(g, &pb_r, 2)?) } else { None };
+            g.comm().wait_stream(g.backend().stream())?;
+            g.comm().barrier()?;
             let t0 = Instant::now();
-            let r = g.execute(pf, Some(&sf), mask, &opts, fin, timeline, None)?;
+            let ctl = ExecOptions { timeline, fail: None };
+            let r = execute(&pf_r, g.backend(), g.comm(), &opts, fin, &ctl)?;
             let mut tls: Vec<Timeline> = r.timeline.into_iter().collect();
             drop(r.outputs);
             if let Some(bin) = bin {
-                let r = g.execute(pb, Some(&sb), mask, &opts, bin, timeline, None)?;
+                let r = execute(&pb_r, g.backend(), g.comm(), &opts, bin, &ctl)?;
                 tls.extend(r.timeline);
             }
             Ok((t0.elapsed().as_secs_f64() * 1e3, tls))
         };
-        pool_peak_bytes(&g.be, true)?;
+        g.backend().pool_peak_bytes(true)?;
         run(false)?; // warm-up (uploads index lists and tile plans, opens NCCL connections)
         let mut times = Vec::new();
         for _ in 0..iters {
             times.push(run(false)?.0);
         }
-        let peak = pool_peak_bytes(&g.be, true)?;
+        let peak = g.backend().pool_peak_bytes(true)?;
         let (_, tls) = run(true)?;
         Ok(Some((times, peak, tls)))
     });
@@ -687,13 +439,14 @@ fn probe(a: &Args) -> Res<()> {
         )?;
         let t0 = Instant::now();
         let r = with_gpu_ranks(world, 0, Duration::from_secs(120), |g| {
-            let fin = device_inputs(g, &pf, 1)?;
-            let bin = device_inputs(g, &pb, 2)?;
-            pool_peak_bytes(&g.be, true)?;
+            let (pf_r, pb_r) = (prepare(&pf, g.rank(), &mask)?, prepare(&pb, g.rank(), &mask)?);
+            let fin = device_inputs(g, &pf_r, 1)?;
+            let bin = device_inputs(g, &pb_r, 2)?;
+            g.backend().pool_peak_bytes(true)?;
             let t = Instant::now();
-            drop(g.execute(&pf, None, &mask, &opts, fin, false, None)?);
-            drop(g.execute(&pb, None, &mask, &opts, bin, false, None)?);
-            Ok((t.elapsed().as_secs_f64() * 1e3, pool_peak_bytes(&g.be, true)?))
+            drop(execute(&pf_r, g.backend(), g.comm(), &opts, fin, &ExecOptions::default())?);
+            drop(execute(&pb_r, g.backend(), g.comm(), &opts, bin, &ExecOptions::default())?);
+            Ok((t.elapsed().as_secs_f64() * 1e3, g.backend().pool_peak_bytes(true)?))
         });
         match r {
             Ok(v) => {
@@ -728,11 +481,12 @@ fn worker() -> Res<()> {
         let shape = AttnShape::new(1, n, n, 32, 8, 128)?;
         let mask = Mask::causal(n, n)?;
         let plan = build(Strategy::Zigzag, env.world, &shape, &mask, DType::BF16, &PlanOptions::forward())?;
+        let prog = prepare(&plan, g.rank(), &mask)?;
         let opts = AttnOptions::default();
         eprintln!("rank {} (pid {}): communicator up, running", env.rank, std::process::id());
         for it in 0..100000 {
-            let inputs = device_inputs(&g, &plan, it as u64)?;
-            drop(g.execute(&plan, None, &mask, &opts, inputs, false, None)?);
+            let inputs = device_inputs(&g, &prog, it as u64)?;
+            drop(execute(&prog, g.backend(), g.comm(), &opts, inputs, &ExecOptions::default())?);
             if it % 50 == 0 {
                 eprintln!("rank {} iteration {it}", env.rank);
             }
@@ -828,18 +582,19 @@ fn kill_test(a: &Args) -> Res<bool> {
 }
 
 fn main() {
-    distattn_nccl::nccl::nccl_env_defaults();
+    distattn_nccl::comm::nccl_env_defaults();
     let argv: Vec<String> = std::env::args().collect();
     let cmd = argv.get(1).cloned().unwrap_or_default();
     let a = Args::parse(&argv[1.min(argv.len())..]);
     let r: Res<bool> = match cmd.as_str() {
-        "check" => check(&a),
         "bench" => bench(&a).map(|_| true),
         "probe" => probe(&a).map(|_| true),
         "kill-test" => kill_test(&a),
         "worker" => worker().map(|_| true),
         _ => {
-            eprintln!("usage: distattn-multigpu-bench check|bench|probe|kill-test|worker [--gpus N] ... (see the source header)");
+            eprintln!(
+                "usage: distattn-multigpu-bench bench|probe|kill-test|worker [--gpus N] ... (see the source header)"
+            );
             std::process::exit(2);
         }
     };

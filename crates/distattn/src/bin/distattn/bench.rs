@@ -318,7 +318,12 @@ fn time_cuda<T: CudaElement>(
 
 /// Times forward (and backward unless `forward_only`) of one configuration; milliseconds, and
 /// with `timeline` the GPU ranks' timelines of one more run.
-fn time_exec(t: &Timed<'_>, repeats: usize, forward_only: bool, timeline: bool) -> Result<(f64, Option<f64>, Vec<Timeline>)> {
+fn time_exec(
+    t: &Timed<'_>,
+    repeats: usize,
+    forward_only: bool,
+    timeline: bool,
+) -> Result<(f64, Option<f64>, Vec<Timeline>)> {
     let attn = t.attn;
     match attn.execution() {
         Execution::GpuRanks(r) => {

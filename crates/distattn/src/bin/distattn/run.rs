@@ -122,7 +122,7 @@ impl BackendArg {
         let use_cuda = match self {
             BackendArg::Cpu => false,
             BackendArg::Cuda => true,
-            BackendArg::Auto => gpu_dtype && distattn::cuda::cuda_available(),
+            BackendArg::Auto => gpu_dtype && distattn_cuda::cuda_available(),
         };
         if !use_cuda {
             return Ok(Execution::Cpu);

@@ -1,0 +1,322 @@
+//! Flash attention on device buffers: the launches of the forward, the block backward (dK, dV
+//! and a dQ accumulation, given the global LSE and D) and the whole backward, and the LSE merge
+//! of partial results. Every launch goes to the compute stream.
+//!
+//! Buffers are any cudarc device memory of the right element type (slices or views); lengths
+//! and 16-byte alignment are checked, never assumed. A launch takes each buffer its kernel
+//! reads or writes, which is more than clippy's argument limit.
+#![allow(clippy::too_many_arguments)]
+
+use crate::aux::MergeDims;
+use crate::compile::{backend_err, KernelConfig};
+use crate::device::CudaBackend;
+use crate::params::{BwdParams, FwdParams};
+use crate::{driver_err, tma, CudaElement};
+use cudarc::driver::{sys, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, Result};
+
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+
+impl CudaBackend {
+    fn check_common<T: CudaElement>(&self, shape: &AttnShape, mask: &Mask) -> Result<KernelConfig> {
+        shape.validate()?;
+        mask.check_fits(shape)?;
+        if shape.q_len > i32::MAX as usize / 2 || shape.k_len > i32::MAX as usize / 2 {
+            return Err(Error::invalid("sequence length", "too long for 32-bit tile indices"));
+        }
+        Ok(KernelConfig::new(T::DTYPE, shape.head_dim)?.for_arch(self.arch()))
+    }
+
+    /// The buffer's address after checking its length and alignment.
+    fn checked_ptr<U>(&self, name: &str, buf: &impl DevicePtr<U>, expected: usize, shape: &AttnShape) -> Result<u64> {
+        shape.check_len(name, buf.len(), expected)?;
+        let p = buf.device_ptr(self.stream()).0;
+        if !p.is_multiple_of(16) {
+            return Err(backend_err(format!("misaligned pointer: {name} at {p:#x} is not 16-byte aligned")));
+        }
+        Ok(p)
+    }
+
+    /// Forward pass on device buffers: writes `o` (`[b, nq, h, d]`), `lse` (`[b, h, nq]`, f32,
+    /// natural log; −inf where no key is kept) and, if given, an f32 copy of O (exact partial
+    /// results to merge).
+    pub fn forward<T: CudaElement>(
+        &self,
+        q: &impl DevicePtr<T>,
+        k: &impl DevicePtr<T>,
+        v: &impl DevicePtr<T>,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+        o: &mut impl DevicePtrMut<T>,
+        lse: &mut impl DevicePtrMut<f32>,
+        o_f32: Option<&mut CudaViewMut<'_, f32>>,
+    ) -> Result<()> {
+        let cfg = self.check_common::<T>(shape, mask)?;
+        let s = self.stream();
+        let p = FwdParams {
+            q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
+            k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
+            v: self.checked_ptr("v", v, shape.kv_elems(), shape)?,
+            o: self.checked_mut_ptr("o", o, shape.q_elems(), shape)?,
+            o_f32: match o_f32 {
+                Some(of) => self.checked_mut_ptr("o_f32", of, shape.q_elems(), shape)?,
+                None => 0,
+            },
+            lse: self.checked_mut_ptr("lse", lse, shape.lse_elems(), shape)?,
+            tile_ptr: 0,
+            tiles: 0,
+            bits: 0,
+            batch: shape.batch as i32,
+            q_len: shape.q_len as i32,
+            k_len: shape.k_len as i32,
+            heads: shape.heads as i32,
+            kv_heads: shape.kv_heads as i32,
+            n_tiles: 0,
+            scale_log2: opts.scale_for(shape.head_dim) * LOG2E,
+            pad_: 0,
+        };
+        let kern = self.kernels(T::DTYPE, shape.head_dim)?;
+        let tiles = self.tiles(mask, cfg.fwd_bm(), cfg.fwd_bn, false)?;
+        let p = FwdParams {
+            tile_ptr: tiles.ptr.device_ptr(s).0,
+            tiles: tiles.tiles.device_ptr(s).0,
+            bits: tiles.bits.device_ptr(s).0,
+            n_tiles: tiles.n_major as i32,
+            ..p
+        };
+        let launch_cfg = LaunchConfig {
+            // x: query tile x query head within its KV head group (see fwd_block in kernels/params.cuh).
+            grid_dim: (
+                (tiles.n_major * (shape.heads / shape.kv_heads)) as u32,
+                shape.kv_heads as u32,
+                shape.batch as u32,
+            ),
+            block_dim: (kern.cfg.fwd_threads() as u32, 1, 1),
+            shared_mem_bytes: kern.cfg.fwd_smem() as u32,
+        };
+        let mut launch = s.launch_builder(&kern.fwd);
+        launch.arg(&p);
+        let maps;
+        if kern.cfg.fwd_wg {
+            // The warp-specialized kernel loads Q, K and V through TMA tensor maps.
+            let (bm, bn) = (kern.cfg.fwd_bm() as u32, kern.cfg.fwd_bn as u32);
+            let kv_rows = tma::RowsTensor::of_keys(shape);
+            maps = [
+                tma::TensorMap::rows(p.q, tma::RowsTensor::of_queries(shape), T::DTYPE, bm)?,
+                tma::TensorMap::rows(p.k, kv_rows, T::DTYPE, bn)?,
+                tma::TensorMap::rows(p.v, kv_rows, T::DTYPE, bn)?,
+            ];
+            for m in &maps {
+                launch.arg(m);
+            }
+        }
+        // SAFETY: the parameter block (and the tensor maps) describe the checked buffers and the
+        // uploaded tile plan, and match the kernel's signature (params.rs checks the layout).
+        unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the forward kernel"))?;
+        Ok(())
+    }
+
+    fn checked_mut_ptr<U>(
+        &self,
+        name: &str,
+        buf: &mut impl DevicePtrMut<U>,
+        expected: usize,
+        shape: &AttnShape,
+    ) -> Result<u64> {
+        shape.check_len(name, buf.len(), expected)?;
+        let p = buf.device_ptr_mut(self.stream()).0;
+        if !p.is_multiple_of(16) {
+            return Err(backend_err(format!("misaligned pointer: {name} at {p:#x} is not 16-byte aligned")));
+        }
+        Ok(p)
+    }
+
+    /// The kernel configuration of a backward pass, or the error saying the head dim has none.
+    fn backward_config<T: CudaElement>(&self, shape: &AttnShape, mask: &Mask) -> Result<KernelConfig> {
+        let cfg = self.check_common::<T>(shape, mask)?;
+        if !cfg.has_backward() {
+            return Err(Error::UnsupportedHeadDim {
+                head_dim: shape.head_dim,
+                backend: "cuda (backward)",
+                supported: "64, 96, 128".into(),
+            });
+        }
+        Ok(cfg)
+    }
+
+    /// Backward of one block from Q, K, V, dO, the global LSE and D (`[b, h, nq]`, f32): adds
+    /// scale·dS·K into `dq_acc` (f32, `[b, nq, h, d]`, accumulated, not overwritten) and writes
+    /// dK and dV (dtype `T`, overwritten) for this block's keys. What a rank of a distributed
+    /// backward computes, and the core of [`CudaBackend::backward`].
+    pub fn backward_block<T: CudaElement>(
+        &self,
+        q: &impl DevicePtr<T>,
+        k: &impl DevicePtr<T>,
+        v: &impl DevicePtr<T>,
+        d_o: &impl DevicePtr<T>,
+        lse: &impl DevicePtr<f32>,
+        delta: &impl DevicePtr<f32>,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+        dq_acc: &mut impl DevicePtrMut<f32>,
+        dk: &mut impl DevicePtrMut<T>,
+        dv: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        let cfg = self.backward_config::<T>(shape, mask)?;
+        let scale = opts.scale_for(shape.head_dim);
+        let mut bp = BwdParams {
+            q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
+            k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
+            v: self.checked_ptr("v", v, shape.kv_elems(), shape)?,
+            dout: self.checked_ptr("d_o", d_o, shape.q_elems(), shape)?,
+            lse: self.checked_ptr("lse", lse, shape.lse_elems(), shape)?,
+            delta: self.checked_ptr("delta", delta, shape.lse_elems(), shape)?,
+            dq_acc: self.checked_mut_ptr("dq_acc", dq_acc, shape.q_elems(), shape)?,
+            dk: self.checked_mut_ptr("dk", dk, shape.kv_elems(), shape)?,
+            dv: self.checked_mut_ptr("dv", dv, shape.kv_elems(), shape)?,
+            tile_ptr: 0,
+            tiles: 0,
+            bits: 0,
+            batch: shape.batch as i32,
+            q_len: shape.q_len as i32,
+            k_len: shape.k_len as i32,
+            heads: shape.heads as i32,
+            kv_heads: shape.kv_heads as i32,
+            n_tiles: 0,
+            scale_log2: scale * LOG2E,
+            scale,
+        };
+        let kern = self.kernels(T::DTYPE, shape.head_dim)?;
+        let tiles = self.tiles(mask, cfg.bwd_bm, cfg.bwd_bn(), true)?;
+        let s = self.stream();
+        bp.tile_ptr = tiles.ptr.device_ptr(s).0;
+        bp.tiles = tiles.tiles.device_ptr(s).0;
+        bp.bits = tiles.bits.device_ptr(s).0;
+        bp.n_tiles = tiles.n_major as i32;
+        let launch_cfg = LaunchConfig {
+            grid_dim: (tiles.n_major as u32, shape.kv_heads as u32, shape.batch as u32),
+            block_dim: (cfg.bwd_threads() as u32, 1, 1),
+            shared_mem_bytes: cfg.bwd_smem() as u32,
+        };
+        let dkdv = kern.dkdv.as_ref().ok_or_else(|| Error::Internal("the dK/dV kernel was not loaded".into()))?;
+        let mut launch = s.launch_builder(dkdv);
+        launch.arg(&bp);
+        let maps;
+        if cfg.bwd_wg {
+            // The warp-specialized kernel loads Q, dO, K and V and adds into dq_acc through TMA
+            // tensor maps.
+            let (q_rows, kv_rows) = (tma::RowsTensor::of_queries(shape), tma::RowsTensor::of_keys(shape));
+            let (bm, bn) = (cfg.bwd_bm as u32, cfg.bwd_bn() as u32);
+            maps = [
+                tma::TensorMap::rows(bp.q, q_rows, T::DTYPE, bm)?,
+                tma::TensorMap::rows(bp.dout, q_rows, T::DTYPE, bm)?,
+                tma::TensorMap::rows(bp.k, kv_rows, T::DTYPE, bn)?,
+                tma::TensorMap::rows(bp.v, kv_rows, T::DTYPE, bn)?,
+                tma::TensorMap::rows(bp.dq_acc, q_rows, DType::F32, bm)?,
+            ];
+            for m in &maps {
+                launch.arg(m);
+            }
+        }
+        // SAFETY: the parameter block (and the tensor maps) describe the checked buffers and the
+        // uploaded tile plan, and match the kernel's signature (params.rs checks the layout).
+        unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the dK/dV kernel"))?;
+        Ok(())
+    }
+
+    /// Backward pass on device buffers: from Q, K, V, the forward's O and LSE and the output
+    /// gradient dO, writes dQ, dK and dV (dK/dV summed over the query heads of each KV head).
+    pub fn backward<T: CudaElement>(
+        &self,
+        q: &impl DevicePtr<T>,
+        k: &impl DevicePtr<T>,
+        v: &impl DevicePtr<T>,
+        o: &impl DevicePtr<T>,
+        lse: &impl DevicePtr<f32>,
+        d_o: &impl DevicePtr<T>,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+        dq: &mut impl DevicePtrMut<T>,
+        dk: &mut impl DevicePtrMut<T>,
+        dv: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        self.backward_config::<T>(shape, mask)?;
+        let o_ptr = self.checked_ptr("o", o, shape.q_elems(), shape)?;
+        let d_o_ptr = self.checked_ptr("d_o", d_o, shape.q_elems(), shape)?;
+        let dq_ptr = self.checked_mut_ptr("dq", dq, shape.q_elems(), shape)?;
+        let aux = self.aux(T::DTYPE)?;
+        let s = self.stream();
+        // SAFETY: delta is written by the row delta before any read.
+        let delta = unsafe { s.alloc::<f32>(shape.lse_elems()) }.map_err(driver_err("allocating delta"))?;
+        let mut dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).map_err(driver_err("allocating the dQ accumulator"))?;
+        // SAFETY: O and dO were checked to hold q_elems() values of T, delta holds lse_elems()
+        // f32; all are on this backend's stream.
+        unsafe { aux.row_delta(s, o_ptr, T::DTYPE, d_o_ptr, delta.device_ptr(s).0, shape) }?;
+        self.backward_block(q, k, v, d_o, lse, &delta, shape, mask, opts, &mut dq_acc, dk, dv)?;
+        // SAFETY: dq_acc and dq hold q_elems() values (f32, T) on this stream.
+        unsafe { aux.convert_f32(s, dq_acc.device_ptr(s).0, dq_ptr, shape.q_elems()) }?;
+        // The workspace buffers are freed in stream order (async free) when they drop here.
+        Ok(())
+    }
+
+    /// Merges `n_parts` partial results over disjoint key sets: `o_parts` is `n_parts`
+    /// consecutive f32 O tensors (`[b, nq, h, d]` each), `lse_parts` as many LSE tensors.
+    /// Writes the merged f32 O and LSE; rows no part reaches get O = 0, LSE = −inf.
+    pub fn merge(
+        &self,
+        o_parts: &impl DevicePtr<f32>,
+        lse_parts: &impl DevicePtr<f32>,
+        n_parts: usize,
+        shape: &AttnShape,
+        o_out: &mut impl DevicePtrMut<f32>,
+        lse_out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        shape.validate()?;
+        if n_parts == 0 {
+            return Err(Error::ZeroDim { what: "merge parts" });
+        }
+        let o_parts = self.checked_ptr("o_parts", o_parts, n_parts * shape.q_elems(), shape)?;
+        let lse_parts = self.checked_ptr("lse_parts", lse_parts, n_parts * shape.lse_elems(), shape)?;
+        let o_out = self.checked_mut_ptr("o_out", o_out, shape.q_elems(), shape)?;
+        let lse_out = self.checked_mut_ptr("lse_out", lse_out, shape.lse_elems(), shape)?;
+        let aux = self.aux(DType::F32)?;
+        let s = self.stream();
+        // The accumulators start empty (O = 0, LSE = −inf: what rows no part reaches keep); each
+        // part is merged into them through the identity spec (every row to the same row).
+        // SAFETY: o_out and lse_out were checked to hold that many f32 on this stream.
+        unsafe {
+            sys::cuMemsetD32Async(o_out, 0, shape.q_elems(), s.cu_stream())
+                .result()
+                .map_err(driver_err("clearing O"))?;
+            sys::cuMemsetD32Async(lse_out, f32::NEG_INFINITY.to_bits(), shape.lse_elems(), s.cu_stream())
+                .result()
+                .map_err(driver_err("clearing the LSE"))?;
+        }
+        let dims = MergeDims {
+            batch: shape.batch,
+            heads: shape.heads,
+            hs: shape.heads,
+            hd: shape.heads,
+            hs0: 0,
+            hd0: 0,
+            ns: shape.q_len,
+            nd: shape.q_len,
+            head_dim: shape.head_dim,
+            n_pieces: 1,
+            total: shape.q_len,
+        };
+        let quads = s.clone_htod(&[0, 0, shape.q_len as i64, 0]).map_err(driver_err("uploading the merge spec"))?;
+        for part in 0..n_parts {
+            let o = o_parts + (part * shape.q_elems() * 4) as u64;
+            let lse = lse_parts + (part * shape.lse_elems() * 4) as u64;
+            // SAFETY: part `part` of o_parts / lse_parts and the outputs hold the q_elems() /
+            // lse_elems() f32 the identity spec covers; the quads are uploaded above; all on
+            // this stream.
+            unsafe { aux.merge(s, o, lse, o_out, lse_out, &dims, quads.device_ptr(s).0) }?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,287 @@
+//! The CUDA backend of the plan interpreter: device buffers ([`GpuBuf`]), the compute and comm
+//! lanes as two streams ordered by CUDA events, piece copies and merges by the auxiliary
+//! kernels, and blocks by the attention kernels.
+
+use crate::aux::{MergeDims, PieceOp};
+use crate::buffer::GpuBuf;
+use crate::device::CudaBackend;
+use crate::{driver_err, CudaElement};
+use cudarc::driver::{sys, CudaEvent};
+use distattn_core::schedule::Lane;
+use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Result};
+use distattn_exec::{Backend, Block, BwdInputs, FwdInputs, MergeSpec, Piece};
+use half::{bf16, f16};
+
+fn f32_only(what: &str, bufs: &[&GpuBuf]) -> Result<()> {
+    match bufs.iter().find(|b| b.dtype() != DType::F32) {
+        Some(b) => Err(Error::DTypeMismatch {
+            a: what.into(),
+            a_dtype: b.dtype().to_string(),
+            b: "expected".into(),
+            b_dtype: "f32".into(),
+        }),
+        None => Ok(()),
+    }
+}
+
+fn in_bounds(what: &str, pieces: &[Piece], src: &GpuBuf, dst: &GpuBuf) -> Result<()> {
+    match pieces.iter().find(|&&(s, d, n)| s + n > src.len() || d + n > dst.len()) {
+        Some(p) => Err(Error::InvalidPlan(format!(
+            "{what} piece {p:?} outside buffers of {} and {} elements",
+            src.len(),
+            dst.len()
+        ))),
+        None => Ok(()),
+    }
+}
+
+impl CudaBackend {
+    /// Copies or adds `pieces` of `src` into `dst` on `lane`.
+    fn run_pieces(&self, lane: Lane, src: &GpuBuf, dst: &GpuBuf, pieces: &[Piece], add: bool) -> Result<()> {
+        if pieces.is_empty() {
+            return Ok(());
+        }
+        let (op, aux_dtype) = match (add, src.dtype(), dst.dtype()) {
+            (false, a, b) if a == b => (PieceOp::Copy { elem_bytes: a.size() }, a),
+            (true, a, DType::F32) => (PieceOp::Add { src: a }, a),
+            (_, a, b) => {
+                return Err(Error::DTypeMismatch {
+                    a: "piece source".into(),
+                    a_dtype: a.to_string(),
+                    b: "destination".into(),
+                    b_dtype: b.to_string(),
+                })
+            }
+        };
+        in_bounds(if add { "add" } else { "copy" }, pieces, src, dst)?;
+        let flat: Vec<i64> = pieces.iter().flat_map(|&(a, b, n)| [a as i64, b as i64, n as i64]).collect();
+        let max = pieces.iter().map(|x| x.2).max().unwrap_or(0);
+        let list = self.indices(lane, &flat)?;
+        let aux = self.aux(aux_dtype)?;
+        let s = self.lane(lane);
+        // SAFETY: the list holds the triples on this lane's stream, every piece lies within both
+        // buffers (checked above), and their dtypes select `op`.
+        unsafe { aux.pieces(s, op, src.ptr(s), dst.ptr(s), self.index_ptr(lane, &list), pieces.len(), max) }
+    }
+
+    /// Forward of one block into f32 (O, LSE) buffers of the block's rows.
+    fn block_forward<T: CudaElement>(
+        &self,
+        block: &Block,
+        inputs: &FwdInputs<'_, GpuBuf>,
+        opts: &AttnOptions,
+        o: &mut GpuBuf,
+        lse: &mut GpuBuf,
+    ) -> Result<()> {
+        let s = self.stream();
+        // The kernel also writes O in the input dtype; the interpreter keeps only the f32 copy.
+        let mut o_t = GpuBuf::alloc(s, T::DTYPE, block.shape.q_elems())?;
+        let r = self.forward::<T>(
+            &inputs.q.view::<T>()?,
+            &inputs.k.view::<T>()?,
+            &inputs.v.view::<T>()?,
+            &block.shape,
+            &block.mask,
+            opts,
+            &mut o_t.view_mut::<T>()?,
+            &mut lse.view_mut::<f32>()?,
+            Some(&mut o.view_mut::<f32>()?),
+        );
+        o_t.free_on(s);
+        r
+    }
+
+    /// Backward of one block: dQ added into `dq` (f32, the block's query rows) and fresh dK, dV
+    /// in the input dtype.
+    fn block_backward<T: CudaElement>(
+        &self,
+        block: &Block,
+        i: &BwdInputs<'_, GpuBuf>,
+        opts: &AttnOptions,
+        dq: &mut GpuBuf,
+    ) -> Result<(GpuBuf, GpuBuf)> {
+        let s = self.stream();
+        let mut dk = GpuBuf::filled(s, T::DTYPE, block.shape.kv_elems(), 0.0)?;
+        let mut dv = GpuBuf::filled(s, T::DTYPE, block.shape.kv_elems(), 0.0)?;
+        self.backward_block::<T>(
+            &i.q.view::<T>()?,
+            &i.k.view::<T>()?,
+            &i.v.view::<T>()?,
+            &i.d_o.view::<T>()?,
+            &i.lse.view::<f32>()?,
+            &i.delta.view::<f32>()?,
+            &block.shape,
+            &block.mask,
+            opts,
+            &mut dq.view_mut::<f32>()?,
+            &mut dk.view_mut::<T>()?,
+            &mut dv.view_mut::<T>()?,
+        )?;
+        Ok((dk, dv))
+    }
+}
+
+fn cuda_dtype(dtype: DType) -> Error {
+    Error::UnsupportedDType(format!("{dtype} (the CUDA kernels take bf16 and f16)"))
+}
+
+impl Backend for CudaBackend {
+    type Buf = GpuBuf;
+    type CommBuf = GpuBuf;
+    type Event = CudaEvent;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn alloc(&self, lane: Lane, dtype: DType, elems: usize, fill: Option<f32>) -> Result<GpuBuf> {
+        let s = self.lane(lane);
+        match fill {
+            Some(v) => GpuBuf::filled(s, dtype, elems, v),
+            None => GpuBuf::alloc(s, dtype, elems),
+        }
+    }
+
+    fn free(&self, lane: Lane, buf: GpuBuf) {
+        buf.free_on(self.lane(lane));
+    }
+
+    fn upload<T: Element>(&self, data: &[T]) -> Result<GpuBuf> {
+        GpuBuf::upload(self.stream(), data)
+    }
+
+    fn download_f32(&self, buf: &GpuBuf) -> Result<Vec<f32>> {
+        buf.download_f32(self.stream())
+    }
+
+    fn comm_view<'a>(&self, buf: &'a GpuBuf) -> &'a GpuBuf {
+        buf
+    }
+
+    fn comm_view_mut<'a>(&self, buf: &'a mut GpuBuf) -> &'a mut GpuBuf {
+        buf
+    }
+
+    fn record(&self, lane: Lane, timed: bool) -> Result<CudaEvent> {
+        let flags = timed.then_some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        self.lane(lane).record_event(flags).map_err(driver_err("recording an event"))
+    }
+
+    fn wait(&self, lane: Lane, event: &CudaEvent) -> Result<()> {
+        self.lane(lane).wait(event).map_err(driver_err("ordering the streams"))
+    }
+
+    fn is_done(&self, event: &CudaEvent) -> Result<bool> {
+        event.try_is_complete().map_err(driver_err("waiting for the GPU"))
+    }
+
+    fn elapsed_ms(&self, start: &CudaEvent, end: &CudaEvent) -> Result<f64> {
+        Ok(start.elapsed_ms(end).map_err(driver_err("reading event times"))? as f64)
+    }
+
+    fn copy(&self, lane: Lane, src: &GpuBuf, dst: &mut GpuBuf, pieces: &[Piece]) -> Result<()> {
+        self.run_pieces(lane, src, dst, pieces, false)
+    }
+
+    fn add(&self, lane: Lane, src: &GpuBuf, dst: &mut GpuBuf, pieces: &[Piece]) -> Result<()> {
+        self.run_pieces(lane, src, dst, pieces, true)
+    }
+
+    fn merge(
+        &self,
+        o: &GpuBuf,
+        lse: &GpuBuf,
+        o_acc: &mut GpuBuf,
+        lse_acc: &mut GpuBuf,
+        spec: &MergeSpec,
+    ) -> Result<()> {
+        if spec.row_count() == 0 {
+            return Ok(());
+        }
+        f32_only("merged buffer", &[o, lse, o_acc, lse_acc])?;
+        let (src_rows, dst_rows) =
+            (spec.batch * spec.src_heads * spec.src_tokens, spec.batch * spec.dst_heads * spec.dst_tokens);
+        if lse.len() < src_rows
+            || lse_acc.len() < dst_rows
+            || o.len() < src_rows * spec.head_dim
+            || o_acc.len() < dst_rows * spec.head_dim
+        {
+            return Err(Error::InvalidPlan("a merge spec reaches beyond its buffers".into()));
+        }
+        let runs: Vec<i64> = spec.runs.iter().flatten().copied().collect();
+        let list = self.indices(Lane::Compute, &runs)?;
+        let dims = MergeDims {
+            batch: spec.batch,
+            heads: spec.heads,
+            hs: spec.src_heads,
+            hd: spec.dst_heads,
+            hs0: spec.src_head0,
+            hd0: spec.dst_head0,
+            ns: spec.src_tokens,
+            nd: spec.dst_tokens,
+            head_dim: spec.head_dim,
+            n_pieces: spec.runs.len(),
+            total: spec.tokens,
+        };
+        let aux = self.aux(DType::F32)?;
+        let s = self.stream();
+        // SAFETY: the four buffers are f32 on the compute stream and cover the spec's rows
+        // (checked above); the run list is on the device for that stream.
+        unsafe {
+            aux.merge(
+                s,
+                o.ptr(s),
+                lse.ptr(s),
+                o_acc.ptr(s),
+                lse_acc.ptr(s),
+                &dims,
+                self.index_ptr(Lane::Compute, &list),
+            )
+        }
+    }
+
+    fn forward(
+        &self,
+        block: &Block,
+        inputs: FwdInputs<'_, GpuBuf>,
+        opts: &AttnOptions,
+        o: &mut GpuBuf,
+        lse: &mut GpuBuf,
+    ) -> Result<()> {
+        match inputs.q.dtype() {
+            DType::BF16 => self.block_forward::<bf16>(block, &inputs, opts, o, lse),
+            DType::F16 => self.block_forward::<f16>(block, &inputs, opts, o, lse),
+            d => Err(cuda_dtype(d)),
+        }
+    }
+
+    fn backward(
+        &self,
+        block: &Block,
+        inputs: BwdInputs<'_, GpuBuf>,
+        opts: &AttnOptions,
+        dq: &mut GpuBuf,
+    ) -> Result<(GpuBuf, GpuBuf)> {
+        match inputs.q.dtype() {
+            DType::BF16 => self.block_backward::<bf16>(block, &inputs, opts, dq),
+            DType::F16 => self.block_backward::<f16>(block, &inputs, opts, dq),
+            d => Err(cuda_dtype(d)),
+        }
+    }
+
+    fn row_delta(&self, o: &GpuBuf, d_o: &GpuBuf, rows: &AttnShape) -> Result<GpuBuf> {
+        f32_only("row delta's O", &[o])?;
+        rows.check_len("o", o.len(), rows.q_elems())?;
+        rows.check_len("d_o", d_o.len(), rows.q_elems())?;
+        let aux = self.aux(d_o.dtype())?;
+        if aux.dtype() != d_o.dtype() {
+            return Err(cuda_dtype(d_o.dtype()));
+        }
+        let s = self.stream();
+        let delta = GpuBuf::alloc(s, DType::F32, rows.lse_elems())?;
+        // SAFETY: O (f32) and dO (the module's type) hold q_elems() values and delta lse_elems()
+        // f32, all on the compute stream (checked above).
+        unsafe { aux.row_delta(s, o.ptr(s), DType::F32, d_o.ptr(s), delta.ptr(s), rows) }?;
+        Ok(delta)
+    }
+}

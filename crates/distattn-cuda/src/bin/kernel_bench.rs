@@ -1,0 +1,226 @@
+//! Benchmark of the CUDA kernels on one GPU (run on a machine with a GPU; the correctness
+//! checks are the ignored tests of `tests/gpu_kernels.rs`).
+//!
+//! `distattn-cuda-bench bench --out FILE [--dims 128,64] [--quick] [--seqs 16384,...]`: times
+//! forward and backward (CUDA events, one warm-up, the median of 10 runs, 3 at 64k and beyond)
+//! on the standard grid (16k tokens per batch, 2048 / head dim heads, bf16, causal and not) and
+//! writes JSON rows.
+//!
+//! `distattn-cuda-bench dump DIR`: runs forward and backward on the cases PyTorch can run too
+//! (full and causal, no GQA) for bf16 and f16 at every head dim, and writes inputs, outputs and
+//! a `meta.json` per case, for `bench/torch_peer.py accuracy`, which measures our error and
+//! PyTorch flash's against an f64 reference on the same inputs.
+
+use distattn_core::{AttnOptions, AttnShape, DType, Mask};
+use distattn_cuda::cudarc::driver::{sys::CUevent_flags, CudaSlice};
+use distattn_cuda::{CudaBackend, CudaElement};
+use half::{bf16, f16};
+use std::io::Write;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// `n` values of unit variance (uniform in ±√3), from a fast xorshift generator.
+fn random<T: CudaElement>(n: usize, seed: u64) -> Vec<T> {
+    let mut x = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = (x >> 40) as f32 / (1u64 << 24) as f32;
+            T::from_f32((u - 0.5) * 3.4641)
+        })
+        .collect()
+}
+
+fn upload<T: CudaElement>(be: &CudaBackend, v: &[T]) -> Res<CudaSlice<T>> {
+    Ok(be.stream().clone_htod(v)?)
+}
+
+#[derive(serde::Serialize)]
+struct BenchRow {
+    #[serde(rename = "impl")]
+    imp: String,
+    pass: String,
+    causal: bool,
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    dtype: String,
+    tflops: f64,
+    ms: f64,
+}
+
+/// Median time of `reps` runs of `f` (CUDA events around each), after one warm-up run.
+fn time_ms(be: &CudaBackend, reps: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    f()?;
+    be.synchronize()?;
+    let mut ts = Vec::new();
+    for _ in 0..reps {
+        let a = be.stream().record_event(flags)?;
+        f()?;
+        let b = be.stream().record_event(flags)?;
+        b.synchronize()?;
+        ts.push(a.elapsed_ms(&b)? as f64);
+    }
+    ts.sort_by(|a, b| a.total_cmp(b));
+    Ok(ts[ts.len() / 2])
+}
+
+fn bench(be: &CudaBackend, out: &str, dims: &[usize], quick: bool, seqs: Option<Vec<usize>>) -> Res<()> {
+    let mut rows = Vec::new();
+    let mut grid: Vec<(usize, usize)> = [512, 1024, 2048, 4096, 8192, 16384].iter().map(|&s| (16384 / s, s)).collect();
+    if !quick {
+        grid.push((1, 65536));
+        grid.push((1, 131072));
+    }
+    if let Some(only) = seqs {
+        grid.retain(|(_, s)| only.contains(s));
+    }
+    for &d in dims {
+        let heads = 2048 / d;
+        for &(batch, seq) in &grid {
+            let shape = AttnShape::self_attn(batch, seq, heads, d)?;
+            let q = upload(be, &random::<bf16>(shape.q_elems(), 1))?;
+            let k = upload(be, &random::<bf16>(shape.kv_elems(), 2))?;
+            let v = upload(be, &random::<bf16>(shape.kv_elems(), 3))?;
+            let d_o = upload(be, &random::<bf16>(shape.q_elems(), 4))?;
+            let s = be.stream();
+            let mut o = s.alloc_zeros::<bf16>(shape.q_elems())?;
+            let mut lse = s.alloc_zeros::<f32>(shape.lse_elems())?;
+            let mut dq = s.alloc_zeros::<bf16>(shape.q_elems())?;
+            let mut dk = s.alloc_zeros::<bf16>(shape.kv_elems())?;
+            let mut dv = s.alloc_zeros::<bf16>(shape.kv_elems())?;
+            for causal in [false, true] {
+                let mask = if causal { Mask::causal(seq, seq)? } else { Mask::full(seq, seq)? };
+                let opts = AttnOptions::default();
+                let fwd_flops = 4.0 * (batch * heads) as f64 * mask.area() as f64 * d as f64;
+                let reps = if seq >= 65536 { 3 } else { 10 };
+                let tf =
+                    time_ms(be, reps, || Ok(be.forward(&q, &k, &v, &shape, &mask, &opts, &mut o, &mut lse, None)?))?;
+                let tb = time_ms(be, reps, || {
+                    Ok(be.backward(&q, &k, &v, &o, &lse, &d_o, &shape, &mask, &opts, &mut dq, &mut dk, &mut dv)?)
+                })?;
+                for (pass, t, fl) in [("fwd", tf, fwd_flops), ("bwd", tb, 2.5 * fwd_flops)] {
+                    let tflops = fl / (t * 1e-3) / 1e12;
+                    println!("distattn {pass} causal={causal} b={batch} n={seq} h={heads} d={d}: {t:.3} ms {tflops:.1} TFLOP/s");
+                    rows.push(BenchRow {
+                        imp: "distattn".into(),
+                        pass: pass.into(),
+                        causal,
+                        batch,
+                        seq,
+                        heads,
+                        head_dim: d,
+                        dtype: "bf16".into(),
+                        tflops,
+                        ms: t,
+                    });
+                }
+                std::io::stdout().flush()?;
+            }
+        }
+    }
+    std::fs::write(out, serde_json::to_string_pretty(&rows)?)?;
+    Ok(())
+}
+
+fn write_raw<T: bytemuck::Pod>(path: &std::path::Path, v: &[T]) -> Res<()> {
+    Ok(std::fs::write(path, bytemuck::cast_slice::<T, u8>(v))?)
+}
+
+/// Forward and backward of one case, inputs and outputs written under `dir/<case>`.
+fn dump_case<T: CudaElement>(
+    be: &CudaBackend,
+    dir: &std::path::Path,
+    name: &str,
+    mask: &Mask,
+    shape: &AttnShape,
+    seed: u64,
+) -> Res<()> {
+    let opts = AttnOptions::default();
+    let (q, k, v, d_o) = (
+        random::<T>(shape.q_elems(), seed),
+        random::<T>(shape.kv_elems(), seed + 1),
+        random::<T>(shape.kv_elems(), seed + 2),
+        random::<T>(shape.q_elems(), seed + 3),
+    );
+    let f = be.forward_host(&q, &k, &v, shape, mask, &opts)?;
+    let o: Vec<T> = f.o.iter().map(|&x| T::from_f32(x)).collect();
+    let grads = (shape.head_dim <= 128)
+        .then(|| be.backward_host(&q, &k, &v, &o, &f.lse, &d_o, shape, mask, &opts))
+        .transpose()?;
+    let sub = dir.join(format!("{name}-{}-d{}", T::DTYPE, shape.head_dim));
+    std::fs::create_dir_all(&sub)?;
+    for (file, data) in [("q.bin", &q), ("k.bin", &k), ("v.bin", &v), ("do.bin", &d_o), ("o.bin", &o)] {
+        write_raw(&sub.join(file), data)?;
+    }
+    write_raw(&sub.join("lse.bin"), &f.lse)?;
+    if let Some(g) = &grads {
+        write_raw(&sub.join("dq.bin"), &g.dq)?;
+        write_raw(&sub.join("dk.bin"), &g.dk)?;
+        write_raw(&sub.join("dv.bin"), &g.dv)?;
+    }
+    let meta = serde_json::json!({
+        "case": name, "dtype": T::DTYPE.to_string(), "batch": shape.batch, "q_len": shape.q_len,
+        "k_len": shape.k_len, "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+        "causal": name.starts_with("causal"), "grads": grads.is_some(),
+    });
+    std::fs::write(sub.join("meta.json"), meta.to_string())?;
+    Ok(())
+}
+
+fn dump(be: &CudaBackend, dir: &std::path::Path) -> Res<()> {
+    let cases = [
+        ("full-257", Mask::full(257, 257)?, 2, 4),
+        ("causal-300", Mask::causal(300, 300)?, 2, 4),
+        ("causal-1100", Mask::causal(1100, 1100)?, 1, 2),
+    ];
+    let mut seed = 1;
+    for d in [64, 128, 96, 256] {
+        for (name, mask, batch, heads) in &cases {
+            let shape = AttnShape::self_attn(*batch, mask.q_len(), *heads, d)?;
+            dump_case::<bf16>(be, dir, name, mask, &shape, seed)?;
+            dump_case::<f16>(be, dir, name, mask, &shape, seed + 4)?;
+            seed += 8;
+        }
+    }
+    println!("dumped {} cases to {}", 2 * 4 * cases.len(), dir.display());
+    Ok(())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let get = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+    let usage = "usage: distattn-cuda-bench bench --out FILE [--dims 128,64] [--quick] [--seqs N,...] | dump DIR";
+    let be = match CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("no GPU: {e}");
+            std::process::exit(2);
+        }
+    };
+    println!("device {} ({}), cache {:?}", be.device_name(), be.arch(), distattn_cuda::compile::cache_dir());
+    let list = |v: String| v.split(',').filter_map(|x| x.parse().ok()).collect::<Vec<usize>>();
+    let res = match args.get(1).map(|s| s.as_str()) {
+        Some("bench") => {
+            let dims = list(get("--dims").unwrap_or_else(|| "128".into()));
+            let prepared: Res<()> = dims.iter().try_for_each(|&d| Ok(be.prepare(DType::BF16, d)?));
+            prepared.and_then(|_| {
+                let out = get("--out").unwrap_or_else(|| "distattn_bench.json".into());
+                bench(&be, &out, &dims, args.iter().any(|a| a == "--quick"), get("--seqs").map(list))
+            })
+        }
+        Some("dump") => match args.get(2) {
+            Some(dir) => dump(&be, std::path::Path::new(dir)),
+            None => Err(usage.into()),
+        },
+        _ => Err(usage.into()),
+    };
+    if let Err(e) = res {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

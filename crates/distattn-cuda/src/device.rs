@@ -1,0 +1,345 @@
+//! One GPU: its context, its two streams (the compute lane and the comm lane), the kernel
+//! modules compiled for it, and the device copies of tile lists and index lists.
+
+use crate::aux::AuxKernels;
+use crate::buffer::GpuBuf;
+use crate::compile::{self, backend_err, KernelConfig, ModuleKind};
+use crate::driver_err;
+use crate::tiles::TilePlan;
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr};
+use distattn_core::schedule::Lane;
+use distattn_core::{DType, Error, Mask, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// The attention kernels of one (dtype, head dim), with their configuration.
+pub(crate) struct Kernels {
+    pub cfg: KernelConfig,
+    _module: Arc<CudaModule>,
+    pub fwd: CudaFunction,
+    pub dkdv: Option<CudaFunction>,
+}
+
+/// A tile plan uploaded to the device.
+pub(crate) struct DeviceTiles {
+    pub ptr: CudaSlice<i32>,
+    pub tiles: CudaSlice<i32>,
+    pub bits: CudaSlice<u32>,
+    pub n_major: usize,
+}
+
+/// (mask hash, bm, bn, by key)
+type TilesKey = (u64, usize, usize, bool);
+
+/// Index lists (pieces, merge runs) uploaded once per lane, by content.
+type IndexKey = (u64, Lane);
+
+/// The CUDA backend on one GPU: a context, a compute stream and a comm stream, compiled
+/// kernels and cached device copies of tile and index lists. It runs attention on device
+/// buffers ([`crate::attention`]), on host slices ([`crate::host`]), and plans through the
+/// interpreter of `distattn-exec` ([`crate::backend`]).
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    comm_stream: Arc<CudaStream>,
+    arch: String,
+    cc: (i32, i32),
+    max_smem: usize,
+    modules: Mutex<HashMap<(DType, usize), Arc<Kernels>>>,
+    aux: Mutex<HashMap<DType, Arc<AuxKernels>>>,
+    tiles: Mutex<HashMap<TilesKey, Arc<DeviceTiles>>>,
+    indices: Mutex<HashMap<IndexKey, Arc<CudaSlice<i64>>>>,
+}
+
+fn mask_key(mask: &Mask) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    mask.q_len().hash(&mut h);
+    mask.k_len().hash(&mut h);
+    mask.slices().hash(&mut h);
+    h.finish()
+}
+
+fn poisoned(what: &str) -> Error {
+    Error::Internal(format!("the {what} cache was poisoned by a panic"))
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`. Fails with [`Error::Backend`] when no CUDA driver or GPU is found.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // SAFETY: only tries to load libcuda by its usual names.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(backend_err("no CUDA driver found (libcuda.so could not be loaded)"));
+        }
+        let n = CudaContext::device_count().map_err(driver_err("cuDeviceGetCount"))?;
+        if ordinal >= n.max(0) as usize {
+            return Err(backend_err(format!("GPU {ordinal} requested but {n} found")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("creating the CUDA context"))?;
+        // SAFETY: the interpreter orders the two streams with events itself, so cudarc's
+        // per-buffer event tracking would only add launch overhead.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        // The comm stream gets the highest priority: a transfer's few blocks are scheduled as
+        // soon as SMs free up instead of queueing behind a whole attention grid.
+        let comm_stream = match cudarc::driver::result::stream::get_priority_range() {
+            Ok((_, greatest)) => ctx.new_stream_with_priority(greatest),
+            Err(_) => ctx.new_stream(),
+        }
+        .or_else(|_| ctx.new_stream())
+        .map_err(driver_err("creating the comm stream"))?;
+        let cc = ctx.compute_capability().map_err(driver_err("compute capability"))?;
+        let max_smem = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(driver_err("shared memory limit"))? as usize;
+        if cc.0 < 8 {
+            return Err(backend_err(format!(
+                "compute capability {}.{} found; the kernels need 8.0 or newer",
+                cc.0, cc.1
+            )));
+        }
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            comm_stream,
+            arch: compile::arch_for(cc),
+            cc,
+            max_smem,
+            modules: Mutex::new(HashMap::new()),
+            aux: Mutex::new(HashMap::new()),
+            tiles: Mutex::new(HashMap::new()),
+            indices: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The compute lane: every kernel launch goes here.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The comm lane: transfers (and the copies that feed them) go here.
+    pub fn comm_stream(&self) -> &Arc<CudaStream> {
+        &self.comm_stream
+    }
+
+    /// The stream of `lane`.
+    pub fn lane(&self, lane: Lane) -> &Arc<CudaStream> {
+        match lane {
+            Lane::Compute => &self.stream,
+            Lane::Comm => &self.comm_stream,
+        }
+    }
+
+    /// NVRTC target of this GPU (e.g. `sm_90a`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.cc
+    }
+
+    /// Device name as the driver reports it.
+    pub fn device_name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown CUDA device".into())
+    }
+
+    /// Waits for the work issued on the compute lane.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_err("synchronize"))
+    }
+
+    pub(crate) fn kernels(&self, dtype: DType, head_dim: usize) -> Result<Arc<Kernels>> {
+        let mut map = self.modules.lock().map_err(|_| poisoned("kernel module"))?;
+        if let Some(k) = map.get(&(dtype, head_dim)) {
+            return Ok(k.clone());
+        }
+        let cfg = KernelConfig::new(dtype, head_dim)?.for_arch(&self.arch);
+        let compiled = compile::compile_module(&ModuleKind::Flash(cfg), &self.arch, false)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
+            .map_err(driver_err("loading the compiled module"))?;
+        let f = |name: &str| module.load_function(name).map_err(driver_err("loading a kernel"));
+        let k = Kernels {
+            cfg,
+            fwd: f(cfg.fwd_kernel())?,
+            dkdv: if cfg.has_backward() { Some(f(cfg.dkdv_kernel())?) } else { None },
+            _module: module.clone(),
+        };
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        if cfg.fwd_smem() > self.max_smem || (cfg.has_backward() && cfg.bwd_smem() > self.max_smem) {
+            return Err(backend_err(format!(
+                "head dim {head_dim} needs {} / {} bytes of shared memory, the GPU allows {}",
+                cfg.fwd_smem(),
+                cfg.bwd_smem(),
+                self.max_smem
+            )));
+        }
+        k.fwd.set_attribute(attr, cfg.fwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
+        if let Some(d) = &k.dkdv {
+            d.set_attribute(attr, cfg.bwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
+        }
+        let k = Arc::new(k);
+        map.insert((dtype, head_dim), k.clone());
+        Ok(k)
+    }
+
+    /// The auxiliary kernels of `dtype`, loaded on first use. Their f32 kernels (merges, f32
+    /// adds and copies) are in every module, so f32 asks for any loaded one (bf16's if none).
+    pub(crate) fn aux(&self, dtype: DType) -> Result<Arc<AuxKernels>> {
+        let mut map = self.aux.lock().map_err(|_| poisoned("auxiliary module"))?;
+        let dtype = match dtype {
+            DType::F32 => map.keys().next().copied().unwrap_or(DType::BF16),
+            d => d,
+        };
+        if let Some(a) = map.get(&dtype) {
+            return Ok(a.clone());
+        }
+        let a = Arc::new(AuxKernels::load(&self.ctx, dtype)?);
+        map.insert(dtype, a.clone());
+        Ok(a)
+    }
+
+    /// Compiles (or loads from the cache) the kernels of a dtype and head dim ahead of use, and
+    /// the auxiliary kernels of the dtype.
+    pub fn prepare(&self, dtype: DType, head_dim: usize) -> Result<()> {
+        self.kernels(dtype, head_dim)?;
+        self.aux(dtype).map(|_| ())
+    }
+
+    /// The tile plan of `mask` for `bm × bn` tiles, listed by query or by key tile, on the
+    /// device (built and uploaded once per mask).
+    pub(crate) fn tiles(&self, mask: &Mask, bm: usize, bn: usize, by_key: bool) -> Result<Arc<DeviceTiles>> {
+        let key = (mask_key(mask), bm, bn, by_key);
+        if let Some(p) = self.tiles.lock().map_err(|_| poisoned("tile plan"))?.get(&key) {
+            return Ok(p.clone());
+        }
+        let tp = if by_key { TilePlan::by_key(mask, bm, bn)? } else { TilePlan::by_query(mask, bm, bn)? };
+        let flat: Vec<i32> = tp.tiles.iter().flat_map(|e| [e[0], e[1]]).collect();
+        let up_i = |v: &[i32]| -> Result<CudaSlice<i32>> {
+            if v.is_empty() {
+                self.stream.alloc_zeros::<i32>(2).map_err(driver_err("allocating a tile plan"))
+            } else {
+                self.stream.clone_htod(v).map_err(driver_err("uploading a tile plan"))
+            }
+        };
+        let bits = if tp.bits.is_empty() {
+            self.stream.alloc_zeros::<u32>(1).map_err(driver_err("allocating a tile plan"))?
+        } else {
+            self.stream.clone_htod(&tp.bits).map_err(driver_err("uploading a tile plan"))?
+        };
+        let dp = Arc::new(DeviceTiles { ptr: up_i(&tp.ptr)?, tiles: up_i(&flat)?, bits, n_major: tp.n_major });
+        let mut cache = self.tiles.lock().map_err(|_| poisoned("tile plan"))?;
+        if cache.len() >= 512 {
+            cache.clear();
+        }
+        cache.insert(key, dp.clone());
+        Ok(dp)
+    }
+
+    /// An index list (piece triples, merge runs) on the device for work on `lane`, uploaded
+    /// once per content.
+    pub(crate) fn indices(&self, lane: Lane, v: &[i64]) -> Result<Arc<CudaSlice<i64>>> {
+        let key = (compile::fnv64(&[bytemuck::cast_slice(v)]), lane);
+        if let Some(x) = self.indices.lock().map_err(|_| poisoned("index list"))?.get(&key) {
+            return Ok(x.clone());
+        }
+        let one = [0i64];
+        let up = self
+            .lane(lane)
+            .clone_htod(if v.is_empty() { &one[..] } else { v })
+            .map_err(driver_err("uploading indices"))?;
+        let up = Arc::new(up);
+        let mut c = self.indices.lock().map_err(|_| poisoned("index list"))?;
+        if c.len() > 4096 {
+            c.clear();
+        }
+        c.insert(key, up.clone());
+        Ok(up)
+    }
+
+    /// Raw address of an index list on `lane`.
+    pub(crate) fn index_ptr(&self, lane: Lane, list: &CudaSlice<i64>) -> u64 {
+        list.device_ptr(self.lane(lane)).0
+    }
+
+    fn memory_pool(&self) -> Result<sys::CUmemoryPool> {
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: plain out-parameter for this context's device.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }
+            .result()
+            .map_err(driver_err("memory pool"))?;
+        Ok(pool)
+    }
+
+    /// Sets the device memory pool so that a block freed on one stream is reused only once it
+    /// is free (no hidden cross-stream waits) and memory is kept between runs.
+    pub fn keep_memory_pool(&self) -> Result<()> {
+        let pool = self.memory_pool()?;
+        let mut zero: i32 = 0;
+        let mut max: u64 = u64::MAX;
+        // SAFETY: each attribute is written from a value of the type the driver expects (an int
+        // for the reuse flag, a u64 for the threshold).
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                &mut zero as *mut i32 as *mut _,
+            )
+            .result()
+            .map_err(driver_err("memory pool"))?;
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut max as *mut u64 as *mut _,
+            )
+            .result()
+            .map_err(driver_err("memory pool"))
+        }
+    }
+
+    /// Peak bytes in use in the device's memory pool since the last reset (and resets it when
+    /// asked).
+    pub fn pool_peak_bytes(&self, reset: bool) -> Result<u64> {
+        let pool = self.memory_pool()?;
+        let mut v: u64 = 0;
+        // SAFETY: the high-water mark attribute is a u64, read into and reset from one.
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut v as *mut u64 as *mut _,
+            )
+            .result()
+            .map_err(driver_err("memory pool"))?;
+            if reset {
+                let mut z: u64 = 0;
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    &mut z as *mut u64 as *mut _,
+                )
+                .result()
+                .map_err(driver_err("memory pool"))?;
+            }
+        }
+        Ok(v)
+    }
+
+    /// Fills `buf` (bf16 or f16) with deterministic values uniform in `[-a, a)`, on the compute
+    /// lane: inputs for timing runs, generated where they are used.
+    pub fn fill_random(&self, buf: &mut GpuBuf, seed: u64, a: f32) -> Result<()> {
+        let aux = self.aux(buf.dtype())?;
+        if aux.dtype() != buf.dtype() {
+            return Err(Error::UnsupportedDType(format!("{} (random fills are bf16 or f16)", buf.dtype())));
+        }
+        let s = &self.stream;
+        // SAFETY: `buf` holds len() values of the module's type on this stream.
+        unsafe { aux.rand_fill(s, buf.ptr(s), buf.len(), seed, a) }
+    }
+}

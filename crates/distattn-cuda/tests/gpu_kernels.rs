@@ -1,0 +1,214 @@
+//! The CUDA kernels against the f64 reference of the test kit, on a GPU
+//! (`cargo test --release -p distattn-cuda -- --ignored`; without a GPU these tests fail,
+//! saying so).
+//!
+//! Forward (O, LSE), backward (dQ, dK, dV) and the LSE merge, on fresh random inputs (the seed
+//! is printed; `DISTATTN_SEED` replays it), for dtype × head dim × mask × GQA × awkward
+//! lengths. Outputs are poisoned (NaN) before each run, so an element a kernel never writes
+//! fails the check.
+
+use distattn_core::mask::DocKind;
+use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask};
+use distattn_cuda::cudarc::driver::CudaSlice;
+use distattn_cuda::{CudaBackend, CudaElement};
+use distattn_testkit::{cast, lse_err, randn, reference, rel_err, seeded_rng};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+
+/// Relative error bound of the bf16/f16 kernels against f64 on the stored inputs.
+const TOL: f64 = 1e-2;
+/// The LSE is computed in f32 throughout.
+const LSE_TOL: f64 = 1e-3;
+
+fn gpu() -> CudaBackend {
+    CudaBackend::new(0).unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e}"))
+}
+
+struct Case {
+    name: &'static str,
+    mask: Mask,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+}
+
+fn cases() -> Vec<Case> {
+    let c = |name, mask, batch, heads, kv_heads| Case { name, mask, batch, heads, kv_heads };
+    vec![
+        c("full-257", Mask::full(257, 257).unwrap(), 2, 4, 4),
+        c("causal-300", Mask::causal(300, 300).unwrap(), 2, 4, 4),
+        c("causal-q130-k333", Mask::causal(130, 333).unwrap(), 2, 4, 2),
+        c("causal-q333-k130", Mask::causal(333, 130).unwrap(), 1, 4, 1),
+        c("full-q100-k389-gqa", Mask::full(100, 389).unwrap(), 2, 4, 2),
+        c("swa64-causal-400", Mask::sliding_window(400, 400, Some(64), Some(0)).unwrap(), 1, 4, 2),
+        c("docs-causal", Mask::documents(&[100, 37, 180, 83], DocKind::Causal).unwrap(), 1, 4, 1),
+        c("docs-full", Mask::documents(&[70, 130, 1, 55], DocKind::Full).unwrap(), 1, 4, 2),
+        c("prefix-lm-300", Mask::prefix_lm(300, 90).unwrap(), 1, 4, 4),
+        c("window-global-350", Mask::window_global(350, Some(40), Some(40), 16).unwrap(), 1, 4, 1),
+        c("causal-1100", Mask::causal(1100, 1100).unwrap(), 1, 2, 2),
+    ]
+}
+
+/// Errors of one case: O (the dtype output and the f32 copy), LSE, and dQ, dK, dV for head dims
+/// with a backward.
+fn errors<T: CudaElement>(gpu: &CudaBackend, c: &Case, d: usize, rng: &mut StdRng) -> Vec<(&'static str, f64)> {
+    let shape = AttnShape::new(c.batch, c.mask.q_len(), c.mask.k_len(), c.heads, c.kv_heads, d).unwrap();
+    let opts = AttnOptions::default();
+    let q: Vec<T> = cast(&randn(rng, shape.q_elems(), 1.0));
+    let k: Vec<T> = cast(&randn(rng, shape.kv_elems(), 1.0));
+    let v: Vec<T> = cast(&randn(rng, shape.kv_elems(), 1.0));
+    let d_o: Vec<T> = cast(&randn(rng, shape.q_elems(), 1.0));
+    let s = gpu.stream();
+    let up = |x: &[T]| s.clone_htod(x).unwrap();
+    let (gq, gk, gv, gd_o) = (up(&q), up(&k), up(&v), up(&d_o));
+    let nan_q = vec![T::from_f32(f32::NAN); shape.q_elems()];
+    let mut o = s.clone_htod(&nan_q).unwrap();
+    let mut lse = s.clone_htod(&vec![f32::NAN; shape.lse_elems()]).unwrap();
+    let mut o_f32 = s.clone_htod(&vec![f32::NAN; shape.q_elems()]).unwrap();
+    gpu.forward(&gq, &gk, &gv, &shape, &c.mask, &opts, &mut o, &mut lse, Some(&mut o_f32.as_view_mut())).unwrap();
+    let o_h: Vec<T> = s.clone_dtoh(&o).unwrap();
+    let lse_h: Vec<f32> = s.clone_dtoh(&lse).unwrap();
+    let of_h: Vec<f32> = s.clone_dtoh(&o_f32).unwrap();
+    let rf = reference::forward(&q, &k, &v, &shape, &c.mask, &opts).unwrap();
+    let mut errs = vec![("O", rel_err(&o_h, &rf.o).max(rel_err(&of_h, &rf.o))), ("LSE", lse_err(&lse_h, &rf.lse))];
+    if d <= 128 {
+        let nan_kv = vec![T::from_f32(f32::NAN); shape.kv_elems()];
+        let (mut dq, mut dk, mut dv) =
+            (s.clone_htod(&nan_q).unwrap(), s.clone_htod(&nan_kv).unwrap(), s.clone_htod(&nan_kv).unwrap());
+        gpu.backward(&gq, &gk, &gv, &o, &lse, &gd_o, &shape, &c.mask, &opts, &mut dq, &mut dk, &mut dv).unwrap();
+        let rg = reference::backward(&q, &k, &v, &d_o, &shape, &c.mask, &opts).unwrap();
+        let host = |x: &CudaSlice<T>| s.clone_dtoh(x).unwrap();
+        errs.push(("dQ", rel_err(&host(&dq), &rg.dq)));
+        errs.push(("dK", rel_err(&host(&dk), &rg.dk)));
+        errs.push(("dV", rel_err(&host(&dv), &rg.dv)));
+    }
+    errs
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kernels_match_the_f64_reference() {
+    let gpu = gpu();
+    let (mut rng, seed) = seeded_rng("kernels_match_the_f64_reference");
+    let mut failures = Vec::new();
+    let mut n = 0;
+    for d in [64, 128, 96, 256] {
+        for c in cases() {
+            for dtype in [DType::BF16, DType::F16] {
+                let errs = match dtype {
+                    DType::BF16 => errors::<bf16>(&gpu, &c, d, &mut rng),
+                    _ => errors::<f16>(&gpu, &c, d, &mut rng),
+                };
+                n += 1;
+                let line = errs.iter().map(|(w, e)| format!("{w} {e:.2e}")).collect::<Vec<_>>().join(", ");
+                let ok = errs.iter().all(|&(w, e)| e <= if w == "LSE" { LSE_TOL } else { TOL });
+                println!("{:<20} {dtype:<5} d{d:<4} {line} {}", c.name, if ok { "ok" } else { "FAIL" });
+                if !ok {
+                    failures.push(format!("{} {dtype} d{d}: {line}", c.name));
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {n} cases fail (DISTATTN_SEED={seed}):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn merge_of_key_halves_equals_the_whole() {
+    let gpu = gpu();
+    let (mut rng, seed) = seeded_rng("merge_of_key_halves_equals_the_whole");
+    let s = gpu.stream();
+    let opts = AttnOptions::default();
+    for d in [64, 128] {
+        // Causal 300 x 410: the first rows see no key of the second half, some none at all of
+        // the first; the merge must keep both.
+        let (nq, nk, h, split) = (300usize, 410usize, 4usize, 170usize);
+        let mask = Mask::causal(nq, nk).unwrap();
+        let shape = AttnShape::new(1, nq, nk, h, h, d).unwrap();
+        let q: Vec<bf16> = cast(&randn(&mut rng, shape.q_elems(), 1.0));
+        let k: Vec<bf16> = cast(&randn(&mut rng, shape.kv_elems(), 1.0));
+        let v: Vec<bf16> = cast(&randn(&mut rng, shape.kv_elems(), 1.0));
+        let (mut o_parts, mut lse_parts) = (Vec::new(), Vec::new());
+        for (a, b) in [(0, split), (split, nk)] {
+            let sub = AttnShape::new(1, nq, b - a, h, h, d).unwrap();
+            let row = h * d;
+            let part = gpu
+                .forward_host(
+                    &q,
+                    &k[a * row..b * row],
+                    &v[a * row..b * row],
+                    &sub,
+                    &mask.restrict(0..nq, a..b).unwrap(),
+                    &opts,
+                )
+                .unwrap();
+            o_parts.extend(part.o);
+            lse_parts.extend(part.lse);
+        }
+        let (op, lp) = (s.clone_htod(&o_parts).unwrap(), s.clone_htod(&lse_parts).unwrap());
+        let mut o = s.alloc_zeros::<f32>(shape.q_elems()).unwrap();
+        let mut lse = s.alloc_zeros::<f32>(shape.lse_elems()).unwrap();
+        gpu.merge(&op, &lp, 2, &shape, &mut o, &mut lse).unwrap();
+        let (o, lse): (Vec<f32>, Vec<f32>) = (s.clone_dtoh(&o).unwrap(), s.clone_dtoh(&lse).unwrap());
+        let r = reference::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+        let (eo, el) = (rel_err(&o, &r.o), lse_err(&lse, &r.lse));
+        println!("merge of two key halves, d{d}: O {eo:.2e} LSE {el:.2e}");
+        assert!(eo <= TOL && el <= LSE_TOL, "d{d}: O {eo:.2e} LSE {el:.2e} (DISTATTN_SEED={seed})");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_inputs_are_typed_errors() {
+    let gpu = gpu();
+    let opts = AttnOptions::default();
+    let z = |n| vec![bf16::from_f32(0.5); n];
+    let shape = AttnShape::new(1, 64, 64, 2, 2, 80).unwrap();
+    let r = gpu.forward_host(
+        &z(shape.q_elems()),
+        &z(shape.kv_elems()),
+        &z(shape.kv_elems()),
+        &shape,
+        &Mask::full(64, 64).unwrap(),
+        &opts,
+    );
+    assert!(matches!(r, Err(Error::UnsupportedHeadDim { head_dim: 80, .. })), "{r:?}");
+    let shape = AttnShape::new(1, 64, 64, 2, 2, 64).unwrap();
+    let r = gpu.forward_host(
+        &z(10),
+        &z(shape.kv_elems()),
+        &z(shape.kv_elems()),
+        &shape,
+        &Mask::full(64, 64).unwrap(),
+        &opts,
+    );
+    assert!(matches!(r, Err(Error::ShapeMismatch { .. })), "{r:?}");
+    let r = gpu.forward_host(
+        &z(shape.q_elems()),
+        &z(shape.kv_elems()),
+        &z(shape.kv_elems()),
+        &shape,
+        &Mask::full(32, 64).unwrap(),
+        &opts,
+    );
+    assert!(r.is_err(), "a mask of the wrong size");
+    let shape256 = AttnShape::new(1, 64, 64, 2, 2, 256).unwrap();
+    let (q, kv) = (z(shape256.q_elems()), z(shape256.kv_elems()));
+    let r = gpu.backward_host(
+        &q,
+        &kv,
+        &kv,
+        &q,
+        &vec![0.0; shape256.lse_elems()],
+        &q,
+        &shape256,
+        &Mask::full(64, 64).unwrap(),
+        &opts,
+    );
+    assert!(matches!(r, Err(Error::UnsupportedHeadDim { head_dim: 256, .. })), "{r:?}");
+}
