@@ -21,6 +21,11 @@ pub fn rng(test: &str) -> (StdRng, u64) {
     distattn_testkit::seeded_rng(test)
 }
 
+/// Root mean square of `x`.
+fn rms<T: Copy + Into<f64>>(x: &[T]) -> f64 {
+    (x.iter().map(|&v| v.into().powi(2)).sum::<f64>() / x.len().max(1) as f64).sqrt()
+}
+
 /// Errors of one forward + backward case.
 #[derive(Debug)]
 pub struct Errs {
@@ -76,11 +81,15 @@ pub fn errors<T: Element>(x: &Inputs, shape: &AttnShape, mask: &Mask, tiles: Til
         assert!(t.iter().all(|x| x.is_finite()), "non-finite gradient");
     }
     let rg = reference::backward(&sq, &sk, &sv, &sd_o, shape, mask, &opts).unwrap();
+    // With a single key, dS = P·(dP − D) is exactly zero, so the exact dK is zero and the
+    // kernel's is f32 rounding noise summed over rows and heads: measure it against the scale
+    // of the same key's dV rather than against the floor of an all-zero reference.
+    let dk = if shape.k_len == 1 { rms(&g.dk) / rms(&rg.dv).max(distattn_testkit::compare::FLOOR) } else { rel_err(&g.dk, &rg.dk) };
     Errs {
         o: rel_err(&f.o, &r.o),
         lse: lse_err(&f.lse, &r.lse),
         dq: rel_err(&g.dq, &rg.dq),
-        dk: rel_err(&g.dk, &rg.dk),
+        dk,
         dv: rel_err(&g.dv, &rg.dv),
     }
 }
