@@ -29,10 +29,21 @@ __device__ __forceinline__ void row_delta(const DeltaParams& p) {
     if (row >= p.rows) return;
     const OT* o = (const OT*)p.o + row * p.head_dim;
     const elem_t* d = p.dout + row * p.head_dim;
+    // Up to head dim 256, every load of the row is issued before the first product (a loop
+    // with a run-time bound would wait for each pair in turn); wider rows finish in a loop.
+    float2 a[4], g[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int c = lane * 2 + 64 * j;
+        a[j] = c < p.head_dim ? load_f32x2(o + c) : make_float2(0.f, 0.f);
+        g[j] = c < p.head_dim ? load_f32x2(d + c) : make_float2(0.f, 0.f);
+    }
     float acc = 0.f;
-    for (int c = lane * 2; c < p.head_dim; c += 64) {
-        const float2 a = load_f32x2(o + c), g = load_f32x2(d + c);
-        acc += a.x * g.x + a.y * g.y;
+#pragma unroll
+    for (int j = 0; j < 4; j++) acc += a[j].x * g[j].x + a[j].y * g[j].y;
+    for (int c = lane * 2 + 256; c < p.head_dim; c += 64) {
+        const float2 x = load_f32x2(o + c), y = load_f32x2(d + c);
+        acc += x.x * y.x + x.y * y.y;
     }
 #pragma unroll
     for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, s);
