@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The command line's GPU paths on a GPU machine, with the release binary built beforehand
-# (`cargo build --release -p distattn`; DISTATTN_BIN points at it):
+# (`cargo build --release -p distattn --features cli`; DISTATTN_BIN points at it):
 #   1. `distattn bench` on the GPU (self-check against the f64 reference, then the table);
 #   2. `distattn run --backend cuda` and `distattn run --gpus N --strategy S` on the same bf16
 #      inputs, compared with the CPU backend's result on those inputs.

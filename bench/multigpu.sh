@@ -3,13 +3,15 @@
 # (Ulysses) SDPA baseline, all in one call on one machine:
 #   bench/multigpu.sh OUTDIR
 # Env: DISTATTN_MULTIGPU_BIN (default target/release/distattn-multigpu-bench, built with
-# `cargo build --release -p distattn-nccl`), GPUS (default: all), SEQS (default 32768,131072),
+# `cargo build --release -p distattn-nccl`), DISTATTN_GPU_TESTS (a folder of GPU test
+# executables, `cargo test --release --no-run -p distattn-nccl -p distattn-cuda`: the check
+# stage runs them), GPUS (default: all), SEQS (default 32768,131072),
 # STRATEGIES (default zigzag,balanced,ulysses,allgather), BUDGET_S (default 400: later stages are
 # skipped or shortened to end within it), PROBE_SEQS (default 524288; empty = no probe),
 # MASKS (';'-separated, default causal: the distattn benchmark runs each; PyTorch's context
 # parallel runs causal only), KV_HEADS (default 8), STAGES (default check,bench,kill,torch,probe),
 # TORCH_CONFIGS (default: every flash/cuDNN rotation and the Ulysses baseline), DISTATTN_COMMIT.
-# Writes OUTDIR/check.json, distattn.json, timelines.json, torch.json, probe.json,
+# Writes OUTDIR/check/ (the GPU tests' logs), distattn.json, timelines.json, torch.json, probe.json,
 # multigpu.json ({device, date, commit, rows}: distattn + torch rows) and prints a summary last.
 set -uo pipefail
 OUT=${1:?usage: multigpu.sh OUTDIR}
@@ -41,8 +43,12 @@ python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backe
 
 rc=0
 if want check; then
-  stage "exactness: every strategy on $GPUS GPUs vs the single-GPU kernels"
-  timeout 100 "$BIN" check --gpus "$GPUS" --out "$OUT/check.json" || rc=1
+  stage "exactness: every strategy on $GPUS GPUs (NCCL) and on ranks sharing them, vs f64"
+  if [ -n "${DISTATTN_GPU_TESTS:-}" ]; then
+    TEST_BIN_DIR="$DISTATTN_GPU_TESTS" timeout 200 bash "$HERE/gpu_tests.sh" "$OUT/check" || rc=1
+  else
+    echo "DISTATTN_GPU_TESTS not set: no exactness check"; rc=1
+  fi
 fi
 
 if want bench; then
@@ -93,16 +99,12 @@ def load(n):
 import glob
 parts = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(out, "distattn-*.json")))]
 d = parts[0] if parts else None
-t, c, p = load("torch.json"), load("check.json"), load("probe.json")
+t, p = load("torch.json"), load("probe.json")
 rows = [r for part in parts for r in part.get("rows", [])] + [r for r in (t or {}).get("rows", []) if r.get("tflops")]
 merged = {"device": (d or t or {}).get("device"), "date": (d or t or {}).get("date"), "commit": (d or {}).get("commit"),
           "torch": (t or {}).get("torch"), "rows": rows, "torch_errors": [r for r in (t or {}).get("rows", []) if not r.get("tflops")],
           "probe": p}
 json.dump(merged, open(os.path.join(out, "multigpu.json"), "w"), indent=1)
-if c:
-    res = [r["result"] for r in c["rows"]]
-    print(f"exactness on {c['gpus']} GPUs: {res.count('PASS')} pass, {sum(x in ('FAIL','MISSING') for x in res)} fail, "
-          f"{sum(x.startswith('unsupported') for x in res)} unsupported")
 print(f"{'impl':15s} {'strategy':17s} {'mask':22s} {'kv':>3s} {'seq':>7s} {'pass':8s} {'TFLOP/s/GPU':>11s} {'ms':>9s} {'GB/GPU':>7s} {'eff':>5s} {'hidden':>6s}")
 for r in sorted(rows, key=lambda r: (r["pass"], r["seq"], -(r.get("tflops_per_gpu") or 0))):
     eff = r.get("scaling_eff"); hid = r.get("comm_hidden_frac"); mem = r.get("mem_gb_per_gpu")

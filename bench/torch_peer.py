@@ -2,7 +2,7 @@
 """PyTorch peers for the distattn CUDA kernels (run on the GPU machine).
 
   torch_peer.py accuracy DUMP_DIR OUT.json
-      For each case dumped by `distattn-cuda-gpu check --dump DUMP_DIR` (same inputs): an f64
+      For each case dumped by `distattn-cuda-bench dump DUMP_DIR` (same inputs): an f64
       reference on the GPU, PyTorch SDPA flash's error and distattn's error against it.
   torch_peer.py bench OUT.json [--dims 128,64] [--quick] [--seqs 16384,...]
       PyTorch SDPA flash and cuDNN, forward and backward, on the standard grid (CUDA events,
