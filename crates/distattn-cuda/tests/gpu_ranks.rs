@@ -33,3 +33,31 @@ fn every_strategy_on_gpu_ranks_matches_the_reference() {
         )
     });
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_failed_rank_stops_the_others_with_its_name() {
+    use distattn_core::planner::build;
+    use distattn_core::{AttnShape, DType, Error, Mask, PlanOptions, Strategy};
+    use distattn_exec::{prepare_all, FailureKind, HostTensors, InjectedFailure};
+    let gpus = gpu_count();
+    assert!(gpus > 0, "this test needs a CUDA GPU");
+    let shape = AttnShape::new(1, 4096, 4096, 8, 4, 128).unwrap();
+    let mask = Mask::causal(4096, 4096).unwrap();
+    let plan = build(Strategy::Zigzag, 4, &shape, &mask, DType::BF16, &PlanOptions::forward()).unwrap();
+    let progs = prepare_all(&plan, &mask).unwrap();
+    let (q, kv) = (vec![half::bf16::ONE; shape.q_elems()], vec![half::bf16::ONE; shape.kv_elems()]);
+    let full = HostTensors { q: &q, k: &kv, v: &kv, backward: None };
+    for kind in [FailureKind::Error, FailureKind::Panic] {
+        let ctl = ExecOptions { timeline: false, fail: Some(InjectedFailure { rank: 2, step: 1, kind }) };
+        let t0 = std::time::Instant::now();
+        let e = with_peer_ranks(4, |r| r % gpus, Duration::from_secs(60), |backend, comm| {
+            run_rank(&progs[comm.rank()], backend, comm, &full, &AttnOptions::default(), &ctl)
+        })
+        .err()
+        .expect("the run fails");
+        println!("{kind:?}: {e} after {:?}", t0.elapsed());
+        assert!(matches!(e, Error::RankFailed { rank: 2, .. }), "{kind:?}: {e}");
+        assert!(t0.elapsed() < Duration::from_secs(20), "{kind:?}: took {:?}", t0.elapsed());
+    }
+}
