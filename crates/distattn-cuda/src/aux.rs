@@ -151,8 +151,7 @@ impl AuxKernels {
     /// `src` and `dst` are addresses, in the context of `s`, of buffers of at least `n` values of
     /// those types (8- and 4-byte aligned).
     pub unsafe fn convert_f32(&self, s: &CudaStream, src: u64, dst: u64, n: usize) -> Result<()> {
-        #[allow(clippy::manual_is_multiple_of)] // MSRV 1.80
-        if n % 2 != 0 {
+        if !n.is_multiple_of(2) {
             return Err(backend_err(format!("convert_f32 converts pairs; {n} values given")));
         }
         let n2 = (n / 2) as i64;
