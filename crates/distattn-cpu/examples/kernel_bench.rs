@@ -1,7 +1,7 @@
 //! Single-thread GFLOP/s of the tile GEMM micro-kernel (data in L1/L2), per second of thread
 //! CPU time, for tuning.
 //! cargo run --release -p distattn-cpu --example kernel_bench
-use distattn_cpu::flash::gemm::{gemm, simd_available, AOp};
+use distattn_cpu::flash::gemm::{gemm, simd_available, AOp, BOp, COp, Dims};
 
 fn main() {
     let simd = simd_available();
@@ -22,7 +22,9 @@ fn main() {
         for _ in 0..5 {
             let t = cpu_time::ThreadTime::now();
             for _ in 0..iters {
-                unsafe { gemm(simd, m, n, k, AOp { ptr: a.as_ptr(), rs, cs }, b.as_ptr(), n, c.as_mut_ptr(), n, true) };
+                let (ao, bo, co) =
+                    (AOp { ptr: a.as_ptr(), rs, cs }, BOp::rows(b.as_ptr(), n), COp { ptr: c.as_mut_ptr(), ld: n });
+                unsafe { gemm(simd, Dims { m, n, k }, ao, bo, co, true) };
             }
             best = best.min(t.elapsed().as_secs_f64());
         }

@@ -1,7 +1,7 @@
 //! Flash attention forward: one task per (batch, head, query tile), online softmax over the
 //! non-empty key tiles of the mask.
 
-use super::gemm::{gemm_panels, simd_available, AOp};
+use super::gemm::{gemm, simd_available, AOp, BOp, COp, Dims};
 use super::vmath;
 use super::{pack_k_panels, pack_v_panels, round16, rows_f32, SendPtr, TileConfig, LOG2E};
 use distattn_core::Forward;
@@ -65,9 +65,9 @@ pub(crate) fn run<T: Element>(
                 // Panels of 16 keys, each [d, 16]: column `col` starts panel col / 16.
                 let kt_tile = &kt[(kg * nkt + tile) * d * bc + col * d..];
                 // S = Q · Kᵀ (raw scores)
-                unsafe {
-                    gemm_panels(simd, mq, ncol, d, qa, kt_tile.as_ptr(), 16, 16 * d, sc.s.as_mut_ptr(), bc, false)
-                };
+                let kb = BOp { ptr: kt_tile.as_ptr(), ld: 16, ps: 16 * d };
+                let sc_s = COp { ptr: sc.s.as_mut_ptr(), ld: bc };
+                unsafe { gemm(simd, Dims { m: mq, n: ncol, k: d }, qa, kb, sc_s, false) };
                 if class == TileClass::Partial {
                     mask.fill_tile(q0..q1, kr.clone(), &mut sc.keep);
                     for i in 0..mq {
@@ -93,9 +93,9 @@ pub(crate) fn run<T: Element>(
                 // Panels of 16 dims, each [bc, 16]; this step's keys start at row col.
                 let v_tile = &vp[(kg * nkt + tile) * dp * bc + col * 16..];
                 let pa = AOp { ptr: sc.s.as_ptr(), rs: bc, cs: 1 };
-                unsafe {
-                    gemm_panels(simd, mq, dp, nkv, pa, v_tile.as_ptr(), 16, 16 * bc, sc.o.as_mut_ptr(), dp, true)
-                };
+                let vb = BOp { ptr: v_tile.as_ptr(), ld: 16, ps: 16 * bc };
+                let sc_o = COp { ptr: sc.o.as_mut_ptr(), ld: dp };
+                unsafe { gemm(simd, Dims { m: mq, n: dp, k: nkv }, pa, vb, sc_o, true) };
             }
             for i in 0..mq {
                 let (l, m) = (sc.l[i], sc.m[i]);
