@@ -7,7 +7,7 @@
 //! reads or writes, which is more than clippy's argument limit.
 #![allow(clippy::too_many_arguments)]
 
-use crate::aux::MergeDims;
+use crate::aux::{MergeDims, OLse};
 use crate::compile::{backend_err, KernelConfig};
 use crate::device::CudaBackend;
 use crate::params::{BwdParams, FwdParams};
@@ -309,13 +309,14 @@ impl CudaBackend {
             total: shape.q_len,
         };
         let quads = s.clone_htod(&[0, 0, shape.q_len as i64, 0]).map_err(driver_err("uploading the merge spec"))?;
+        let acc = OLse { o: o_out, lse: lse_out };
         for part in 0..n_parts {
             let o = o_parts + (part * shape.q_elems() * 4) as u64;
             let lse = lse_parts + (part * shape.lse_elems() * 4) as u64;
             // SAFETY: part `part` of o_parts / lse_parts and the outputs hold the q_elems() /
             // lse_elems() f32 the identity spec covers; the quads are uploaded above; all on
             // this stream.
-            unsafe { aux.merge(s, o, lse, o_out, lse_out, &dims, quads.device_ptr(s).0) }?;
+            unsafe { aux.merge(s, OLse { o, lse }, acc, &dims, quads.device_ptr(s).0) }?;
         }
         Ok(())
     }

@@ -23,6 +23,23 @@ pub enum PieceOp {
     Add { src: DType },
 }
 
+/// A list of pieces on the device: `len` `(src offset, dst offset, len)` i64 triples at `ptr`,
+/// the longest piece `max_len` elements (it sizes the grid; every piece is copied whole).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PieceList {
+    pub ptr: u64,
+    pub len: usize,
+    pub max_len: usize,
+}
+
+/// The device addresses of an (O, LSE) pair, both f32: O `[b, tokens, heads, head_dim]`, LSE
+/// `[b, heads, tokens]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OLse {
+    pub o: u64,
+    pub lse: u64,
+}
+
 /// The compact spec of a merge of a partial (O, LSE) into accumulators, whose `n_pieces`
 /// `(src token, dst token, len, start)` quads are on the device: rows `(b, h, t)` for `b <
 /// batch`, `h < heads`, `t < total` (the pieces' tokens in order, `start` the running sum of the
@@ -161,23 +178,13 @@ impl AuxKernels {
         Ok(())
     }
 
-    /// Copies or adds `n_pieces` pieces (`op`), listed on the device at `pieces` as `(src, dst,
-    /// len)` i64 triples, the longest `max_len` elements.
+    /// Copies or adds the pieces of `list` (`op`) from `src` to `dst`.
     ///
     /// # Safety
-    /// `pieces` holds `3 n_pieces` i64 in the context of `s`; `src` and `dst` are addresses there
-    /// of buffers of `op`'s types (an add's destination is f32) covering every piece.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn pieces(
-        &self,
-        s: &CudaStream,
-        op: PieceOp,
-        src: u64,
-        dst: u64,
-        pieces: u64,
-        n_pieces: usize,
-        max_len: usize,
-    ) -> Result<()> {
+    /// `list.ptr` holds `3 list.len` i64 in the context of `s`; `src` and `dst` are addresses
+    /// there of buffers of `op`'s types (an add's destination is f32) covering every piece.
+    pub unsafe fn pieces(&self, s: &CudaStream, op: PieceOp, src: u64, dst: u64, list: PieceList) -> Result<()> {
+        let PieceList { ptr: pieces, len: n_pieces, max_len } = list;
         let f = match op {
             PieceOp::Copy { elem_bytes: 2 } => &self.copy_u16,
             PieceOp::Copy { elem_bytes: 4 } => &self.copy_u32,
@@ -210,33 +217,23 @@ impl AuxKernels {
         Ok(())
     }
 
-    /// Merges a partial (O at `o`, LSE at `lse`) into accumulators (`o_acc`, `lse_acc`) by a
-    /// compact spec whose quads are on the device at `quads`. A row whose partial LSE is −inf
-    /// is left as it is; an accumulator row at −inf takes the partial's values.
+    /// Merges a partial `part` into the accumulators `acc` by a compact spec whose quads are on
+    /// the device at `quads`. A row whose partial LSE is −inf is left as it is; an accumulator
+    /// row at −inf takes the partial's values.
     ///
     /// # Safety
     /// All four buffers are f32 in the context of `s`, covering the rows `dims` describes;
     /// `quads` holds `4 dims.n_pieces` i64 there.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn merge(
-        &self,
-        s: &CudaStream,
-        o: u64,
-        lse: u64,
-        o_acc: u64,
-        lse_acc: u64,
-        dims: &MergeDims,
-        quads: u64,
-    ) -> Result<()> {
+    pub unsafe fn merge(&self, s: &CudaStream, part: OLse, acc: OLse, dims: &MergeDims, quads: u64) -> Result<()> {
         let rows = dims.batch * dims.heads * dims.total;
         if rows == 0 {
             return Ok(());
         }
         let a = MergeParams {
-            o,
-            lse,
-            oacc: o_acc,
-            lacc: lse_acc,
+            o: part.o,
+            lse: part.lse,
+            oacc: acc.o,
+            lacc: acc.lse,
             tp: quads,
             total: dims.total as i64,
             ns: dims.ns as i64,

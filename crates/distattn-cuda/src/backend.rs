@@ -2,7 +2,7 @@
 //! lanes as two streams ordered by CUDA events, piece copies and merges by the auxiliary
 //! kernels, and blocks by the attention kernels.
 
-use crate::aux::{MergeDims, PieceOp};
+use crate::aux::{MergeDims, OLse, PieceList, PieceOp};
 use crate::buffer::GpuBuf;
 use crate::device::CudaBackend;
 use crate::{driver_err, CudaElement};
@@ -59,9 +59,10 @@ impl CudaBackend {
         let list = self.indices(lane, &flat)?;
         let aux = self.aux(aux_dtype)?;
         let s = self.lane(lane);
+        let piece_list = PieceList { ptr: self.index_ptr(lane, &list), len: pieces.len(), max_len: max };
         // SAFETY: the list holds the triples on this lane's stream, every piece lies within both
         // buffers (checked above), and their dtypes select `op`.
-        unsafe { aux.pieces(s, op, src.ptr(s), dst.ptr(s), self.index_ptr(lane, &list), pieces.len(), max) }
+        unsafe { aux.pieces(s, op, src.ptr(s), dst.ptr(s), piece_list) }
     }
 
     /// Forward of one block into f32 (O, LSE) buffers of the block's rows.
@@ -225,19 +226,10 @@ impl Backend for CudaBackend {
         };
         let aux = self.aux(DType::F32)?;
         let s = self.stream();
+        let (part, acc) = (OLse { o: o.ptr(s), lse: lse.ptr(s) }, OLse { o: o_acc.ptr(s), lse: lse_acc.ptr(s) });
         // SAFETY: the four buffers are f32 on the compute stream and cover the spec's rows
         // (checked above); the run list is on the device for that stream.
-        unsafe {
-            aux.merge(
-                s,
-                o.ptr(s),
-                lse.ptr(s),
-                o_acc.ptr(s),
-                lse_acc.ptr(s),
-                &dims,
-                self.index_ptr(Lane::Compute, &list),
-            )
-        }
+        unsafe { aux.merge(s, part, acc, &dims, self.index_ptr(Lane::Compute, &list)) }
     }
 
     fn forward(
