@@ -100,6 +100,12 @@ pub(crate) fn run<T: Element>(
                     let (tile, rows) = (Dims { m: mq, n: ncol, k: d }, Dims { m: nkv, n: dp, k: mq });
                     let s_out = COp { ptr: sc.s.as_mut_ptr(), ld: bc };
                     let dp_out = COp { ptr: sc.dp.as_mut_ptr(), ld: bc };
+                    // SAFETY: A reads rows q0..q1 of group g of `qf` / `dof` (batch·heads·nq rows of
+                    // dp ≥ d floats), d columns each. B reads the first ncol ≤ bc columns of the d
+                    // rows, bc apart, of this tile's transposed K / V (`kt_tile`, `vt_tile`: d·bc
+                    // floats each, sliced above). C writes mq ≤ br rows of ncol floats, bc apart,
+                    // of `sc.s` / `sc.dp` (br·bc floats each). ncol is a multiple of 16; both
+                    // outputs are this worker's own scratch.
                     unsafe {
                         // S = Q Kᵀ, dP = dO Vᵀ
                         gemm(simd, tile, AOp { ptr: qrow, rs: dp, cs: 1 }, BOp::rows(kt_tile, bc), s_out, false);
@@ -127,6 +133,13 @@ pub(crate) fn run<T: Element>(
                     let dv_out = COp { ptr: sc.dv.as_mut_ptr(), ld: dp };
                     let dk_out = COp { ptr: sc.dk.as_mut_ptr(), ld: dp };
                     let dq_out = COp { ptr: dq_guard[(g * nq + q0) * dp..].as_mut_ptr(), ld: dp };
+                    // SAFETY: dV += Pᵀ dO: A reads Pᵀ, element (j, i) at i·bc + j of `sc.s` for
+                    // j < nkv ≤ bc, i < mq ≤ br (br·bc floats); B reads mq rows of dp floats of
+                    // `dof` from row q0 of group g; C is nkv rows of dp of `sc.dv` (bc·dp). dK += dSᵀ
+                    // Q: the same with `sc.dp`, `qf` and `sc.dk`. dQ += dS K: A reads mq × nkv of
+                    // `sc.dp`, B the nkv rows of dp of `krows` (sliced above), C mq rows of dp of
+                    // this worker's dQ buffer from row q0 of group g (batch·heads·nq rows of dp,
+                    // locked by this task). dp is a multiple of 16; no output overlaps an input.
                     unsafe {
                         // dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K
                         gemm(simd, rows, AOp { ptr: s, rs: 1, cs: bc }, BOp::rows(dorow, dp), dv_out, true);
@@ -139,7 +152,10 @@ pub(crate) fn run<T: Element>(
             drop(dq_guard);
             for j in 0..nkv {
                 let row = ((b * nk + k0 + j) * kv_heads + kh) * d;
-                // SAFETY: each (b, key row, kv head) is written by exactly one task.
+                // SAFETY: b < batch, k0 + j < nk and kh < kv_heads, so the d floats at `row` lie in
+                // `dk` and `dv` (kv_elems() each). A task is one (b·kv_heads + kh, key tile) pair,
+                // each listed once, so no other task writes these rows, and neither vector is used
+                // until all tasks end.
                 unsafe {
                     let dst = std::slice::from_raw_parts_mut(dk_ptr.get().add(row), d);
                     for (x, &y) in dst.iter_mut().zip(&sc.dk[j * dp..j * dp + d]) {

@@ -67,6 +67,12 @@ pub(crate) fn run<T: Element>(
                 // S = Q · Kᵀ (raw scores)
                 let kb = BOp { ptr: kt_tile.as_ptr(), ld: 16, ps: 16 * d };
                 let sc_s = COp { ptr: sc.s.as_mut_ptr(), ld: bc };
+                // SAFETY: A reads rows q0..q1 of group g of `qf` (batch·heads·nq rows of dp ≥ d
+                // floats), d columns each. B reads keys col..col + ncol of this tile's panels, each
+                // [d, 16]: col and bc are multiples of 16 and col + nkv ≤ bc, so col + ncol ≤ bc
+                // and every read lies in the tile's d·bc floats of `kt`, where `kt_tile` starts
+                // col·d in. C writes mq ≤ br rows of ncol ≤ bc floats, bc apart, of `sc.s` (br·bc
+                // floats). ncol is a multiple of 16; `sc.s` is this worker's own scratch.
                 unsafe { gemm(simd, Dims { m: mq, n: ncol, k: d }, qa, kb, sc_s, false) };
                 if class == TileClass::Partial {
                     mask.fill_tile(q0..q1, kr.clone(), &mut sc.keep);
@@ -95,12 +101,21 @@ pub(crate) fn run<T: Element>(
                 let pa = AOp { ptr: sc.s.as_ptr(), rs: bc, cs: 1 };
                 let vb = BOp { ptr: v_tile.as_ptr(), ld: 16, ps: 16 * bc };
                 let sc_o = COp { ptr: sc.o.as_mut_ptr(), ld: dp };
+                // SAFETY: A reads mq rows of nkv ≤ bc scores, bc apart, of `sc.s` (br·bc floats),
+                // through a pointer taken after the row pass wrote them. B reads rows
+                // col..col + nkv (≤ bc) of the dp / 16 panels, each [bc, 16], of this tile's dp·bc
+                // floats of `vp`, where `v_tile` starts col·16 in. C accumulates mq rows of dp
+                // floats of `sc.o` (br·dp). dp is a multiple of 16; `sc.o` is this worker's own
+                // scratch, apart from `sc.s` and `vp`.
                 unsafe { gemm(simd, Dims { m: mq, n: dp, k: nkv }, pa, vb, sc_o, true) };
             }
             for i in 0..mq {
                 let (l, m) = (sc.l[i], sc.m[i]);
                 let row = (b * nq + q0 + i) * heads + h;
-                // SAFETY: each (b, h, query row) is written by exactly one task.
+                // SAFETY: b < batch, h < heads and q0 + i < nq, so the d floats at row·d lie in
+                // `o` (q_elems()) and the LSE index in `lse` (lse_elems()). A task is one
+                // (b·heads + h, query tile) pair, each listed once, so no other task writes this
+                // row of `o` or this LSE entry, and neither vector is used until all tasks end.
                 unsafe {
                     let dst = std::slice::from_raw_parts_mut(o_ptr.get().add(row * d), d);
                     if l > 0.0 && m > f32::NEG_INFINITY {

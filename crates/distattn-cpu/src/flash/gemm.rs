@@ -53,23 +53,31 @@ pub struct COp {
     pub ld: usize,
 }
 
-/// `C[m×n] (+)= A[m×k] · B[k×n]` (`accumulate`: add to `C`, else overwrite it).
+/// `C[m×n] (+)= A[m×k] · B[k×n]` (`accumulate`: add to `C`, else overwrite it). `simd` asks
+/// for the AVX2/FMA kernel, which runs where the CPU has both features.
 ///
 /// # Safety
-/// Every addressed element must be in bounds: `A` at `ptr + i·rs + p·cs` for `i < m, p < k`;
-/// `B` as [`BOp`] says for `p < k, j < n`; `C` at `ptr + i·ld + j` for `i < m, j < n`.
-/// `n % NR == 0`. `C` must not alias `A` or `B`.
+/// Every addressed element must be in bounds of one live allocation: `A` at
+/// `ptr + i·rs + p·cs` for `i < m, p < k`; `B` as [`BOp`] says for `p < k, j < n`; `C` at
+/// `ptr + i·ld + j` for `i < m, j < n`. `n % NR == 0`. `C` must not overlap `A` or `B`, and
+/// nothing else may access those elements of `C` during the call.
 #[inline]
 pub unsafe fn gemm(simd: bool, dims: Dims, a: AOp, b: BOp, c: COp, accumulate: bool) {
     debug_assert_eq!(dims.n % NR, 0);
     #[cfg(target_arch = "x86_64")]
-    if simd {
+    if simd && has_avx2_fma() {
+        // The CPU has the kernel's features (checked on the line above); the operands are the
+        // caller's, under this function's contract.
         return x86::gemm(dims, a, b, c, accumulate);
     }
     let _ = simd;
     scalar_gemm(dims, a, b, c, accumulate)
 }
 
+/// The portable kernel of [`gemm`].
+///
+/// # Safety
+/// As [`gemm`].
 unsafe fn scalar_gemm(dims: Dims, a: AOp, b: BOp, c: COp, accumulate: bool) {
     let Dims { m, n, k } = dims;
     let BOp { ptr: b, ld: ldb, ps: bps } = b;
@@ -95,14 +103,14 @@ unsafe fn scalar_gemm(dims: Dims, a: AOp, b: BOp, c: COp, accumulate: bool) {
     }
 }
 
-/// True when the AVX2/FMA kernels can run here.
+/// True when the AVX2/FMA kernels can run here and are wanted (`DISTATTN_CPU_NO_SIMD` unset).
 pub fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         if std::env::var_os("DISTATTN_CPU_NO_SIMD").is_some() {
             return false;
         }
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        has_avx2_fma()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -110,11 +118,24 @@ pub fn simd_available() -> bool {
     }
 }
 
+/// Whether this CPU has AVX2 and FMA, all the `x86` kernels (here and in `vmath`) need. The
+/// answer is detected once and cached, so a call is a load and a test.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn has_avx2_fma() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{AOp, BOp, COp, Dims, MR, NR};
     use std::arch::x86_64::*;
 
+    /// The AVX2/FMA kernel of [`super::gemm`]: `MR × NR` blocks, the last rows of `C` in a
+    /// block of fewer rows.
+    ///
+    /// # Safety
+    /// As [`super::gemm`], on a CPU with AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn gemm(dims: Dims, a: AOp, b: BOp, c: COp, accumulate: bool) {
         let Dims { m, n, k } = dims;
@@ -141,6 +162,11 @@ mod x86 {
         }
     }
 
+    /// One block: `C[R×16] (+)= A[R×k] · B[k×16]`, `B` rows `ldb` apart, `C` rows `ldc` apart.
+    ///
+    /// # Safety
+    /// As [`super::gemm`] for those sizes, on a CPU with AVX2 and FMA (it is inlined into the
+    /// `target_feature` kernel above).
     #[inline(always)]
     unsafe fn ukr<const R: usize>(
         k: usize,
@@ -227,10 +253,14 @@ mod tests {
                     let want = naive(dims, &a, rs, cs, &b, n + 3);
                     let mut c = vec![1f32; m * n];
                     let (ao, bo) = (AOp { ptr: a.as_ptr(), rs, cs }, BOp::rows(b.as_ptr(), n + 3));
+                    // SAFETY: `a` holds the m·k floats (rs, cs) address, (k, 1) or (1, m); `b` holds
+                    // k rows of n + 3 floats, of which the first n are read; `c` holds m rows of n;
+                    // every n listed is a multiple of 16; the three are separate vectors.
                     unsafe { gemm(simd, dims, ao, bo, COp { ptr: c.as_mut_ptr(), ld: n }, true) };
                     for (x, w) in c.iter().zip(&want) {
                         assert!((x - 1.0 - w).abs() < 1e-4 * (1.0 + w.abs()), "{x} vs {w}");
                     }
+                    // SAFETY: the same operands as above.
                     unsafe { gemm(simd, dims, ao, bo, COp { ptr: c.as_mut_ptr(), ld: n }, false) };
                     for (x, w) in c.iter().zip(&want) {
                         assert!((x - w).abs() < 1e-4 * (1.0 + w.abs()));

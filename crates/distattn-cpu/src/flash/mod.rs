@@ -56,8 +56,14 @@ pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// A raw pointer shared by workers that write disjoint parts of one buffer.
 #[derive(Clone, Copy)]
 pub(crate) struct SendPtr<T>(pub *mut T);
-unsafe impl<T> Send for SendPtr<T> {}
-unsafe impl<T> Sync for SendPtr<T> {}
+// SAFETY: the wrapper only carries an address to the rayon workers of `forward::run` and
+// `backward::run`; each dereference there is an unsafe block in which a task writes rows of the
+// output that no other task touches, while the owning vector is not used until every task is
+// done. Values of `T` may be written from another thread because `T: Send`.
+unsafe impl<T: Send> Send for SendPtr<T> {}
+// SAFETY: as for `Send`: sharing the wrapper gives each worker the address, nothing more, and
+// the writes through it are disjoint.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
 
 impl<T> SendPtr<T> {
     /// The pointer (a method, so closures capture the whole wrapper).
