@@ -124,12 +124,13 @@ impl AuxKernels {
     }
 
     /// Row delta `delta = rowsum(dO ∘ O)` (`[b, h, nq]`, f32) of O and dO (`[b, nq, h, d]`), O
-    /// of `o_dtype` (f32 or the module's type) and dO of the module's type.
+    /// of `o_dtype` (f32 or the module's type) and dO of the module's type. The kernel reads
+    /// rows in pairs of values, so an odd head dim is an error.
     ///
     /// # Safety
     /// `o`, `dout` and `delta` are addresses, in the context of `s`, of buffers holding that
-    /// many elements of those types (O and dO 4-byte aligned), not written by another stream
-    /// while the kernel runs.
+    /// many elements of those types (O 8-byte aligned if f32, else 4; dO 4-byte aligned), not
+    /// written by another stream while the kernel runs.
     pub unsafe fn row_delta(
         &self,
         s: &CudaStream,
@@ -145,6 +146,9 @@ impl AuxKernels {
             self.check_elem("row delta's O", o_dtype)?;
             &self.delta_o_elem
         };
+        if !shape.head_dim.is_multiple_of(2) {
+            return Err(backend_err(format!("the row delta reads pairs; head dim {} is odd", shape.head_dim)));
+        }
         let rows = shape.batch * shape.q_len * shape.heads;
         let p = DeltaParams {
             o,
@@ -156,7 +160,11 @@ impl AuxKernels {
             heads: shape.heads as i32,
             pad_: 0,
         };
-        // SAFETY: the parameter block matches the kernel's; the caller vouches for the buffers.
+        // SAFETY: the kernels take one DeltaParams by value (its layout is asserted against
+        // params.cuh at every compile); each warp reads one row of head_dim values, an even
+        // number (checked above), of O and dO and writes one f32 of delta, rows < `rows` only
+        // (the grid of 8 rows per block covers them); the addresses are the caller's, under this
+        // function's contract.
         unsafe { s.launch_builder(f).arg(&p).launch(blocks_of_256(rows, 8)) }
             .map_err(drv("launching the row delta"))?;
         Ok(())
@@ -172,7 +180,10 @@ impl AuxKernels {
             return Err(backend_err(format!("convert_f32 converts pairs; {n} values given")));
         }
         let n2 = (n / 2) as i64;
-        // SAFETY: (src, dst, pairs) is the kernel's signature; the caller vouches for the buffers.
+        // SAFETY: the arguments are the kernel's (src, dst, number of pairs): u64 addresses for
+        // its two pointers and an i64; thread i < n / 2 reads f32 pair i of `src` and writes pair
+        // i of `dst`, within the caller's n values (n even, checked above; alignment and sizes
+        // under this function's contract).
         unsafe { s.launch_builder(&self.convert_f32).arg(&src).arg(&dst).arg(&n2).launch(blocks_of_256(n / 2, 256)) }
             .map_err(drv("launching convert_f32"))?;
         Ok(())
@@ -207,8 +218,9 @@ impl AuxKernels {
             let n = left.min(65535 * 1024);
             let first_piece = pieces + (first * 3 * 8) as u64;
             let cfg = LaunchConfig { grid_dim: (n as u32, y, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: (src, dst, pieces) is the kernels' signature; the caller vouches for the
-            // buffers, and these `n` pieces are within the list.
+            // SAFETY: the arguments are the kernels' (src, dst, pieces), three u64 addresses; block
+            // x < n reads triple first + x of the list, within its n_pieces (first + n ≤
+            // n_pieces), and moves that piece, inside src and dst under this function's contract.
             unsafe { s.launch_builder(f).arg(&src).arg(&dst).arg(&first_piece).launch(cfg) }
                 .map_err(drv("launching a piece copy"))?;
             left -= n;
@@ -247,7 +259,10 @@ impl AuxKernels {
             hd0: dims.hd0 as i32,
             d: dims.head_dim as i32,
         };
-        // SAFETY: the parameter block matches the kernel's; the caller vouches for the buffers.
+        // SAFETY: the kernel takes one MergeParams by value (its layout is asserted against
+        // params.cuh at every compile); one warp per row of the `rows` that `dims` describes
+        // (rows beyond them return), each inside the four buffers and reading the quads under
+        // this function's contract.
         unsafe { s.launch_builder(&self.merge_pieces).arg(&a).launch(blocks_of_256(rows, 8)) }
             .map_err(drv("launching merge_pieces"))?;
         Ok(())
@@ -264,7 +279,9 @@ impl AuxKernels {
         }
         let n = n as i64;
         let cfg = LaunchConfig { grid_dim: (1024, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: (dst, n, seed, a) is the kernel's signature; the caller vouches for the buffer.
+        // SAFETY: the arguments are the kernel's (dst, n, seed, a): a u64 address, an i64, a u64
+        // and an f32; the grid-stride loop writes indices below n only, inside the caller's
+        // buffer of n values under this function's contract.
         unsafe { s.launch_builder(&self.rand_fill).arg(&dst).arg(&n).arg(&seed).arg(&a).launch(cfg) }
             .map_err(drv("launching rand_fill"))?;
         Ok(())
