@@ -203,8 +203,12 @@ mod x86 {
                 c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
                 c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
             }
-            ap = ap.add(2 * a.cs);
-            bp = bp.add(2 * ldb);
+            // After the last step these point past A's column k − 1 and B's row k − 1, possibly
+            // beyond their allocations (A transposed, or B's later panels): `wrapping_add`, since
+            // `add` must stay in bounds. They are dereferenced again only when k is odd, and
+            // then they are at column / row k − 1.
+            ap = ap.wrapping_add(2 * a.cs);
+            bp = bp.wrapping_add(2 * ldb);
         }
         if k % 2 == 1 {
             let b0 = _mm256_loadu_ps(bp);
