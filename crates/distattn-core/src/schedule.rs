@@ -285,8 +285,8 @@ mod tests {
         let known = s.known_done();
         for (b_id, b) in flat.iter().enumerate() {
             let (rb, wb) = reads_writes(b);
-            for a_id in 0..b_id {
-                let (ra, wa) = reads_writes(flat[a_id]);
+            for (a_id, a) in flat[..b_id].iter().enumerate() {
+                let (ra, wa) = reads_writes(a);
                 let conflict = wa.iter().any(|x| rb.contains(x) || wb.contains(x)) || ra.iter().any(|x| wb.contains(x));
                 let (la, lb) = (s.ops[a_id].lane, s.ops[b_id].lane);
                 if !conflict || la == lb {
@@ -295,8 +295,7 @@ mod tests {
                 let k = known[b_id][la.index()];
                 assert!(
                     k.is_some_and(|k| k >= a_id),
-                    "op {b_id} {b:?} on {lb:?} does not wait for op {a_id} {:?} on {la:?}",
-                    flat[a_id]
+                    "op {b_id} {b:?} on {lb:?} does not wait for op {a_id} {a:?} on {la:?}"
                 );
             }
         }

@@ -1,7 +1,7 @@
 //! Single-thread GFLOP/s of the tile GEMM micro-kernel (data in L1/L2), per second of thread
 //! CPU time, for tuning.
 //! cargo run --release -p distattn-cpu --example kernel_bench
-use distattn_cpu::flash::gemm::{gemm, simd_available, AOp};
+use distattn_cpu::flash::gemm::{gemm, simd_available, AOp, BOp, COp, Dims};
 
 fn main() {
     let simd = simd_available();
@@ -17,12 +17,17 @@ fn main() {
         let b = vec![0.25f32; k * n];
         let mut c = vec![0f32; m * n];
         let (rs, cs) = if trans { (1, m) } else { (k, 1) };
+        let (ao, bo, co) =
+            (AOp { ptr: a.as_ptr(), rs, cs }, BOp::rows(b.as_ptr(), n), COp { ptr: c.as_mut_ptr(), ld: n });
         let iters = 20000;
         let mut best = f64::INFINITY;
         for _ in 0..5 {
             let t = cpu_time::ThreadTime::now();
             for _ in 0..iters {
-                unsafe { gemm(simd, m, n, k, AOp { ptr: a.as_ptr(), rs, cs }, b.as_ptr(), n, c.as_mut_ptr(), n, true) };
+                // SAFETY: `a` holds the m·k floats (rs, cs) address, (k, 1) or (1, m); `b` holds k
+                // rows of n floats and `c` m rows of n; every n listed is a multiple of 16; the
+                // three are separate vectors.
+                unsafe { gemm(simd, Dims { m, n, k }, ao, bo, co, true) };
             }
             best = best.min(t.elapsed().as_secs_f64());
         }

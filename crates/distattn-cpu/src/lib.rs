@@ -97,7 +97,7 @@ pub fn row_delta<A: Element, B: Element>(o: &[A], d_o: &[B], shape: &AttnShape) 
 /// Flash attention backward over this key set, with a given (possibly global) LSE and
 /// `delta = D = rowsum(dO ∘ O)` from the final O. Returns the exact partial gradients:
 /// summing the results over disjoint key sets gives the gradients of the full attention.
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)] // public API the README calls: a backward's six tensors and the problem
 pub fn backward<T: Element>(
     q: &[T],
     k: &[T],
@@ -113,7 +113,7 @@ pub fn backward<T: Element>(
 }
 
 /// [`backward`] with explicit tile sizes (for tests and tuning).
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments)] // public API: the arguments of `backward` and the tiles
 pub fn backward_with<T: Element>(
     q: &[T],
     k: &[T],
@@ -131,5 +131,6 @@ pub fn backward_with<T: Element>(
     shape.check_len("lse", lse.len(), shape.lse_elems())?;
     shape.check_len("delta", delta.len(), shape.lse_elems())?;
     let scale = check_scale(opts, shape.head_dim)?;
-    Ok(flash::backward::run(q, k, v, d_o, lse, delta, shape, mask, scale, tiles.sanitized()))
+    let x = flash::backward::Tensors { q, k, v, d_o, lse, delta };
+    Ok(flash::backward::run(x, shape, mask, scale, tiles.sanitized()))
 }

@@ -86,7 +86,6 @@ pub struct PartGrads {
 ///
 /// (For attention itself there is a shortcut: [`crate::backward`] over the partial's key set
 /// with the *merged* LSE and `D = rowsum(dO ∘ O)` gives the exact partial gradients directly.)
-#[allow(clippy::too_many_arguments)]
 pub fn merge_backward(
     o: &[f32],
     lse: &[f32],

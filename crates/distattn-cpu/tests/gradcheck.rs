@@ -14,9 +14,11 @@ fn shapes_and_masks() -> Vec<(AttnShape, Mask)> {
     ]
 }
 
+/// A scalar loss of (q, k, v).
+type Loss<'a> = dyn Fn(&[f64], &[f64], &[f64]) -> f64 + 'a;
+
 /// L = <dO, O>; returns (L(x+eps e_i) − L(x−eps e_i)) / 2eps for every element of q, k, v.
-#[allow(clippy::type_complexity)]
-fn fd_grads(f: &dyn Fn(&[f64], &[f64], &[f64]) -> f64, q: &[f64], k: &[f64], v: &[f64], eps: f64) -> [Vec<f64>; 3] {
+fn fd_grads(f: &Loss<'_>, q: &[f64], k: &[f64], v: &[f64], eps: f64) -> [Vec<f64>; 3] {
     let mut out = [vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]];
     for which in 0..3 {
         let base = [q, k, v][which];

@@ -5,9 +5,9 @@
 //! Buffers are any cudarc device memory of the right element type (slices or views); lengths
 //! and 16-byte alignment are checked, never assumed. A launch takes each buffer its kernel
 //! reads or writes, which is more than clippy's argument limit.
-#![allow(clippy::too_many_arguments)]
+#![allow(clippy::too_many_arguments)] // a launch takes each buffer its kernel reads or writes
 
-use crate::aux::MergeDims;
+use crate::aux::{MergeDims, OLse};
 use crate::compile::{backend_err, KernelConfig};
 use crate::device::CudaBackend;
 use crate::params::{BwdParams, FwdParams};
@@ -111,8 +111,13 @@ impl CudaBackend {
                 launch.arg(m);
             }
         }
-        // SAFETY: the parameter block (and the tensor maps) describe the checked buffers and the
-        // uploaded tile plan, and match the kernel's signature (params.rs checks the layout).
+        // SAFETY: the kernel takes FwdParams (and, warp-specialized, the three tensor maps) by
+        // value, layouts asserted against params.cuh at every compile. Every address in it was
+        // checked above to hold what `shape` says (q, o, o_f32: q_elems(); k, v: kv_elems(); lse:
+        // lse_elems()), 16-byte aligned, with sizes that fit its i32 fields (check_common); the
+        // tile plan was built for this mask and these tile sizes and uploaded on this stream,
+        // where `tiles` keeps it alive until the launch (an evicted plan is freed in this
+        // stream's order, after the kernel). The maps describe q, k and v as those buffers.
         unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the forward kernel"))?;
         Ok(())
     }
@@ -220,8 +225,14 @@ impl CudaBackend {
                 launch.arg(m);
             }
         }
-        // SAFETY: the parameter block (and the tensor maps) describe the checked buffers and the
-        // uploaded tile plan, and match the kernel's signature (params.rs checks the layout).
+        // SAFETY: the kernel takes BwdParams (and, warp-specialized, the five tensor maps) by
+        // value, layouts asserted against params.cuh at every compile. Every address in it was
+        // checked above to hold what `shape` says (q, d_o, dq_acc: q_elems(); k, v, dk, dv:
+        // kv_elems(); lse, delta: lse_elems()), 16-byte aligned, with sizes that fit its i32
+        // fields (check_common); the key-major tile plan was built for this mask and these tile
+        // sizes and uploaded on this stream, where `tiles` keeps it alive until the launch (an
+        // evicted plan is freed in this stream's order, after the kernel). The maps describe q,
+        // d_o, k, v and dq_acc as those buffers.
         unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the dK/dV kernel"))?;
         Ok(())
     }
@@ -249,14 +260,18 @@ impl CudaBackend {
         let dq_ptr = self.checked_mut_ptr("dq", dq, shape.q_elems(), shape)?;
         let aux = self.aux(T::DTYPE)?;
         let s = self.stream();
-        // SAFETY: delta is written by the row delta before any read.
+        // SAFETY: the row delta launched next on `s` writes all lse_elems() values before the
+        // dK/dV kernel, later on `s`, reads them; nothing else sees the buffer.
         let delta = unsafe { s.alloc::<f32>(shape.lse_elems()) }.map_err(driver_err("allocating delta"))?;
         let mut dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).map_err(driver_err("allocating the dQ accumulator"))?;
-        // SAFETY: O and dO were checked to hold q_elems() values of T, delta holds lse_elems()
-        // f32; all are on this backend's stream.
+        // SAFETY: o_ptr and d_o_ptr passed checked_ptr above: q_elems() values of T, 16-byte
+        // aligned; delta was allocated above with lse_elems() f32; the kernel runs on `s`, the
+        // only stream these buffers are used on here.
         unsafe { aux.row_delta(s, o_ptr, T::DTYPE, d_o_ptr, delta.device_ptr(s).0, shape) }?;
         self.backward_block(q, k, v, d_o, lse, &delta, shape, mask, opts, &mut dq_acc, dk, dv)?;
-        // SAFETY: dq_acc and dq hold q_elems() values (f32, T) on this stream.
+        // SAFETY: dq_acc was allocated above with q_elems() f32 and dq_ptr passed checked_mut_ptr
+        // for q_elems() values of T, both 16-byte aligned; the conversion runs on `s` after the
+        // dK/dV kernel that accumulated into dq_acc.
         unsafe { aux.convert_f32(s, dq_acc.device_ptr(s).0, dq_ptr, shape.q_elems()) }?;
         // The workspace buffers are freed in stream order (async free) when they drop here.
         Ok(())
@@ -286,7 +301,8 @@ impl CudaBackend {
         let s = self.stream();
         // The accumulators start empty (O = 0, LSE = −inf: what rows no part reaches keep); each
         // part is merged into them through the identity spec (every row to the same row).
-        // SAFETY: o_out and lse_out were checked to hold that many f32 on this stream.
+        // SAFETY: o_out and lse_out passed checked_mut_ptr above for q_elems() and lse_elems() f32,
+        // the numbers of 4-byte words the memsets write, on `s` like every later use.
         unsafe {
             sys::cuMemsetD32Async(o_out, 0, shape.q_elems(), s.cu_stream())
                 .result()
@@ -309,13 +325,15 @@ impl CudaBackend {
             total: shape.q_len,
         };
         let quads = s.clone_htod(&[0, 0, shape.q_len as i64, 0]).map_err(driver_err("uploading the merge spec"))?;
+        let acc = OLse { o: o_out, lse: lse_out };
         for part in 0..n_parts {
             let o = o_parts + (part * shape.q_elems() * 4) as u64;
             let lse = lse_parts + (part * shape.lse_elems() * 4) as u64;
-            // SAFETY: part `part` of o_parts / lse_parts and the outputs hold the q_elems() /
-            // lse_elems() f32 the identity spec covers; the quads are uploaded above; all on
-            // this stream.
-            unsafe { aux.merge(s, o, lse, o_out, lse_out, &dims, quads.device_ptr(s).0) }?;
+            // SAFETY: o_parts and lse_parts passed checked_ptr for n_parts parts, so part `part`
+            // holds the q_elems() / lse_elems() f32 the identity spec covers, as do the outputs;
+            // the one quad was uploaded above on `s`, and `quads` is freed at the end of this
+            // function in `s`'s order, after the launches.
+            unsafe { aux.merge(s, OLse { o, lse }, acc, &dims, quads.device_ptr(s).0) }?;
         }
         Ok(())
     }

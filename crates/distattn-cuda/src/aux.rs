@@ -23,6 +23,23 @@ pub enum PieceOp {
     Add { src: DType },
 }
 
+/// A list of pieces on the device: `len` `(src offset, dst offset, len)` i64 triples at `ptr`,
+/// the longest piece `max_len` elements (it sizes the grid; every piece is copied whole).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PieceList {
+    pub ptr: u64,
+    pub len: usize,
+    pub max_len: usize,
+}
+
+/// The device addresses of an (O, LSE) pair, both f32: O `[b, tokens, heads, head_dim]`, LSE
+/// `[b, heads, tokens]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OLse {
+    pub o: u64,
+    pub lse: u64,
+}
+
 /// The compact spec of a merge of a partial (O, LSE) into accumulators, whose `n_pieces`
 /// `(src token, dst token, len, start)` quads are on the device: rows `(b, h, t)` for `b <
 /// batch`, `h < heads`, `t < total` (the pieces' tokens in order, `start` the running sum of the
@@ -107,12 +124,13 @@ impl AuxKernels {
     }
 
     /// Row delta `delta = rowsum(dO ∘ O)` (`[b, h, nq]`, f32) of O and dO (`[b, nq, h, d]`), O
-    /// of `o_dtype` (f32 or the module's type) and dO of the module's type.
+    /// of `o_dtype` (f32 or the module's type) and dO of the module's type. The kernel reads
+    /// rows in pairs of values, so an odd head dim is an error.
     ///
     /// # Safety
     /// `o`, `dout` and `delta` are addresses, in the context of `s`, of buffers holding that
-    /// many elements of those types (O and dO 4-byte aligned), not written by another stream
-    /// while the kernel runs.
+    /// many elements of those types (O 8-byte aligned if f32, else 4; dO 4-byte aligned), not
+    /// written by another stream while the kernel runs.
     pub unsafe fn row_delta(
         &self,
         s: &CudaStream,
@@ -128,6 +146,9 @@ impl AuxKernels {
             self.check_elem("row delta's O", o_dtype)?;
             &self.delta_o_elem
         };
+        if !shape.head_dim.is_multiple_of(2) {
+            return Err(backend_err(format!("the row delta reads pairs; head dim {} is odd", shape.head_dim)));
+        }
         let rows = shape.batch * shape.q_len * shape.heads;
         let p = DeltaParams {
             o,
@@ -139,7 +160,11 @@ impl AuxKernels {
             heads: shape.heads as i32,
             pad_: 0,
         };
-        // SAFETY: the parameter block matches the kernel's; the caller vouches for the buffers.
+        // SAFETY: the kernels take one DeltaParams by value (its layout is asserted against
+        // params.cuh at every compile); each warp reads one row of head_dim values, an even
+        // number (checked above), of O and dO and writes one f32 of delta, rows < `rows` only
+        // (the grid of 8 rows per block covers them); the addresses are the caller's, under this
+        // function's contract.
         unsafe { s.launch_builder(f).arg(&p).launch(blocks_of_256(rows, 8)) }
             .map_err(drv("launching the row delta"))?;
         Ok(())
@@ -151,34 +176,26 @@ impl AuxKernels {
     /// `src` and `dst` are addresses, in the context of `s`, of buffers of at least `n` values of
     /// those types (8- and 4-byte aligned).
     pub unsafe fn convert_f32(&self, s: &CudaStream, src: u64, dst: u64, n: usize) -> Result<()> {
-        #[allow(clippy::manual_is_multiple_of)] // MSRV 1.80
-        if n % 2 != 0 {
+        if !n.is_multiple_of(2) {
             return Err(backend_err(format!("convert_f32 converts pairs; {n} values given")));
         }
         let n2 = (n / 2) as i64;
-        // SAFETY: (src, dst, pairs) is the kernel's signature; the caller vouches for the buffers.
+        // SAFETY: the arguments are the kernel's (src, dst, number of pairs): u64 addresses for
+        // its two pointers and an i64; thread i < n / 2 reads f32 pair i of `src` and writes pair
+        // i of `dst`, within the caller's n values (n even, checked above; alignment and sizes
+        // under this function's contract).
         unsafe { s.launch_builder(&self.convert_f32).arg(&src).arg(&dst).arg(&n2).launch(blocks_of_256(n / 2, 256)) }
             .map_err(drv("launching convert_f32"))?;
         Ok(())
     }
 
-    /// Copies or adds `n_pieces` pieces (`op`), listed on the device at `pieces` as `(src, dst,
-    /// len)` i64 triples, the longest `max_len` elements.
+    /// Copies or adds the pieces of `list` (`op`) from `src` to `dst`.
     ///
     /// # Safety
-    /// `pieces` holds `3 n_pieces` i64 in the context of `s`; `src` and `dst` are addresses there
-    /// of buffers of `op`'s types (an add's destination is f32) covering every piece.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn pieces(
-        &self,
-        s: &CudaStream,
-        op: PieceOp,
-        src: u64,
-        dst: u64,
-        pieces: u64,
-        n_pieces: usize,
-        max_len: usize,
-    ) -> Result<()> {
+    /// `list.ptr` holds `3 list.len` i64 in the context of `s`; `src` and `dst` are addresses
+    /// there of buffers of `op`'s types (an add's destination is f32) covering every piece.
+    pub unsafe fn pieces(&self, s: &CudaStream, op: PieceOp, src: u64, dst: u64, list: PieceList) -> Result<()> {
+        let PieceList { ptr: pieces, len: n_pieces, max_len } = list;
         let f = match op {
             PieceOp::Copy { elem_bytes: 2 } => &self.copy_u16,
             PieceOp::Copy { elem_bytes: 4 } => &self.copy_u32,
@@ -201,8 +218,9 @@ impl AuxKernels {
             let n = left.min(65535 * 1024);
             let first_piece = pieces + (first * 3 * 8) as u64;
             let cfg = LaunchConfig { grid_dim: (n as u32, y, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: (src, dst, pieces) is the kernels' signature; the caller vouches for the
-            // buffers, and these `n` pieces are within the list.
+            // SAFETY: the arguments are the kernels' (src, dst, pieces), three u64 addresses; block
+            // x < n reads triple first + x of the list, within its n_pieces (first + n ≤
+            // n_pieces), and moves that piece, inside src and dst under this function's contract.
             unsafe { s.launch_builder(f).arg(&src).arg(&dst).arg(&first_piece).launch(cfg) }
                 .map_err(drv("launching a piece copy"))?;
             left -= n;
@@ -211,33 +229,23 @@ impl AuxKernels {
         Ok(())
     }
 
-    /// Merges a partial (O at `o`, LSE at `lse`) into accumulators (`o_acc`, `lse_acc`) by a
-    /// compact spec whose quads are on the device at `quads`. A row whose partial LSE is −inf
-    /// is left as it is; an accumulator row at −inf takes the partial's values.
+    /// Merges a partial `part` into the accumulators `acc` by a compact spec whose quads are on
+    /// the device at `quads`. A row whose partial LSE is −inf is left as it is; an accumulator
+    /// row at −inf takes the partial's values.
     ///
     /// # Safety
     /// All four buffers are f32 in the context of `s`, covering the rows `dims` describes;
     /// `quads` holds `4 dims.n_pieces` i64 there.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn merge(
-        &self,
-        s: &CudaStream,
-        o: u64,
-        lse: u64,
-        o_acc: u64,
-        lse_acc: u64,
-        dims: &MergeDims,
-        quads: u64,
-    ) -> Result<()> {
+    pub unsafe fn merge(&self, s: &CudaStream, part: OLse, acc: OLse, dims: &MergeDims, quads: u64) -> Result<()> {
         let rows = dims.batch * dims.heads * dims.total;
         if rows == 0 {
             return Ok(());
         }
         let a = MergeParams {
-            o,
-            lse,
-            oacc: o_acc,
-            lacc: lse_acc,
+            o: part.o,
+            lse: part.lse,
+            oacc: acc.o,
+            lacc: acc.lse,
             tp: quads,
             total: dims.total as i64,
             ns: dims.ns as i64,
@@ -251,7 +259,10 @@ impl AuxKernels {
             hd0: dims.hd0 as i32,
             d: dims.head_dim as i32,
         };
-        // SAFETY: the parameter block matches the kernel's; the caller vouches for the buffers.
+        // SAFETY: the kernel takes one MergeParams by value (its layout is asserted against
+        // params.cuh at every compile); one warp per row of the `rows` that `dims` describes
+        // (rows beyond them return), each inside the four buffers and reading the quads under
+        // this function's contract.
         unsafe { s.launch_builder(&self.merge_pieces).arg(&a).launch(blocks_of_256(rows, 8)) }
             .map_err(drv("launching merge_pieces"))?;
         Ok(())
@@ -268,7 +279,9 @@ impl AuxKernels {
         }
         let n = n as i64;
         let cfg = LaunchConfig { grid_dim: (1024, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: (dst, n, seed, a) is the kernel's signature; the caller vouches for the buffer.
+        // SAFETY: the arguments are the kernel's (dst, n, seed, a): a u64 address, an i64, a u64
+        // and an f32; the grid-stride loop writes indices below n only, inside the caller's
+        // buffer of n values under this function's contract.
         unsafe { s.launch_builder(&self.rand_fill).arg(&dst).arg(&n).arg(&seed).arg(&a).launch(cfg) }
             .map_err(drv("launching rand_fill"))?;
         Ok(())

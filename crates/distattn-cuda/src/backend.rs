@@ -2,7 +2,7 @@
 //! lanes as two streams ordered by CUDA events, piece copies and merges by the auxiliary
 //! kernels, and blocks by the attention kernels.
 
-use crate::aux::{MergeDims, PieceOp};
+use crate::aux::{MergeDims, OLse, PieceList, PieceOp};
 use crate::buffer::GpuBuf;
 use crate::device::CudaBackend;
 use crate::{driver_err, CudaElement};
@@ -59,9 +59,11 @@ impl CudaBackend {
         let list = self.indices(lane, &flat)?;
         let aux = self.aux(aux_dtype)?;
         let s = self.lane(lane);
-        // SAFETY: the list holds the triples on this lane's stream, every piece lies within both
-        // buffers (checked above), and their dtypes select `op`.
-        unsafe { aux.pieces(s, op, src.ptr(s), dst.ptr(s), self.index_ptr(lane, &list), pieces.len(), max) }
+        let piece_list = PieceList { ptr: self.index_ptr(lane, &list), len: pieces.len(), max_len: max };
+        // SAFETY: the list holds the triples, uploaded for this lane's stream (`list` and the cache
+        // keep them; an evicted list is freed in that stream's order, after the kernel); every
+        // piece lies within both buffers (checked above), and their dtypes select `op`.
+        unsafe { aux.pieces(s, op, src.ptr(s), dst.ptr(s), piece_list) }
     }
 
     /// Forward of one block into f32 (O, LSE) buffers of the block's rows.
@@ -225,19 +227,11 @@ impl Backend for CudaBackend {
         };
         let aux = self.aux(DType::F32)?;
         let s = self.stream();
-        // SAFETY: the four buffers are f32 on the compute stream and cover the spec's rows
-        // (checked above); the run list is on the device for that stream.
-        unsafe {
-            aux.merge(
-                s,
-                o.ptr(s),
-                lse.ptr(s),
-                o_acc.ptr(s),
-                lse_acc.ptr(s),
-                &dims,
-                self.index_ptr(Lane::Compute, &list),
-            )
-        }
+        let (part, acc) = (OLse { o: o.ptr(s), lse: lse.ptr(s) }, OLse { o: o_acc.ptr(s), lse: lse_acc.ptr(s) });
+        // SAFETY: the four buffers are f32 and cover the spec's rows (both checked above); the run
+        // list was uploaded for the compute stream, where the merge runs (`list` and the cache
+        // keep it; an evicted list is freed in that stream's order, after the kernel).
+        unsafe { aux.merge(s, part, acc, &dims, self.index_ptr(Lane::Compute, &list)) }
     }
 
     fn forward(
@@ -279,8 +273,9 @@ impl Backend for CudaBackend {
         }
         let s = self.stream();
         let delta = GpuBuf::alloc(s, DType::F32, rows.lse_elems())?;
-        // SAFETY: O (f32) and dO (the module's type) hold q_elems() values and delta lse_elems()
-        // f32, all on the compute stream (checked above).
+        // SAFETY: O (f32) and dO (the module's type) hold q_elems() values and delta, allocated
+        // above, lse_elems() f32 (all checked above); each is a whole CUDA allocation, aligned for
+        // any element type; all three are used on the compute stream, where this runs.
         unsafe { aux.row_delta(s, o.ptr(s), DType::F32, d_o.ptr(s), delta.ptr(s), rows) }?;
         Ok(delta)
     }

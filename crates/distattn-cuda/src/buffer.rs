@@ -29,8 +29,9 @@ impl GpuBuf {
             .max(1)
             .checked_mul(dtype.size())
             .ok_or_else(|| Error::invalid("buffer length", format!("{len} elements overflow")))?;
-        // SAFETY: the memory is written before it is read (fills, receives, kernel outputs);
-        // bytes have no invalid values.
+        // SAFETY: the memory is left unset, which Rust cannot observe: the host sees device
+        // memory only as bytes the driver copies back, and every bit pattern is a valid u8 (and
+        // f32, bf16, f16). Callers write it before they read it (fills, receives, kernel outputs).
         let mem = unsafe { stream.alloc::<u8>(bytes) }.map_err(driver_err("allocating a buffer"))?;
         Ok(GpuBuf { mem, dtype, len })
     }
@@ -123,8 +124,9 @@ impl GpuBuf {
     /// Frees the buffer in the order of `stream`, which must be ordered after every use.
     pub fn free_on(self, stream: &CudaStream) {
         let ptr = self.mem.leak();
-        // SAFETY: `ptr` was allocated by the stream-ordered allocator and is no longer owned
-        // by a CudaSlice; the free is ordered after its uses by the caller.
+        // SAFETY: `leak` gave up the CudaSlice's ownership of `ptr`, an allocation of this
+        // buffer's stream's context, so nothing else frees it; the free is stream-ordered, and
+        // this method's contract is that `stream` is ordered after every use of the buffer.
         unsafe {
             let _ = sys::cuMemFreeAsync(ptr, stream.cu_stream());
         }

@@ -243,7 +243,8 @@ impl KernelConfig {
 
 /// Whether the NVRTC shared library can be loaded.
 pub fn nvrtc_available() -> bool {
-    // SAFETY: only tries to dlopen the library by its usual names.
+    // SAFETY: only opens libnvrtc by the names cudarc knows, to see whether it loads, and drops
+    // the handle; opening it runs its initialisers, as the first NVRTC call would.
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
@@ -253,7 +254,7 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
         return Err(no_nvrtc());
     }
     let (mut a, mut b) = (0, 0);
-    // SAFETY: plain out-parameters.
+    // SAFETY: NVRTC loads (checked above) and writes two ints into the locals `a` and `b`.
     let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) };
     if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
         return Err(backend_err(format!("nvrtcVersion failed: {r:?}")));
@@ -532,9 +533,11 @@ pub fn nvrtc_compile(src: &str, name: &str, headers: &[(&str, &str)], opts: &[St
     if r != sys::nvrtcResult::NVRTC_SUCCESS {
         return Err(backend_err(format!("nvrtcCreateProgram: {r:?}")));
     }
-    // SAFETY: `prog` is a live program until destroyed below.
+    // SAFETY: `prog` was created above (success checked) and is destroyed only at the end of
+    // this function; `opts` are Rust strings that cudarc turns into C strings for the call.
     let res = unsafe { result::compile_program(prog, opts) };
-    // SAFETY: as above; the log exists after a compile, failed or not.
+    // SAFETY: `prog` is live as above; NVRTC has a log after a compile, failed or not, and
+    // cudarc sizes its buffer with nvrtcGetProgramLogSize first.
     let log = unsafe { result::get_program_log(prog) }
         .map(|v| {
             let bytes: Vec<u8> = v.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
@@ -545,13 +548,14 @@ pub fn nvrtc_compile(src: &str, name: &str, headers: &[(&str, &str)], opts: &[St
         Err(e) => Err(backend_err(format!("NVRTC compile of {name} failed ({e:?}) with {}:\n{log}", opts.join(" ")))),
         Ok(()) => {
             let mut size = 0usize;
-            // SAFETY: size query then a buffer of that size.
+            // SAFETY: `prog` is live and compiled; NVRTC writes one usize into the local `size`.
             let r = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) };
             if r != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
                 Err(backend_err(format!("nvrtcGetCUBINSize failed ({r:?}); options must name an sm_ architecture")))
             } else {
                 let mut buf = vec![0u8; size];
-                // SAFETY: `buf` holds the `size` bytes NVRTC reported.
+                // SAFETY: `prog` is live and compiled, and `buf` holds the `size` bytes NVRTC just
+                // reported for its CUBIN, all that nvrtcGetCUBIN writes.
                 let r = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut _) };
                 if r != sys::nvrtcResult::NVRTC_SUCCESS {
                     Err(backend_err(format!("nvrtcGetCUBIN failed ({r:?})")))
@@ -561,7 +565,8 @@ pub fn nvrtc_compile(src: &str, name: &str, headers: &[(&str, &str)], opts: &[St
             }
         }
     };
-    // SAFETY: destroyed once.
+    // SAFETY: `prog` is live and not used after this, its only destroy (every path since its
+    // creation reaches here once).
     let _ = unsafe { result::destroy_program(prog) };
     out
 }

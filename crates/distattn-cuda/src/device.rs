@@ -67,7 +67,8 @@ fn poisoned(what: &str) -> Error {
 impl CudaBackend {
     /// Opens GPU `ordinal`. Fails with [`Error::Backend`] when no CUDA driver or GPU is found.
     pub fn new(ordinal: usize) -> Result<Self> {
-        // SAFETY: only tries to load libcuda by its usual names.
+        // SAFETY: only opens libcuda by the names cudarc knows, to see whether it loads, and
+        // drops the handle; opening it runs its initialisers, as the first driver call would.
         if !unsafe { sys::is_culib_present() } {
             return Err(backend_err("no CUDA driver found (libcuda.so could not be loaded)"));
         }
@@ -76,8 +77,13 @@ impl CudaBackend {
             return Err(backend_err(format!("GPU {ordinal} requested but {n} found")));
         }
         let ctx = CudaContext::new(ordinal).map_err(driver_err("creating the CUDA context"))?;
-        // SAFETY: the interpreter orders the two streams with events itself, so cudarc's
-        // per-buffer event tracking would only add launch overhead.
+        // SAFETY: without event tracking (which would add events to every launch), what it
+        // guaranteed across streams is this crate's to keep, and it does: attention on device
+        // buffers and host slices uses only the compute stream; index lists are uploaded and
+        // used per lane; peer copies wait for their sender's event (peer.rs); and on GpuBufs the
+        // interpreter orders the two lanes with events so that no buffer is used on a lane before
+        // its allocation, written by both lanes at once, or freed before its uses on the other
+        // lane are done.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         // The comm stream gets the highest priority: a transfer's few blocks are scheduled as
@@ -270,7 +276,8 @@ impl CudaBackend {
 
     fn memory_pool(&self) -> Result<sys::CUmemoryPool> {
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        // SAFETY: plain out-parameter for this context's device.
+        // SAFETY: the driver writes one handle into the local `pool`; `cu_device()` is the device
+        // of this live context.
         unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }
             .result()
             .map_err(driver_err("memory pool"))?;
@@ -283,8 +290,9 @@ impl CudaBackend {
         let pool = self.memory_pool()?;
         let mut zero: i32 = 0;
         let mut max: u64 = u64::MAX;
-        // SAFETY: each attribute is written from a value of the type the driver expects (an int
-        // for the reuse flag, a u64 for the threshold).
+        // SAFETY: `pool` is the device's default pool (from memory_pool above); each attribute is
+        // read from a live local of the type the driver expects for it (an int for the reuse
+        // flag, a u64 for the threshold).
         unsafe {
             sys::cuMemPoolSetAttribute(
                 pool,
@@ -308,7 +316,8 @@ impl CudaBackend {
     pub fn pool_peak_bytes(&self, reset: bool) -> Result<u64> {
         let pool = self.memory_pool()?;
         let mut v: u64 = 0;
-        // SAFETY: the high-water mark attribute is a u64, read into and reset from one.
+        // SAFETY: `pool` is the device's default pool (from memory_pool above); the high-water
+        // mark attribute is a u64, written into the local `v` and reset from the local `z`.
         unsafe {
             sys::cuMemPoolGetAttribute(
                 pool,
@@ -339,7 +348,8 @@ impl CudaBackend {
             return Err(Error::UnsupportedDType(format!("{} (random fills are bf16 or f16)", buf.dtype())));
         }
         let s = &self.stream;
-        // SAFETY: `buf` holds len() values of the module's type on this stream.
+        // SAFETY: `buf` holds len() values of the module's type (dtypes checked above), and the
+        // fill runs on the compute stream, ordered with the buffer's other uses there.
         unsafe { aux.rand_fill(s, buf.ptr(s), buf.len(), seed, a) }
     }
 }

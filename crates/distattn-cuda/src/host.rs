@@ -46,7 +46,7 @@ impl CudaBackend {
 
     /// Backward on host slices, from the forward's O and LSE and the output gradient `d_o`
     /// (arguments in the order of every backward: Q, K, V, O, LSE, dO).
-    #[allow(clippy::too_many_arguments)] // the five tensors of a backward and the problem
+    #[allow(clippy::too_many_arguments)] // public API: the six tensors of a backward and the problem
     pub fn backward_host<T: CudaElement>(
         &self,
         q: &[T],

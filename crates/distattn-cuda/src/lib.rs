@@ -58,7 +58,8 @@ pub fn cuda_available() -> bool {
 
 /// Number of CUDA GPUs visible (0 without a driver).
 pub fn gpu_count() -> usize {
-    // SAFETY: only tries to load libcuda by its usual names.
+    // SAFETY: only opens libcuda by the names cudarc knows, to see whether it loads, and drops the
+    // handle; opening it runs its initialisers, as the first driver call would.
     if !unsafe { sys::is_culib_present() } {
         return 0;
     }

@@ -28,8 +28,9 @@ macro_rules! kernel_params {
             pub(crate) struct $name {
                 $(pub(crate) $field: $ty),*
             }
-            // SAFETY: plain numbers, laid out as the kernel's declaration (the generated
-            // assertions check it at every compile).
+            // SAFETY: `repr(C)` and plain numbers (u64 addresses, integers, f32) with no padding
+            // (the `pad_` fields fill the gaps), laid out as the kernels declare the struct: the
+            // generated assertions check its size and every field's offset at every compile.
             unsafe impl DeviceRepr for $name {}
         )*
 

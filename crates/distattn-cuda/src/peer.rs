@@ -150,8 +150,11 @@ impl PeerComm {
                 )));
             }
             self.stream.wait(&posted.ready).map_err(driver_err("ordering after a peer"))?;
-            // SAFETY: `dst` holds `bytes` on this device; the sender's buffer holds as many and
-            // stays alive and unwritten until its comm stream has waited for `copied` below.
+            // SAFETY: `dst` addresses `bytes` bytes of a receive buffer on this GPU (the whole
+            // buffer or one slot of it) and the sender posted as many (compared above); the copy
+            // runs on this rank's comm stream after `ready` (waited for above), and the sender's
+            // buffer stays alive and unwritten until its comm stream has waited for the `copied`
+            // event recorded after the copy.
             unsafe { cudarc::driver::result::memcpy_dtod_async(dst, posted.src, bytes, self.stream.cu_stream()) }
                 .map_err(driver_err("copying from a peer"))?;
             st.copied.insert(posted.id, self.record()?);
@@ -252,7 +255,9 @@ impl Communicator for PeerComm {
             }
         }
         let summed = GpuBuf::upload(s, &sum)?;
-        // SAFETY: both buffers hold `n` bytes on this device, ordered on the comm stream.
+        // SAFETY: `recv` holds n bytes and `summed` (uploaded above) recv.len() f32, also n bytes,
+        // both on this GPU; the copy runs on the comm stream after the upload, and `summed` is
+        // freed only after synchronize() below.
         unsafe { cudarc::driver::result::memcpy_dtod_async(recv.ptr(s), summed.ptr(s), n, s.cu_stream()) }
             .map_err(driver_err("copying a sum"))?;
         self.synchronize()

@@ -30,8 +30,7 @@ pub struct TilePlan {
 impl TilePlan {
     /// Per query tile: the key tiles it meets.
     pub fn by_query(mask: &Mask, bm: usize, bn: usize) -> Result<TilePlan> {
-        #[allow(clippy::manual_is_multiple_of)] // MSRV 1.80
-        if bm == 0 || bn == 0 || bn % 32 != 0 {
+        if bm == 0 || bn == 0 || !bn.is_multiple_of(32) {
             return Err(Error::Backend { backend: "cuda", reason: format!("bad tile {bm}x{bn}") });
         }
         let q_len = mask.q_len();
@@ -127,10 +126,9 @@ mod tests {
             for (lo, hi) in mask.row_intervals(i) {
                 row[lo..hi].fill(true);
             }
-            #[allow(clippy::needless_range_loop)]
-            for j in 0..mask.k_len() {
+            for (j, &want) in row.iter().enumerate() {
                 let got = p.kept(i / bm, j / bn, i % bm, j % bn);
-                assert_eq!(got, row[j], "q={i} k={j}");
+                assert_eq!(got, want, "q={i} k={j}");
                 // The key-major plan holds the same tile with the same bits.
                 let words = bn / 32;
                 let e = kp.tiles[kp.ptr[j / bn] as usize..kp.ptr[j / bn + 1] as usize]
@@ -139,7 +137,7 @@ mod tests {
                 let got_k = e.is_some_and(|e| {
                     e[1] < 0 || kp.bits[e[1] as usize + (i % bm) * words + (j % bn) / 32] >> (j % 32) & 1 == 1
                 });
-                assert_eq!(got_k, row[j], "by_key q={i} k={j}");
+                assert_eq!(got_k, want, "by_key q={i} k={j}");
             }
         }
     }

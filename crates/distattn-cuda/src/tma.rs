@@ -16,7 +16,9 @@ use std::mem::{offset_of, size_of};
 #[repr(transparent)]
 #[derive(Clone, Copy)]
 pub(crate) struct TensorMap(sys::CUtensorMap);
-// SAFETY: plain 128-byte, 64-byte-aligned data, the layout the kernel parameter declares.
+// SAFETY: `repr(transparent)` over the driver's CUtensorMap: 16 u64 of plain data, 128 bytes,
+// no padding, as the kernels' `TmaMap` parameter (size and field offset asserted against
+// params.cuh at every compile, TMA_MAP_LAYOUT); its bytes are what cuTensorMapEncodeTiled wrote.
 unsafe impl DeviceRepr for TensorMap {}
 
 /// The host layout of the kernels' `TmaMap` (their 16 words are the driver's `CUtensorMap`).

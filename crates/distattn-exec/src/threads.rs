@@ -113,7 +113,7 @@ impl ThreadComm {
 
     fn slots(&self, len: usize, what: &str) -> Result<usize> {
         let w = self.shared.world;
-        if len % w != 0 {
+        if !len.is_multiple_of(w) {
             return Err(Error::Comm(format!("{what}: {len} bytes do not split into {w} equal slots")));
         }
         Ok(len / w)

@@ -46,13 +46,22 @@ impl GroupState {
 /// NCCL's unique id, shareable between threads.
 #[derive(Clone, Copy)]
 pub struct UniqueId(pub nsys::ncclUniqueId);
-unsafe impl Send for UniqueId {}
-unsafe impl Sync for UniqueId {}
 
+// The id is 128 plain bytes, so it is Send and Sync without an unsafe impl; this stops the
+// build if a binding ever changes that.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<UniqueId>()
+};
+
+/// The communicator, used only with the `Inner::handle` lock held.
 struct Handle {
     comm: nsys::ncclComm_t,
     aborted: bool,
 }
+// SAFETY: an NCCL communicator is not tied to the thread that created it; what NCCL asks is that
+// calls on one communicator do not run concurrently, and every call on `comm` is made with the
+// `Mutex<Handle>` that holds it locked (or, in `init`, before it is shared).
 unsafe impl Send for Handle {}
 
 struct Inner {
@@ -70,6 +79,8 @@ struct Inner {
 }
 
 fn nccl_str(r: nsys::ncclResult_t) -> String {
+    // SAFETY: ncclGetErrorString takes any result code and returns null or a static
+    // NUL-terminated string, which is read only when the pointer is not null.
     unsafe {
         let p = nsys::ncclGetErrorString(r);
         if p.is_null() {
@@ -104,6 +115,9 @@ impl Inner {
         let mut h = self.handle.lock().unwrap_or_else(|e| e.into_inner());
         if !h.aborted && !h.comm.is_null() {
             h.aborted = true;
+            // SAFETY: `h.comm` is the live communicator from `init`: not null and not yet
+            // aborted or destroyed (both set `aborted`, checked above). The lock is held, so no
+            // other call on it runs meanwhile, and every later use sees `aborted` and stops.
             unsafe {
                 let _ = nsys::ncclCommAbort(h.comm);
             }
@@ -144,6 +158,9 @@ impl Inner {
                 None
             } else {
                 let mut st = nsys::ncclResult_t::ncclSuccess;
+                // SAFETY: `h.comm` is live (not aborted, checked above; it is destroyed only in
+                // Drop, after the watchdog is joined, and then marked aborted); the lock is held;
+                // `st` is a local the call writes.
                 let r = unsafe { nsys::ncclCommGetAsyncError(h.comm, &mut st) };
                 if r != nsys::ncclResult_t::ncclSuccess {
                     Some(r)
@@ -188,6 +205,8 @@ impl Inner {
                     return Err(self.failure().unwrap_or_else(|| Error::Comm("communicator aborted".into())));
                 }
                 let mut st = nsys::ncclResult_t::ncclSuccess;
+                // SAFETY: as in `check`: `h.comm` is live (not aborted, checked above), the lock
+                // is held, and `st` is a local the call writes.
                 let r = unsafe { nsys::ncclCommGetAsyncError(h.comm, &mut st) };
                 if r != nsys::ncclResult_t::ncclSuccess {
                     r
@@ -245,6 +264,8 @@ pub fn nccl_env_defaults() {
 /// Whether the NCCL library can be loaded (`libnccl.so` must be on the loader path; link
 /// `libnccl.so.2` under that name if only the versioned file exists).
 pub fn nccl_available() -> bool {
+    // SAFETY: only opens libnccl by the names cudarc knows, to see whether it loads, and drops
+    // the handle; opening it runs its initialisers, as the first NCCL call would.
     unsafe { nsys::is_culib_present() }
 }
 
@@ -263,10 +284,13 @@ pub fn unique_id() -> Result<UniqueId> {
     nccl_env_defaults();
     check_lib()?;
     let mut id = std::mem::MaybeUninit::<nsys::ncclUniqueId>::uninit();
+    // SAFETY: the library loads (check_lib above) and `id` is a local with room for the
+    // ncclUniqueId the call writes.
     let r = unsafe { nsys::ncclGetUniqueId(id.as_mut_ptr()) };
     if r != nsys::ncclResult_t::ncclSuccess {
         return Err(Error::Comm(format!("ncclGetUniqueId: {}", nccl_str(r))));
     }
+    // SAFETY: ncclGetUniqueId succeeded, so it wrote the whole id (128 plain bytes).
     Ok(UniqueId(unsafe { id.assume_init() }))
 }
 
@@ -311,6 +335,10 @@ impl NcclComm {
         ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
         let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
         let mut cfg = config();
+        // SAFETY: the library loads (check_lib above); the call writes the handle into the local
+        // `comm` and reads the local `cfg`, a complete ncclConfig_t of this binding with the
+        // size, magic and version NCCL checks (`config`); the id is passed by value; this thread
+        // has the GPU's context current.
         let mut r = unsafe { nsys::ncclCommInitRankConfig(&mut comm, world as i32, id.0, rank as i32, &mut cfg) };
         if r == nsys::ncclResult_t::ncclInvalidArgument || r == nsys::ncclResult_t::ncclInvalidUsage {
             // A library that rejects this config layout: a blocking communicator still works
@@ -320,6 +348,7 @@ impl NcclComm {
                 nccl_str(r)
             );
             comm = std::ptr::null_mut();
+            // SAFETY: as above, without a config.
             r = unsafe { nsys::ncclCommInitRank(&mut comm, world as i32, id.0, rank as i32) };
         }
         if r != nsys::ncclResult_t::ncclSuccess && r != nsys::ncclResult_t::ncclInProgress {
@@ -403,7 +432,9 @@ impl NcclComm {
     }
 
     /// Runs `f` (NCCL calls on the raw communicator) under the handle lock, then waits until
-    /// NCCL has taken the operation (non-blocking communicators may answer "in progress").
+    /// NCCL has taken the operation (non-blocking communicators may answer "in progress"). `f`
+    /// gets the communicator only when it is live (not aborted), with this GPU's context current
+    /// and the lock held, so no other thread calls NCCL on it meanwhile.
     fn enqueue(&self, what: &str, f: impl FnOnce(nsys::ncclComm_t) -> nsys::ncclResult_t) -> Result<()> {
         self.inner.check()?;
         let r = {
@@ -446,6 +477,11 @@ impl NcclComm {
             return Ok(());
         }
         let cs = s.cu_stream() as nsys::cudaStream_t;
+        // SAFETY: `comm` is live and used by this thread alone (see `enqueue`). Each send reads and
+        // each receive writes `n` bytes at the address of a GpuBuf of exactly `n` bytes on this
+        // GPU, to or from a peer below `world` (checked above), on the comm stream `cs`. The group
+        // returns once enqueued: the interpreter frees or reuses those buffers only on work that
+        // it ordered after this stream's transfers (the lane's own order, or an event).
         self.enqueue("grouped send/recv", |comm| unsafe {
             let r = nsys::ncclGroupStart();
             if r != nsys::ncclResult_t::ncclSuccess {
@@ -554,11 +590,15 @@ impl Drop for NcclComm {
         let _ = self.ctx.bind_to_thread();
         // Finalize (non-blocking) then destroy; abort if it does not settle.
         let comm = h.comm;
+        // SAFETY: the watchdog is joined and the lock is held, so nothing else calls NCCL on
+        // `comm`, which is live (neither aborted nor null, checked above).
         let r = unsafe { nsys::ncclCommFinalize(comm) };
         let t0 = Instant::now();
         let mut ok = r == nsys::ncclResult_t::ncclSuccess || r == nsys::ncclResult_t::ncclInProgress;
         while ok {
             let mut st = nsys::ncclResult_t::ncclSuccess;
+            // SAFETY: as for the finalize: `comm` is live and only this thread calls NCCL on it;
+            // `st` is a local the call writes.
             unsafe {
                 let _ = nsys::ncclCommGetAsyncError(comm, &mut st);
             }
@@ -570,6 +610,8 @@ impl Drop for NcclComm {
             }
             std::thread::sleep(Duration::from_micros(100));
         }
+        // SAFETY: as for the finalize; exactly one of destroy and abort ends `comm`, and the handle
+        // is marked aborted right after, so nothing passes it to NCCL again.
         unsafe {
             if ok {
                 let _ = nsys::ncclCommDestroy(comm);
@@ -617,6 +659,10 @@ impl Communicator for NcclComm {
         let s = self.stream.clone();
         let (sp, rp, n) = (send.ptr(&s), recv.ptr(&s), send.bytes());
         let cs = s.cu_stream() as nsys::cudaStream_t;
+        // SAFETY: `comm` is live and used by this thread alone (see `enqueue`). `send` holds n
+        // bytes and `recv` n·world (checked above), both on this GPU; the collective reads and
+        // writes them on the comm stream `cs`, ordered after the compute lane's work by
+        // before_blocking(), and both stay borrowed until wait_stream() below has seen it done.
         self.enqueue("all_gather", |comm| unsafe {
             nsys::ncclAllGather(sp as *const _, rp as *mut _, n, nsys::ncclDataType_t::ncclUint8, comm, cs)
         })?;
@@ -634,6 +680,12 @@ impl Communicator for NcclComm {
         let (sp, rp) = (send.ptr(&s), recv.ptr(&s));
         let cs = s.cu_stream() as nsys::cudaStream_t;
         if n > 0 {
+            // SAFETY: `comm` is live and used by this thread alone (see `enqueue`). `send` and
+            // `recv` hold world·n bytes each on this GPU (equal sizes checked above, n = bytes /
+            // world by `slots`); peer p's slot is bytes p·n..(p + 1)·n of each. The transfers run
+            // on the comm stream `cs`, ordered after the compute lane's work by
+            // before_blocking(), and both buffers stay borrowed until wait_stream() below has
+            // seen them done.
             self.enqueue("all_to_all", |comm| unsafe {
                 let r = nsys::ncclGroupStart();
                 if r != nsys::ncclResult_t::ncclSuccess {
@@ -679,6 +731,10 @@ impl Communicator for NcclComm {
         let s = self.stream.clone();
         let (sp, rp, n) = (send.ptr(&s), recv.ptr(&s), recv.len());
         let cs = s.cu_stream() as nsys::cudaStream_t;
+        // SAFETY: `comm` is live and used by this thread alone (see `enqueue`). `send` holds
+        // world·n f32 and `recv` n (checked above), both on this GPU; the collective runs on the
+        // comm stream `cs`, ordered after the compute lane's work by before_blocking(), and both
+        // stay borrowed until wait_stream() below has seen it done.
         self.enqueue("reduce_scatter", |comm| unsafe {
             nsys::ncclReduceScatter(
                 sp as *const _,
@@ -698,6 +754,9 @@ impl Communicator for NcclComm {
         let b = GpuBuf::filled(&s, distattn_core::DType::F32, 1, 0.0)?;
         let p = b.ptr(&s);
         let cs = s.cu_stream() as nsys::cudaStream_t;
+        // SAFETY: `comm` is live and used by this thread alone (see `enqueue`). `b` is one f32
+        // allocated and set on this comm stream above; the all-reduce sums it in place on the
+        // same stream, and `b` lives until wait_stream() below has seen that done.
         self.enqueue("barrier", |comm| unsafe {
             nsys::ncclAllReduce(
                 p as *const _,

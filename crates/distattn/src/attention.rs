@@ -19,10 +19,11 @@ use std::time::Duration;
 use distattn_cuda::CudaBackend;
 
 /// Where an attention call runs.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 #[non_exhaustive]
 pub enum Execution {
     /// One call of the CPU kernels (the default).
+    #[default]
     Cpu,
     /// One call of the CUDA kernels on this GPU (bf16 and f16 inputs).
     #[cfg(feature = "cuda")]
@@ -33,12 +34,6 @@ pub enum Execution {
     /// (bf16 and f16 inputs).
     #[cfg(feature = "nccl")]
     GpuRanks(Ranks),
-}
-
-impl Default for Execution {
-    fn default() -> Self {
-        Execution::Cpu
-    }
 }
 
 impl Execution {

@@ -5,7 +5,7 @@
 //! worker thread (linear memory) and the buffers are summed at the end. The score matrix is
 //! never stored: P is recomputed per tile from the saved LSE.
 
-use super::gemm::{gemm, simd_available, AOp};
+use super::gemm::{gemm, simd_available, AOp, BOp, COp, Dims};
 use super::vmath;
 use super::{pack_transposed, round16, rows_f32, SendPtr, TileConfig, LOG2E};
 use distattn_core::Grads;
@@ -13,19 +13,26 @@ use distattn_core::{AttnShape, Element, Mask, TileClass};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
-#[allow(clippy::too_many_arguments)]
+/// What a backward reads: Q, K, V and dO in the storage type, the LSE and D = rowsum(dO ∘ O)
+/// in f32 (layouts as in the crate docs).
+pub(crate) struct Tensors<'a, T> {
+    pub q: &'a [T],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub d_o: &'a [T],
+    pub lse: &'a [f32],
+    pub delta: &'a [f32],
+}
+
+/// Backward pass with explicit tiles. Inputs must already be validated.
 pub(crate) fn run<T: Element>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    d_o: &[T],
-    lse: &[f32],
-    delta: &[f32],
+    x: Tensors<'_, T>,
     shape: &AttnShape,
     mask: &Mask,
     scale: f32,
     tiles: TileConfig,
 ) -> Grads {
+    let Tensors { q, k, v, d_o, lse, delta } = x;
     let simd = simd_available();
     let AttnShape { batch, q_len: nq, k_len: nk, heads, kv_heads, head_dim: d } = *shape;
     let group = shape.group();
@@ -81,7 +88,6 @@ pub(crate) fn run<T: Element>(
             let vt_tile = vt[(kg * nkt + t) * d * bc..][..d * bc].as_ptr();
             let krows = kf[(kg * nk + k0) * dp..][..nkv * dp].as_ptr();
             let mut dq_guard = take_buffer(&pool, q_rows);
-            let dq_acc = dq_guard.as_mut_ptr();
             for gi in 0..group {
                 let h = kh * group + gi;
                 let g = b * heads + h;
@@ -91,12 +97,19 @@ pub(crate) fn run<T: Element>(
                     let mq = q1 - q0;
                     let qrow = qf[(g * nq + q0) * dp..].as_ptr();
                     let dorow = dof[(g * nq + q0) * dp..].as_ptr();
-                    let s = sc.s.as_mut_ptr();
-                    let dpm = sc.dp.as_mut_ptr();
+                    let (tile, rows) = (Dims { m: mq, n: ncol, k: d }, Dims { m: nkv, n: dp, k: mq });
+                    let s_out = COp { ptr: sc.s.as_mut_ptr(), ld: bc };
+                    let dp_out = COp { ptr: sc.dp.as_mut_ptr(), ld: bc };
+                    // SAFETY: A reads rows q0..q1 of group g of `qf` / `dof` (batch·heads·nq rows of
+                    // dp ≥ d floats), d columns each. B reads the first ncol ≤ bc columns of the d
+                    // rows, bc apart, of this tile's transposed K / V (`kt_tile`, `vt_tile`: d·bc
+                    // floats each, sliced above). C writes mq ≤ br rows of ncol floats, bc apart,
+                    // of `sc.s` / `sc.dp` (br·bc floats each). ncol is a multiple of 16; both
+                    // outputs are this worker's own scratch.
                     unsafe {
                         // S = Q Kᵀ, dP = dO Vᵀ
-                        gemm(simd, mq, ncol, d, AOp { ptr: qrow, rs: dp, cs: 1 }, kt_tile, bc, s, bc, false);
-                        gemm(simd, mq, ncol, d, AOp { ptr: dorow, rs: dp, cs: 1 }, vt_tile, bc, dpm, bc, false);
+                        gemm(simd, tile, AOp { ptr: qrow, rs: dp, cs: 1 }, BOp::rows(kt_tile, bc), s_out, false);
+                        gemm(simd, tile, AOp { ptr: dorow, rs: dp, cs: 1 }, BOp::rows(vt_tile, bc), dp_out, false);
                     }
                     if class == TileClass::Partial {
                         mask.fill_tile(q0..q1, k0..k0 + nkv, &mut sc.keep);
@@ -114,40 +127,35 @@ pub(crate) fn run<T: Element>(
                         let (sr, dr) = (&mut sc.s[i * bc..i * bc + ncol], &mut sc.dp[i * bc..i * bc + ncol]);
                         vmath::bwd_row(simd, sr, dr, c, lse2[lrow + i], delta[lrow + i]);
                     }
+                    // P and dS through pointers taken after the row pass: its `&mut` slices retire
+                    // the pointers taken before it.
+                    let (s, ds) = (sc.s.as_ptr(), sc.dp.as_ptr());
+                    let dv_out = COp { ptr: sc.dv.as_mut_ptr(), ld: dp };
+                    let dk_out = COp { ptr: sc.dk.as_mut_ptr(), ld: dp };
+                    let dq_out = COp { ptr: dq_guard[(g * nq + q0) * dp..].as_mut_ptr(), ld: dp };
+                    // SAFETY: dV += Pᵀ dO: A reads Pᵀ, element (j, i) at i·bc + j of `sc.s` for
+                    // j < nkv ≤ bc, i < mq ≤ br (br·bc floats); B reads mq rows of dp floats of
+                    // `dof` from row q0 of group g; C is nkv rows of dp of `sc.dv` (bc·dp). dK += dSᵀ
+                    // Q: the same with `sc.dp`, `qf` and `sc.dk`. dQ += dS K: A reads mq × nkv of
+                    // `sc.dp`, B the nkv rows of dp of `krows` (sliced above), C mq rows of dp of
+                    // this worker's dQ buffer from row q0 of group g (batch·heads·nq rows of dp,
+                    // locked by this task). dp is a multiple of 16; no output overlaps an input.
                     unsafe {
                         // dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K
-                        gemm(simd, nkv, dp, mq, AOp { ptr: s, rs: 1, cs: bc }, dorow, dp, sc.dv.as_mut_ptr(), dp, true);
-                        gemm(
-                            simd,
-                            nkv,
-                            dp,
-                            mq,
-                            AOp { ptr: dpm, rs: 1, cs: bc },
-                            qrow,
-                            dp,
-                            sc.dk.as_mut_ptr(),
-                            dp,
-                            true,
-                        );
-                        gemm(
-                            simd,
-                            mq,
-                            dp,
-                            nkv,
-                            AOp { ptr: dpm, rs: bc, cs: 1 },
-                            krows,
-                            dp,
-                            dq_acc.add((g * nq + q0) * dp),
-                            dp,
-                            true,
-                        );
+                        gemm(simd, rows, AOp { ptr: s, rs: 1, cs: bc }, BOp::rows(dorow, dp), dv_out, true);
+                        gemm(simd, rows, AOp { ptr: ds, rs: 1, cs: bc }, BOp::rows(qrow, dp), dk_out, true);
+                        let dq = Dims { m: mq, n: dp, k: nkv };
+                        gemm(simd, dq, AOp { ptr: ds, rs: bc, cs: 1 }, BOp::rows(krows, dp), dq_out, true);
                     }
                 }
             }
             drop(dq_guard);
             for j in 0..nkv {
                 let row = ((b * nk + k0 + j) * kv_heads + kh) * d;
-                // SAFETY: each (b, key row, kv head) is written by exactly one task.
+                // SAFETY: b < batch, k0 + j < nk and kh < kv_heads, so the d floats at `row` lie in
+                // `dk` and `dv` (kv_elems() each). A task is one (b·kv_heads + kh, key tile) pair,
+                // each listed once, so no other task writes these rows, and neither vector is used
+                // until all tasks end.
                 unsafe {
                     let dst = std::slice::from_raw_parts_mut(dk_ptr.get().add(row), d);
                     for (x, &y) in dst.iter_mut().zip(&sc.dk[j * dp..j * dp + d]) {

@@ -1,7 +1,7 @@
 //! Flash attention forward: one task per (batch, head, query tile), online softmax over the
 //! non-empty key tiles of the mask.
 
-use super::gemm::{gemm_panels, simd_available, AOp};
+use super::gemm::{gemm, simd_available, AOp, BOp, COp, Dims};
 use super::vmath;
 use super::{pack_k_panels, pack_v_panels, round16, rows_f32, SendPtr, TileConfig, LOG2E};
 use distattn_core::Forward;
@@ -65,9 +65,15 @@ pub(crate) fn run<T: Element>(
                 // Panels of 16 keys, each [d, 16]: column `col` starts panel col / 16.
                 let kt_tile = &kt[(kg * nkt + tile) * d * bc + col * d..];
                 // S = Q · Kᵀ (raw scores)
-                unsafe {
-                    gemm_panels(simd, mq, ncol, d, qa, kt_tile.as_ptr(), 16, 16 * d, sc.s.as_mut_ptr(), bc, false)
-                };
+                let kb = BOp { ptr: kt_tile.as_ptr(), ld: 16, ps: 16 * d };
+                let sc_s = COp { ptr: sc.s.as_mut_ptr(), ld: bc };
+                // SAFETY: A reads rows q0..q1 of group g of `qf` (batch·heads·nq rows of dp ≥ d
+                // floats), d columns each. B reads keys col..col + ncol of this tile's panels, each
+                // [d, 16]: col and bc are multiples of 16 and col + nkv ≤ bc, so col + ncol ≤ bc
+                // and every read lies in the tile's d·bc floats of `kt`, where `kt_tile` starts
+                // col·d in. C writes mq ≤ br rows of ncol ≤ bc floats, bc apart, of `sc.s` (br·bc
+                // floats). ncol is a multiple of 16; `sc.s` is this worker's own scratch.
+                unsafe { gemm(simd, Dims { m: mq, n: ncol, k: d }, qa, kb, sc_s, false) };
                 if class == TileClass::Partial {
                     mask.fill_tile(q0..q1, kr.clone(), &mut sc.keep);
                     for i in 0..mq {
@@ -93,14 +99,23 @@ pub(crate) fn run<T: Element>(
                 // Panels of 16 dims, each [bc, 16]; this step's keys start at row col.
                 let v_tile = &vp[(kg * nkt + tile) * dp * bc + col * 16..];
                 let pa = AOp { ptr: sc.s.as_ptr(), rs: bc, cs: 1 };
-                unsafe {
-                    gemm_panels(simd, mq, dp, nkv, pa, v_tile.as_ptr(), 16, 16 * bc, sc.o.as_mut_ptr(), dp, true)
-                };
+                let vb = BOp { ptr: v_tile.as_ptr(), ld: 16, ps: 16 * bc };
+                let sc_o = COp { ptr: sc.o.as_mut_ptr(), ld: dp };
+                // SAFETY: A reads mq rows of nkv ≤ bc scores, bc apart, of `sc.s` (br·bc floats),
+                // through a pointer taken after the row pass wrote them. B reads rows
+                // col..col + nkv (≤ bc) of the dp / 16 panels, each [bc, 16], of this tile's dp·bc
+                // floats of `vp`, where `v_tile` starts col·16 in. C accumulates mq rows of dp
+                // floats of `sc.o` (br·dp). dp is a multiple of 16; `sc.o` is this worker's own
+                // scratch, apart from `sc.s` and `vp`.
+                unsafe { gemm(simd, Dims { m: mq, n: dp, k: nkv }, pa, vb, sc_o, true) };
             }
             for i in 0..mq {
                 let (l, m) = (sc.l[i], sc.m[i]);
                 let row = (b * nq + q0 + i) * heads + h;
-                // SAFETY: each (b, h, query row) is written by exactly one task.
+                // SAFETY: b < batch, h < heads and q0 + i < nq, so the d floats at row·d lie in
+                // `o` (q_elems()) and the LSE index in `lse` (lse_elems()). A task is one
+                // (b·heads + h, query tile) pair, each listed once, so no other task writes this
+                // row of `o` or this LSE entry, and neither vector is used until all tasks end.
                 unsafe {
                     let dst = std::slice::from_raw_parts_mut(o_ptr.get().add(row * d), d);
                     if l > 0.0 && m > f32::NEG_INFINITY {

@@ -1,15 +1,23 @@
 //! Small-tile GEMM: `C[m×n] (+)= A[m×k] · B[k×n]` on f32, for the tiles of flash attention.
 //!
-//! `A` is read element by element through two strides (`rsa` between rows, `csa` between
-//! columns), so a transposed operand (`Pᵀ`, `dSᵀ`) costs nothing extra. `B` and `C` are
-//! row-major with leading dimensions `ldb` / `ldc`; `n` must be a multiple of [`NR`] (callers
-//! pad B with zeros). The AVX2/FMA micro-kernel computes `MR × NR = 6 × 16` blocks in 12 ymm
-//! accumulators; a portable scalar kernel serves other machines.
+//! `A` is read element by element through two strides (`rs` between rows, `cs` between
+//! columns), so a transposed operand (`Pᵀ`, `dSᵀ`) costs nothing extra. `B` is row-major or
+//! in column panels ([`BOp`]), `C` row-major ([`COp`]); `n` must be a multiple of [`NR`]
+//! (callers pad B with zeros). The AVX2/FMA micro-kernel computes `MR × NR = 6 × 16` blocks in
+//! 12 ymm accumulators; a portable scalar kernel serves other machines.
 
 /// Rows of a micro-tile.
 pub const MR: usize = 6;
 /// Columns of a micro-tile (two 8-lane vectors).
 pub const NR: usize = 16;
+
+/// The sizes of one product `C[m×n] (+)= A[m×k] · B[k×n]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
 
 /// One operand `A` described by a pointer and strides.
 #[derive(Clone, Copy)]
@@ -19,73 +27,61 @@ pub struct AOp {
     pub cs: usize,
 }
 
-/// `C[m×n] (+)= A[m×k] · B[k×n]`.
-///
-/// # Safety
-/// Every addressed element must be in bounds: `A` at `ptr + i·rs + p·cs` for `i < m, p < k`;
-/// `B` at `b + p·ldb + j` for `p < k, j < n`; `C` at `c + i·ldc + j` for `i < m, j < n`.
-/// `n % NR == 0`. `C` must not alias `A` or `B`.
-#[allow(clippy::too_many_arguments)]
-#[inline]
-pub unsafe fn gemm(
-    simd: bool,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: AOp,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-) {
-    gemm_panels(simd, m, n, k, a, b, ldb, NR, c, ldc, accumulate)
+/// The operand `B`, stored as column panels of [`NR`] columns: element `(p, j)` is at
+/// `ptr + (j / NR)·ps + p·ld + j % NR`. `ps = NR` is a plain row-major `B` ([`BOp::rows`]);
+/// `ld = NR, ps = NR·k` is a panel-packed `B` that the micro-kernel streams with unit stride.
+#[derive(Clone, Copy)]
+pub struct BOp {
+    pub ptr: *const f32,
+    /// Floats between rows `p` and `p + 1` of a panel.
+    pub ld: usize,
+    /// Floats between panels.
+    pub ps: usize,
 }
 
-/// `C[m×n] (+)= A[m×k] · B[k×n]` with `B` stored as column panels of [`NR`] columns:
-/// element `(p, j)` of `B` is at `b + (j / NR)·bps + p·ldb + j % NR`. `bps = NR` is a plain
-/// row-major `B`; `ldb = NR, bps = NR·k` is a panel-packed `B` that the micro-kernel streams
-/// with unit stride.
+impl BOp {
+    /// A row-major `B` with `ld` floats between rows.
+    pub fn rows(ptr: *const f32, ld: usize) -> BOp {
+        BOp { ptr, ld, ps: NR }
+    }
+}
+
+/// The output `C`, row-major with `ld` floats between rows.
+#[derive(Clone, Copy)]
+pub struct COp {
+    pub ptr: *mut f32,
+    pub ld: usize,
+}
+
+/// `C[m×n] (+)= A[m×k] · B[k×n]` (`accumulate`: add to `C`, else overwrite it). `simd` asks
+/// for the AVX2/FMA kernel, which runs where the CPU has both features.
 ///
 /// # Safety
-/// As [`gemm`], with `B` addressed as above.
-#[allow(clippy::too_many_arguments)]
+/// Every addressed element must be in bounds of one live allocation: `A` at
+/// `ptr + i·rs + p·cs` for `i < m, p < k`; `B` as [`BOp`] says for `p < k, j < n`; `C` at
+/// `ptr + i·ld + j` for `i < m, j < n`. `n % NR == 0`. `C` must not overlap `A` or `B`, and
+/// nothing else may access those elements of `C` during the call.
 #[inline]
-pub unsafe fn gemm_panels(
-    simd: bool,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: AOp,
-    b: *const f32,
-    ldb: usize,
-    bps: usize,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-) {
-    debug_assert_eq!(n % NR, 0);
+pub unsafe fn gemm(simd: bool, dims: Dims, a: AOp, b: BOp, c: COp, accumulate: bool) {
+    debug_assert_eq!(dims.n % NR, 0);
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        return x86::gemm(m, n, k, a, b, ldb, bps, c, ldc, accumulate);
+    if simd && has_avx2_fma() {
+        // The CPU has the kernel's features (checked on the line above); the operands are the
+        // caller's, under this function's contract.
+        return x86::gemm(dims, a, b, c, accumulate);
     }
     let _ = simd;
-    scalar_gemm(m, n, k, a, b, ldb, bps, c, ldc, accumulate)
+    scalar_gemm(dims, a, b, c, accumulate)
 }
 
-#[allow(clippy::too_many_arguments)]
-unsafe fn scalar_gemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: AOp,
-    b: *const f32,
-    ldb: usize,
-    bps: usize,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-) {
+/// The portable kernel of [`gemm`].
+///
+/// # Safety
+/// As [`gemm`].
+unsafe fn scalar_gemm(dims: Dims, a: AOp, b: BOp, c: COp, accumulate: bool) {
+    let Dims { m, n, k } = dims;
+    let BOp { ptr: b, ld: ldb, ps: bps } = b;
+    let COp { ptr: c, ld: ldc } = c;
     let mut acc = [0f32; NR];
     for i in 0..m {
         for j0 in (0..n).step_by(NR) {
@@ -107,14 +103,14 @@ unsafe fn scalar_gemm(
     }
 }
 
-/// True when the AVX2/FMA kernels can run here.
+/// True when the AVX2/FMA kernels can run here and are wanted (`DISTATTN_CPU_NO_SIMD` unset).
 pub fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         if std::env::var_os("DISTATTN_CPU_NO_SIMD").is_some() {
             return false;
         }
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        has_avx2_fma()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -122,25 +118,29 @@ pub fn simd_available() -> bool {
     }
 }
 
+/// Whether this CPU has AVX2 and FMA, all the `x86` kernels (here and in `vmath`) need. The
+/// answer is detected once and cached, so a call is a load and a test.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn has_avx2_fma() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{AOp, MR, NR};
+    use super::{AOp, BOp, COp, Dims, MR, NR};
     use std::arch::x86_64::*;
 
-    #[allow(clippy::too_many_arguments)]
+    /// The AVX2/FMA kernel of [`super::gemm`]: `MR × NR` blocks, the last rows of `C` in a
+    /// block of fewer rows.
+    ///
+    /// # Safety
+    /// As [`super::gemm`], on a CPU with AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gemm(
-        m: usize,
-        n: usize,
-        k: usize,
-        a: AOp,
-        b: *const f32,
-        ldb: usize,
-        bps: usize,
-        c: *mut f32,
-        ldc: usize,
-        accumulate: bool,
-    ) {
+    pub unsafe fn gemm(dims: Dims, a: AOp, b: BOp, c: COp, accumulate: bool) {
+        let Dims { m, n, k } = dims;
+        let BOp { ptr: b, ld: ldb, ps: bps } = b;
+        let COp { ptr: c, ld: ldc } = c;
         let mut j0 = 0;
         while j0 < n {
             let bp = b.add(j0 / NR * bps);
@@ -162,6 +162,11 @@ mod x86 {
         }
     }
 
+    /// One block: `C[R×16] (+)= A[R×k] · B[k×16]`, `B` rows `ldb` apart, `C` rows `ldc` apart.
+    ///
+    /// # Safety
+    /// As [`super::gemm`] for those sizes, on a CPU with AVX2 and FMA (it is inlined into the
+    /// `target_feature` kernel above).
     #[inline(always)]
     unsafe fn ukr<const R: usize>(
         k: usize,
@@ -198,8 +203,12 @@ mod x86 {
                 c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
                 c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
             }
-            ap = ap.add(2 * a.cs);
-            bp = bp.add(2 * ldb);
+            // After the last step these point past A's column k − 1 and B's row k − 1, possibly
+            // beyond their allocations (A transposed, or B's later panels): `wrapping_add`, since
+            // `add` must stay in bounds. They are dereferenced again only when k is odd, and
+            // then they are at column / row k − 1.
+            ap = ap.wrapping_add(2 * a.cs);
+            bp = bp.wrapping_add(2 * ldb);
         }
         if k % 2 == 1 {
             let b0 = _mm256_loadu_ps(bp);
@@ -221,8 +230,8 @@ mod x86 {
 mod tests {
     use super::*;
 
-    #[allow(clippy::too_many_arguments)]
-    fn naive(m: usize, n: usize, k: usize, a: &[f32], rs: usize, cs: usize, b: &[f32], ldb: usize) -> Vec<f32> {
+    fn naive(dims: Dims, a: &[f32], rs: usize, cs: usize, b: &[f32], ldb: usize) -> Vec<f32> {
+        let Dims { m, n, k } = dims;
         let mut c = vec![0f32; m * n];
         for i in 0..m {
             for j in 0..n {
@@ -244,28 +253,19 @@ mod tests {
                     let a: Vec<f32> = (0..m * k).map(|x| ((x * 37 % 101) as f32 - 50.0) / 25.0).collect();
                     let b: Vec<f32> = (0..k * (n + 3)).map(|x| ((x * 53 % 97) as f32 - 48.0) / 30.0).collect();
                     let (rs, cs) = if trans { (1, m) } else { (k, 1) };
-                    let want = naive(m, n, k, &a, rs, cs, &b, n + 3);
+                    let dims = Dims { m, n, k };
+                    let want = naive(dims, &a, rs, cs, &b, n + 3);
                     let mut c = vec![1f32; m * n];
-                    unsafe {
-                        gemm(simd, m, n, k, AOp { ptr: a.as_ptr(), rs, cs }, b.as_ptr(), n + 3, c.as_mut_ptr(), n, true)
-                    };
+                    let (ao, bo) = (AOp { ptr: a.as_ptr(), rs, cs }, BOp::rows(b.as_ptr(), n + 3));
+                    // SAFETY: `a` holds the m·k floats (rs, cs) address, (k, 1) or (1, m); `b` holds
+                    // k rows of n + 3 floats, of which the first n are read; `c` holds m rows of n;
+                    // every n listed is a multiple of 16; the three are separate vectors.
+                    unsafe { gemm(simd, dims, ao, bo, COp { ptr: c.as_mut_ptr(), ld: n }, true) };
                     for (x, w) in c.iter().zip(&want) {
                         assert!((x - 1.0 - w).abs() < 1e-4 * (1.0 + w.abs()), "{x} vs {w}");
                     }
-                    unsafe {
-                        gemm(
-                            simd,
-                            m,
-                            n,
-                            k,
-                            AOp { ptr: a.as_ptr(), rs, cs },
-                            b.as_ptr(),
-                            n + 3,
-                            c.as_mut_ptr(),
-                            n,
-                            false,
-                        )
-                    };
+                    // SAFETY: the same operands as above.
+                    unsafe { gemm(simd, dims, ao, bo, COp { ptr: c.as_mut_ptr(), ld: n }, false) };
                     for (x, w) in c.iter().zip(&want) {
                         assert!((x - w).abs() < 1e-4 * (1.0 + w.abs()));
                     }

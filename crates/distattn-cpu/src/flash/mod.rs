@@ -56,8 +56,14 @@ pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// A raw pointer shared by workers that write disjoint parts of one buffer.
 #[derive(Clone, Copy)]
 pub(crate) struct SendPtr<T>(pub *mut T);
-unsafe impl<T> Send for SendPtr<T> {}
-unsafe impl<T> Sync for SendPtr<T> {}
+// SAFETY: the wrapper only carries an address to the rayon workers of `forward::run` and
+// `backward::run`; each dereference there is an unsafe block in which a task writes rows of the
+// output that no other task touches, while the owning vector is not used until every task is
+// done. Values of `T` may be written from another thread because `T: Send`.
+unsafe impl<T: Send> Send for SendPtr<T> {}
+// SAFETY: as for `Send`: sharing the wrapper gives each worker the address, nothing more, and
+// the writes through it are disjoint.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
 
 impl<T> SendPtr<T> {
     /// The pointer (a method, so closures capture the whole wrapper).
@@ -107,7 +113,7 @@ pub(crate) fn pack_transposed(rows: &[f32], groups: usize, len: usize, d: usize,
 /// Rows `[groups, len, dp]` packed per tile of `bk` rows into column panels of 16 rows, each
 /// transposed: `[groups, tiles, bk / 16, d, 16]`, zero beyond `len`. Row `j` of a tile, column
 /// `c` is at `(j / 16)·16·d + c·16 + j % 16`: B of `S = Q·Kᵀ` for
-/// [`gemm::gemm_panels`] with `ldb = 16`, `bps = 16·d`.
+/// [`gemm::gemm`] as a [`gemm::BOp`] with `ld = 16`, `ps = 16·d`.
 pub(crate) fn pack_k_panels(rows: &[f32], groups: usize, len: usize, d: usize, dp: usize, bk: usize) -> Vec<f32> {
     let tiles = len.div_ceil(bk);
     let mut out = vec![0f32; groups * tiles * d * bk];
@@ -131,8 +137,8 @@ pub(crate) fn pack_k_panels(rows: &[f32], groups: usize, len: usize, d: usize, d
 
 /// Rows `[groups, len, dp]` packed per tile of `bk` rows into column panels of 16 columns:
 /// `[groups, tiles, dp / 16, bk, 16]`, zero beyond `len`. Row `j` of a tile, column `c` is at
-/// `(c / 16)·16·bk + j·16 + c % 16`: B of `O += P·V` for [`gemm::gemm_panels`] with
-/// `ldb = 16`, `bps = 16·bk`.
+/// `(c / 16)·16·bk + j·16 + c % 16`: B of `O += P·V` for [`gemm::gemm`] as a [`gemm::BOp`]
+/// with `ld = 16`, `ps = 16·bk`.
 pub(crate) fn pack_v_panels(rows: &[f32], groups: usize, len: usize, dp: usize, bk: usize) -> Vec<f32> {
     let tiles = len.div_ceil(bk);
     let mut out = vec![0f32; groups * tiles * dp * bk];

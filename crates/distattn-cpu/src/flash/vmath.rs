@@ -3,6 +3,12 @@
 //!
 //! Scores arrive unscaled; `c = scale · log2(e)` folds the softmax scale and the change of
 //! base into one multiply, so every exponential is a base-2 one.
+//!
+//! `simd` asks for the AVX2/FMA versions; they run only where the CPU has both features
+//! ([`super::gemm::has_avx2_fma`]), the portable ones otherwise.
+
+#[cfg(target_arch = "x86_64")]
+use super::gemm::has_avx2_fma;
 
 /// Online-softmax step of one row in the forward pass. `s` holds the raw scores of the tile
 /// (masked entries already −inf); on return it holds `p = 2^(c·s − m_new)`. Returns
@@ -11,7 +17,9 @@
 #[inline]
 pub fn fwd_row(simd: bool, s: &mut [f32], c: f32, m_old: f32) -> (f32, f32, f32) {
     #[cfg(target_arch = "x86_64")]
-    if simd {
+    if simd && has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA (checked on the line above), all `x86::fwd_row` needs;
+        // it addresses `s` only below `s.len()`.
         return unsafe { x86::fwd_row(s, c, m_old) };
     }
     let _ = simd;
@@ -39,7 +47,9 @@ pub fn bwd_row(simd: bool, s: &mut [f32], dp: &mut [f32], c: f32, lse2: f32, del
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if simd {
+    if simd && has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA (checked on the line above), all `x86::bwd_row` needs;
+        // it addresses `s` and `dp` only below the shorter length.
         return unsafe { x86::bwd_row(s, dp, c, lse2, delta) };
     }
     let _ = simd;
@@ -53,7 +63,9 @@ pub fn bwd_row(simd: bool, s: &mut [f32], dp: &mut [f32], c: f32, lse2: f32, del
 #[inline]
 pub fn scale(simd: bool, x: &mut [f32], a: f32) {
     #[cfg(target_arch = "x86_64")]
-    if simd {
+    if simd && has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA (checked on the line above), all `x86::scale` needs; it
+        // addresses `x` only below `x.len()`.
         return unsafe { x86::scale(x, a) };
     }
     let _ = simd;
@@ -64,13 +76,17 @@ pub fn scale(simd: bool, x: &mut [f32], a: f32) {
 #[inline]
 pub fn dot(simd: bool, a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if simd {
+    if simd && has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA (checked on the line above), all `x86::dot` needs; it
+        // reads `a` and `b` only below the shorter length.
         return unsafe { x86::dot(a, b) };
     }
     let _ = simd;
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
+/// The AVX2/FMA versions, `unsafe` because they run AVX2 and FMA instructions (each `# Safety`
+/// says so). Slices are addressed only below their lengths (the shorter one of two).
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -89,12 +105,18 @@ mod x86 {
     /// Rounding without `round`/`cvt`: adding `MAGIC = 1.5·2^23 + 127` rounds x to an integer
     /// held in the low mantissa bits, already biased by 127, so a left shift by 23 of those
     /// bits is the f32 `2^n` (the high bits of the magic shift out).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
     #[inline(always)]
     pub unsafe fn exp2_ps(x: __m256) -> __m256 {
         exp2_ps_le127(_mm256_min_ps(x, _mm256_set1_ps(127.0)))
     }
 
     /// [`exp2_ps`] for `x ≤ 127` (the forward's `x = c·s − m_new ≤ 0` needs no upper clamp).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
     #[inline(always)]
     pub unsafe fn exp2_ps_le127(x: __m256) -> __m256 {
         const MAGIC: f32 = 12_582_912.0 + 127.0;
@@ -112,6 +134,10 @@ mod x86 {
         _mm256_mul_ps(p, _mm256_castsi256_ps(e))
     }
 
+    /// The largest of the 8 lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX (AVX2 and FMA where it is inlined).
     #[inline(always)]
     unsafe fn hmax(v: __m256) -> f32 {
         let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -120,6 +146,10 @@ mod x86 {
         _mm_cvtss_f32(m)
     }
 
+    /// The sum of the 8 lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX (AVX2 and FMA where it is inlined).
     #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
         let m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -128,6 +158,10 @@ mod x86 {
         _mm_cvtss_f32(m)
     }
 
+    /// [`super::fwd_row`] on AVX2/FMA.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn fwd_row(s: &mut [f32], c: f32, m_old: f32) -> (f32, f32, f32) {
         let n = s.len();
@@ -176,6 +210,10 @@ mod x86 {
         (m_new, (m_old - m_new).exp2(), sum)
     }
 
+    /// [`super::bwd_row`] on AVX2/FMA.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn bwd_row(s: &mut [f32], dp: &mut [f32], c: f32, lse2: f32, delta: f32) {
         let n = s.len().min(dp.len());
@@ -198,6 +236,10 @@ mod x86 {
         }
     }
 
+    /// [`super::scale`] on AVX2/FMA.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn scale(x: &mut [f32], a: f32) {
         let n = x.len();
@@ -213,6 +255,10 @@ mod x86 {
         }
     }
 
+    /// [`super::dot`] on AVX2/FMA.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
@@ -240,6 +286,8 @@ mod x86 {
         let mut x = -130.0f32;
         while x < 20.0 {
             let mut buf = [0f32; 8];
+            // SAFETY: simd_available() said above that the CPU has AVX2 and FMA; the store
+            // writes the 8 floats `buf` holds.
             unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), exp2_ps(_mm256_set1_ps(x))) };
             let want = (x as f64).exp2();
             if x > -126.0 {
@@ -251,6 +299,7 @@ mod x86 {
         }
         assert!(worst < 5e-7, "worst relative error {worst}");
         let mut buf = [1f32; 8];
+        // SAFETY: as above.
         unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), exp2_ps(_mm256_set1_ps(f32::NEG_INFINITY))) };
         assert_eq!(buf[0], 0.0);
     }

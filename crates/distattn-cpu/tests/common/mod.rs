@@ -1,5 +1,6 @@
 //! Shared helpers of the distattn-cpu tests: the test kit (seeded inputs, the f64 reference,
 //! relative errors) applied to the CPU kernels, and the one tolerance.
+// Each test crate that includes this module uses only some of its helpers.
 #![allow(dead_code)]
 
 use distattn_core::{AttnOptions, AttnShape, DType, Element, Mask};

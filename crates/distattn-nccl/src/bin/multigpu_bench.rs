@@ -25,6 +25,9 @@ use std::time::{Duration, Instant};
 
 type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
+/// A case's forward and backward plans and its mask, or why they could not be built.
+type CasePlans = std::result::Result<(Plan, Plan, Mask), String>;
+
 struct Args(HashMap<String, String>);
 
 impl Args {
@@ -239,7 +242,7 @@ fn bench(a: &Args) -> Res<()> {
         }
     }
     // Plans (host) once.
-    let mut plans: HashMap<(usize, Strategy), std::result::Result<(Plan, Plan, Mask), String>> = HashMap::new();
+    let mut plans: HashMap<(usize, Strategy), CasePlans> = HashMap::new();
     for &n in &seqs {
         for &st in &strategies {
             let shape = AttnShape::new(1, n, n, h, kvh, d)?;

@@ -43,7 +43,9 @@ pub struct LaunchArgs {
 
 /// Kills a rank's whole process group and reaps it.
 fn stop(child: &mut Child) {
-    // SAFETY: killpg only sends a signal; the group id is the child's pid (set at spawn).
+    // SAFETY: killpg only sends a signal; it touches no memory. The group id is the child's pid
+    // (it leads its group, set at spawn), and the child has not been reaped yet (reaped children
+    // leave `children`), so that pid cannot have been reused.
     unsafe {
         libc::killpg(child.id() as libc::pid_t, libc::SIGKILL);
     }
