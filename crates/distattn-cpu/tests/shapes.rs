@@ -29,9 +29,20 @@ fn awkward_lengths() {
     // k_len = 1 makes dS = dP − D exactly zero in exact arithmetic, so dK is pure f32
     // rounding noise (common::errors measures it against dV's scale).
     let (mut rng, seed) = rng("awkward_lengths");
-    for (nq, nk) in
-        [(1, 1), (1, 17), (17, 17), (1, 129), (129, 129), (129, 17), (17, 129), (100, 37), (2, 200), (200, 3), (3, 1), (40, 1)]
-    {
+    for (nq, nk) in [
+        (1, 1),
+        (1, 17),
+        (17, 17),
+        (1, 129),
+        (129, 129),
+        (129, 17),
+        (17, 129),
+        (100, 37),
+        (2, 200),
+        (200, 3),
+        (3, 1),
+        (40, 1),
+    ] {
         let shape = AttnShape::new(1, nq, nk, 2, 1, 64).unwrap();
         let x = inputs(&mut rng, &shape);
         for mask in [

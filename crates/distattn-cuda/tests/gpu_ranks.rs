@@ -1,6 +1,6 @@
 //! Every strategy's plan on GPU ranks through the one interpreter and the CUDA backend,
 //! against the f64 reference (`cargo test --release -p distattn-cuda -- --ignored`; needs one
-//! CUDA GPU: the ranks are threads sharing the GPUs there are, and move data by device copies,
+//! CUDA GPU: the ranks are threads sharing GPU 0, and move data by device copies,
 //! `distattn_cuda::peer`). The GPU side of the CPU matrix test: the same plans and interpreter,
 //! on the CUDA backend's two streams with events between them.
 
@@ -18,19 +18,13 @@ fn every_strategy_on_gpu_ranks_matches_the_reference() {
     assert!(gpus > 0, "this test needs a CUDA GPU");
     let opts = AttnOptions::default();
     check_every_strategy("every_strategy_on_gpu_ranks_matches_the_reference", &[2, 4], &|world, runs, full| {
-        with_peer_ranks(
-            world,
-            |r| r % gpus,
-            Duration::from_secs(60),
-            |backend, comm| {
-                runs.iter()
-                    .map(|run| {
-                        Ok(run_rank(&run.ranks[comm.rank()], backend, comm, full, &opts, &ExecOptions::default())?
-                            .shards)
-                    })
-                    .collect()
-            },
-        )
+        with_peer_ranks(world, 0, Duration::from_secs(60), |backend, comm| {
+            runs.iter()
+                .map(|run| {
+                    Ok(run_rank(&run.ranks[comm.rank()], backend, comm, full, &opts, &ExecOptions::default())?.shards)
+                })
+                .collect()
+        })
     });
 }
 
@@ -51,7 +45,7 @@ fn a_failed_rank_stops_the_others_with_its_name() {
     for kind in [FailureKind::Error, FailureKind::Panic] {
         let ctl = ExecOptions { timeline: false, fail: Some(InjectedFailure { rank: 2, step: 1, kind }) };
         let t0 = std::time::Instant::now();
-        let e = with_peer_ranks(4, |r| r % gpus, Duration::from_secs(60), |backend, comm| {
+        let e = with_peer_ranks(4, 0, Duration::from_secs(60), |backend, comm| {
             run_rank(&progs[comm.rank()], backend, comm, &full, &AttnOptions::default(), &ctl)
         })
         .err()

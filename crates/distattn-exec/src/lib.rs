@@ -11,7 +11,9 @@
 //! * [`prepare`]: a rank's program made ready once (schedule, sub-masks, pieces, merge specs);
 //! * [`interpreter`]: [`execute`], the one interpreter, for every backend and transport, with
 //!   per-step timelines;
-//! * [`shard`] and [`run`]: whole host tensors to a rank's shards and back ([`run_rank`]).
+//! * [`shard`] and [`run`]: whole host tensors to a rank's shards and back ([`run_rank`]);
+//! * [`rendezvous`]: mailboxes, barrier and failure of ranks in one process, what thread
+//!   transports build on.
 //!
 //! Ranks of one process run through [`threads::run_ranks`]; see the `distattn` crate for the
 //! one-call API over every backend.
@@ -21,6 +23,7 @@ pub mod comm;
 pub mod interpreter;
 pub mod pieces;
 pub mod prepare;
+pub mod rendezvous;
 pub mod run;
 pub mod shard;
 pub mod threads;

@@ -11,7 +11,7 @@ use distattn_core::planner::build;
 use distattn_core::timeline::Timeline;
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, PlanOptions, Result, Strategy};
 use distattn_cuda::{CudaBackend, GpuBuf};
-use distattn_exec::threads::panic_message;
+use distattn_exec::rendezvous::panic_message;
 use distattn_exec::{execute, prepare, Communicator, ExecOptions, PreparedRank};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;

@@ -85,7 +85,11 @@ pub fn errors<T: Element>(x: &Inputs, shape: &AttnShape, mask: &Mask, tiles: Til
     // With a single key, dS = P·(dP − D) is exactly zero, so the exact dK is zero and the
     // kernel's is f32 rounding noise summed over rows and heads: measure it against the scale
     // of the same key's dV rather than against the floor of an all-zero reference.
-    let dk = if shape.k_len == 1 { rms(&g.dk) / rms(&rg.dv).max(distattn_testkit::compare::FLOOR) } else { rel_err(&g.dk, &rg.dk) };
+    let dk = if shape.k_len == 1 {
+        rms(&g.dk) / rms(&rg.dv).max(distattn_testkit::compare::FLOOR)
+    } else {
+        rel_err(&g.dk, &rg.dk)
+    };
     Errs {
         o: rel_err(&f.o, &r.o),
         lse: lse_err(&f.lse, &r.lse),
