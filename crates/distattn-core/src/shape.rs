@@ -128,9 +128,14 @@ pub struct AttnOptions {
 }
 
 impl AttnOptions {
-    /// The softmax scale for this head dimension.
-    pub fn scale_for(&self, head_dim: usize) -> f32 {
-        self.scale.unwrap_or_else(|| 1.0 / (head_dim as f32).sqrt())
+    /// The softmax scale for this head dimension, or the error for one that is not positive
+    /// and finite.
+    pub fn scale_for(&self, head_dim: usize) -> Result<f32> {
+        let s = self.scale.unwrap_or_else(|| 1.0 / (head_dim as f32).sqrt());
+        if !(s.is_finite() && s > 0.0) {
+            return Err(Error::invalid("softmax scale", format!("must be positive and finite, got {s}")));
+        }
+        Ok(s)
     }
 }
 
@@ -153,7 +158,11 @@ mod tests {
 
     #[test]
     fn default_scale() {
-        assert_eq!(AttnOptions::default().scale_for(64), 0.125);
-        assert_eq!(AttnOptions { scale: Some(0.5) }.scale_for(64), 0.5);
+        assert_eq!(AttnOptions::default().scale_for(64), Ok(0.125));
+        assert_eq!(AttnOptions { scale: Some(0.5) }.scale_for(64), Ok(0.5));
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let err = AttnOptions { scale: Some(bad) }.scale_for(64).unwrap_err();
+            assert!(matches!(&err, Error::InvalidArgument { what, .. } if what == "softmax scale"), "{bad}: {err}");
+        }
     }
 }

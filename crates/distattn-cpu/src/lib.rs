@@ -16,16 +16,8 @@ pub mod flash;
 pub mod merge;
 
 pub use backend::CpuBackend;
-use distattn_core::{AttnOptions, AttnShape, Element, Error, Forward, Grads, Mask, Result};
+use distattn_core::{AttnOptions, AttnShape, Element, Forward, Grads, Mask, Result};
 pub use flash::TileConfig;
-
-pub(crate) fn check_scale(opts: &AttnOptions, d: usize) -> Result<f32> {
-    let s = opts.scale_for(d);
-    if !(s.is_finite() && s > 0.0) {
-        return Err(Error::invalid("softmax scale", format!("must be positive and finite, got {s}")));
-    }
-    Ok(s)
-}
 
 pub(crate) fn check_qkv(shape: &AttnShape, mask: &Mask, q: usize, k: usize, v: usize) -> Result<()> {
     shape.validate()?;
@@ -58,7 +50,7 @@ pub fn forward_with<T: Element>(
     tiles: TileConfig,
 ) -> Result<Forward> {
     check_qkv(shape, mask, q.len(), k.len(), v.len())?;
-    let scale = check_scale(opts, shape.head_dim)?;
+    let scale = opts.scale_for(shape.head_dim)?;
     Ok(flash::forward::run(q, k, v, shape, mask, scale, tiles.sanitized()))
 }
 
@@ -130,7 +122,7 @@ pub fn backward_with<T: Element>(
     shape.check_len("d_o", d_o.len(), shape.q_elems())?;
     shape.check_len("lse", lse.len(), shape.lse_elems())?;
     shape.check_len("delta", delta.len(), shape.lse_elems())?;
-    let scale = check_scale(opts, shape.head_dim)?;
+    let scale = opts.scale_for(shape.head_dim)?;
     let x = flash::backward::Tensors { q, k, v, d_o, lse, delta };
     Ok(flash::backward::run(x, shape, mask, scale, tiles.sanitized()))
 }

@@ -73,7 +73,7 @@ impl CudaBackend {
             heads: shape.heads as i32,
             kv_heads: shape.kv_heads as i32,
             n_tiles: 0,
-            scale_log2: opts.scale_for(shape.head_dim) * LOG2E,
+            scale_log2: opts.scale_for(shape.head_dim)? * LOG2E,
             pad_: 0,
         };
         let kern = self.kernels(T::DTYPE, shape.head_dim)?;
@@ -170,7 +170,7 @@ impl CudaBackend {
         dv: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
         let cfg = self.backward_config::<T>(shape, mask)?;
-        let scale = opts.scale_for(shape.head_dim);
+        let scale = opts.scale_for(shape.head_dim)?;
         let mut bp = BwdParams {
             q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
             k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,

@@ -16,7 +16,7 @@ pub struct LaunchEnv {
 }
 
 fn bad(m: impl Into<String>) -> Error {
-    Error::Comm(format!("launcher environment: {}", m.into()))
+    Error::invalid("launcher environment", m)
 }
 
 fn parse_num(name: &str, v: &str) -> Result<usize> {
@@ -121,7 +121,11 @@ mod tests {
             vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("NCCL_COMM_ID", "h:0")],
             vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("NCCL_COMM_ID", ":80")],
         ] {
-            assert!(LaunchEnv::parse(env(&bad)).is_err(), "{bad:?}");
+            let err = LaunchEnv::parse(env(&bad)).unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument { what, .. } if what == "launcher environment"),
+                "{bad:?}: {err}"
+            );
         }
     }
 

@@ -2,7 +2,7 @@
 //! Work is `q_len · k_len · head_dim` per head, parallel over (batch, head); memory is one row
 //! of scores at a time, plus per-head dK/dV partials in the backward.
 
-use distattn_core::{AttnOptions, AttnShape, Element, Error, Mask, Result};
+use distattn_core::{AttnOptions, AttnShape, Element, Mask, Result};
 use rayon::prelude::*;
 
 /// Reference forward output in f64 (same layouts as [`distattn_core::Forward`]).
@@ -35,11 +35,7 @@ fn check(shape: &AttnShape, mask: &Mask, opts: &AttnOptions, lens: &[(&str, usiz
         shape.check_len(name, got, want)?;
     }
     mask.check_fits(shape)?;
-    let s = opts.scale_for(shape.head_dim);
-    if !(s.is_finite() && s > 0.0) {
-        return Err(Error::invalid("softmax scale", format!("must be positive and finite, got {s}")));
-    }
-    Ok(s as f64)
+    Ok(opts.scale_for(shape.head_dim)? as f64)
 }
 
 /// One (batch, head) of the problem, in f64.

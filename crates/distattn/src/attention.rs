@@ -158,9 +158,7 @@ impl Attention<f32> {
 impl<O: Element> Attention<O> {
     /// Sets the softmax scale (`None`: `1/sqrt(head_dim)`); it must be positive and finite.
     pub fn scale(mut self, scale: Option<f32>) -> Result<Self> {
-        if let Some(s) = scale.filter(|s| !(s.is_finite() && *s > 0.0)) {
-            return Err(Error::invalid("softmax scale", format!("must be positive and finite, got {s}")));
-        }
+        AttnOptions { scale }.scale_for(self.shape.head_dim)?;
         self.opts.scale = scale;
         Ok(self)
     }
@@ -293,7 +291,7 @@ impl<O: Element> std::fmt::Debug for Attention<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Attention")
             .field("shape", &self.shape)
-            .field("scale", &self.opts.scale_for(self.shape.head_dim))
+            .field("scale", &self.opts.scale_for(self.shape.head_dim).ok())
             .field("execution", &self.exec.describe())
             .finish()
     }

@@ -67,8 +67,17 @@ fn device_name() -> String {
     CudaBackend::new(0).map(|b| b.device_name()).unwrap_or_else(|_| "unknown".into())
 }
 
-fn plan_opts(spec: &MaskSpec, n: usize, pass: Pass, rb: RingBackward) -> PlanOptions {
-    PlanOptions { pass: Some(pass), ring_backward: rb, documents: spec.doc_lens(n), ..Default::default() }
+/// The forward and backward plans of one case (backward circulates K and V).
+fn fwd_bwd_plans(st: Strategy, world: usize, shape: &AttnShape, mask: &Mask, spec: &MaskSpec) -> Result<(Plan, Plan)> {
+    let opts = |pass| PlanOptions {
+        pass: Some(pass),
+        ring_backward: RingBackward::KvCirculate,
+        documents: spec.doc_lens(shape.q_len),
+        ..Default::default()
+    };
+    let f = build(st, world, shape, mask, DType::BF16, &opts(Pass::Forward))?;
+    let b = build(st, world, shape, mask, DType::BF16, &opts(Pass::Backward))?;
+    Ok((f, b))
 }
 
 // ------------------------------------------------------------------------------------ cases
@@ -248,25 +257,7 @@ fn bench(a: &Args) -> Res<()> {
             let shape = AttnShape::new(1, n, n, h, kvh, d)?;
             let mask = spec.build(n, n)?;
             let t0 = Instant::now();
-            let r = (|| -> Result<(Plan, Plan, Mask)> {
-                let f = build(
-                    st,
-                    world,
-                    &shape,
-                    &mask,
-                    DType::BF16,
-                    &plan_opts(&spec, n, Pass::Forward, RingBackward::KvCirculate),
-                )?;
-                let b = build(
-                    st,
-                    world,
-                    &shape,
-                    &mask,
-                    DType::BF16,
-                    &plan_opts(&spec, n, Pass::Backward, RingBackward::KvCirculate),
-                )?;
-                Ok((f, b, mask.clone()))
-            })();
+            let r = fwd_bwd_plans(st, world, &shape, &mask, &spec).map(|(f, b)| (f, b, mask));
             println!(
                 "plan {st} seq {n}: {:.0} ms{}",
                 t0.elapsed().as_secs_f64() * 1e3,
@@ -424,22 +415,7 @@ fn probe(a: &Args) -> Res<()> {
         let shape = AttnShape::new(1, n, n, h, kvh, d)?;
         let mask = Mask::causal(n, n)?;
         let spec = MaskSpec::Causal;
-        let pf = build(
-            st,
-            world,
-            &shape,
-            &mask,
-            DType::BF16,
-            &plan_opts(&spec, n, Pass::Forward, RingBackward::KvCirculate),
-        )?;
-        let pb = build(
-            st,
-            world,
-            &shape,
-            &mask,
-            DType::BF16,
-            &plan_opts(&spec, n, Pass::Backward, RingBackward::KvCirculate),
-        )?;
+        let (pf, pb) = fwd_bwd_plans(st, world, &shape, &mask, &spec)?;
         let t0 = Instant::now();
         let r = with_gpu_ranks(world, 0, Duration::from_secs(120), |g| {
             let (pf_r, pb_r) = (prepare(&pf, g.rank(), &mask)?, prepare(&pb, g.rank(), &mask)?);
