@@ -24,5 +24,5 @@ pub use error::{Error, Result};
 pub use mask::{Mask, MaskSlice, MaskSpec, SliceKind, TileClass, TileInfo};
 pub use outputs::{Forward, Grads};
 pub use plan::{Plan, PlanOptions, PlanSummary};
-pub use shape::{AttnOptions, AttnShape};
+pub use shape::{AttnOptions, AttnShape, MAX_SEQ_LEN};
 pub use strategy::Strategy;

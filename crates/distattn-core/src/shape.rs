@@ -8,6 +8,10 @@
 
 use crate::{Error, Result};
 
+/// The longest query or key sequence: kernels and their parameters index tokens with 32-bit
+/// signed integers.
+pub const MAX_SEQ_LEN: usize = i32::MAX as usize;
+
 /// Sizes of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct AttnShape {
@@ -39,7 +43,9 @@ impl AttnShape {
         Self::new(batch, seq, seq, heads, heads, head_dim)
     }
 
-    /// Checks that every size is positive and heads divide evenly.
+    /// Checks that every size is positive, heads divide evenly, sequences are at most
+    /// [`MAX_SEQ_LEN`] and every tensor's size in bytes (as f32) is addressable, so that
+    /// element counts and offsets computed from the shape cannot overflow.
     pub fn validate(&self) -> Result<()> {
         for (v, what) in [
             (self.batch, "batch"),
@@ -55,6 +61,23 @@ impl AttnShape {
         }
         if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(Error::HeadsNotDivisible { heads: self.heads, kv_heads: self.kv_heads });
+        }
+        for (len, what) in [(self.q_len, "query length"), (self.k_len, "key length")] {
+            if len > MAX_SEQ_LEN {
+                return Err(Error::invalid(what, format!("{len} is more than the supported {MAX_SEQ_LEN} tokens")));
+            }
+        }
+        let f32_bytes = |dims: [usize; 4]| {
+            dims.iter().try_fold(4usize, |acc, &d| acc.checked_mul(d)).filter(|&b| b <= isize::MAX as usize)
+        };
+        for (dims, what) in [
+            ([self.batch, self.q_len, self.heads, self.head_dim], "q"),
+            ([self.batch, self.k_len, self.kv_heads, self.head_dim], "k"),
+            ([self.batch, self.heads, self.q_len, 1], "lse"),
+        ] {
+            if f32_bytes(dims).is_none() {
+                return Err(Error::invalid("shape", format!("{self}: {what} would not fit in memory")));
+            }
         }
         Ok(())
     }
@@ -154,6 +177,22 @@ mod tests {
         assert_eq!(s.kv_elems(), 2 * 5 * 2 * 8);
         assert_eq!(s.q_offset(1, 2, 3), ((3 + 2) * 4 + 3) * 8);
         assert!(s.check_len("q", 1, 2).is_err());
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_refused() {
+        let huge = 1usize << 40;
+        for (b, nq, nk, h, kvh, d) in [
+            (1, huge, 16, 1, 1, 64),
+            (1, 16, huge, 1, 1, 64),
+            (1, 16, 16, 1, 1, 1 << 62),
+            (1 << 40, 1 << 20, 16, 1, 1, 64),
+            (1, 1 << 30, 16, 1 << 40, 1, 1),
+        ] {
+            let err = AttnShape::new(b, nq, nk, h, kvh, d).unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+        }
+        assert!(AttnShape::new(1, MAX_SEQ_LEN, MAX_SEQ_LEN, 1, 1, 8).is_ok());
     }
 
     #[test]

@@ -239,9 +239,10 @@ fn merges_are_overflow_safe() {
 }
 
 #[test]
-fn fewer_tokens_than_ranks() {
-    // Some ranks hold no token at all; nothing changes in the answer.
-    let shape = AttnShape::new(1, 5, 5, 8, 8, 16).unwrap();
+fn one_token_per_rank_and_no_fewer() {
+    // Every rank holds a single token: the answer does not change. One rank more would hold
+    // none, which is refused as a configuration mistake.
+    let shape = AttnShape::new(1, 5, 5, 10, 10, 16).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
@@ -249,8 +250,8 @@ fn fewer_tokens_than_ranks() {
     let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
     for mask in [Mask::causal(5, 5).unwrap(), Mask::full(5, 5).unwrap()] {
         let (want, wg) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
-        for s in strategies(8) {
-            let attn = on(s, 8, &shape, &mask);
+        for s in strategies(5) {
+            let attn = on(s, 5, &shape, &mask);
             let got = attn.forward(&q, &k, &v).unwrap();
             assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
             let g = attn.backward(&q, &k, &v, &want, &d_o).unwrap();
@@ -258,6 +259,10 @@ fn fewer_tokens_than_ranks() {
                 rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL,
                 "{s}"
             );
+        }
+        for s in strategies(6) {
+            let err = on(s, 6, &shape, &mask).forward(&q, &k, &v).unwrap_err();
+            assert!(matches!(&err, Error::InvalidArgument { what, .. } if what == "world size"), "{s}: {err}");
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Named mask constructors: every mask of the long-context attention benchmark.
 
 use super::{slices_from_rows, Mask, MaskSlice, SliceKind};
-use crate::{Error, Result};
+use crate::{Error, Result, MAX_SEQ_LEN};
 
 /// Attention inside each document of a packed batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -20,15 +20,30 @@ fn positive(v: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Start offsets of consecutive documents, with the total.
-fn offsets(lens: &[usize]) -> (Vec<usize>, usize) {
-    let mut starts = Vec::with_capacity(lens.len());
-    let mut total = 0;
-    for &l in lens {
-        starts.push(total);
-        total += l;
+/// Checks a sequence length before anything proportional to it is built: positive and at
+/// most [`MAX_SEQ_LEN`].
+fn seq_len(v: usize, what: &str) -> Result<usize> {
+    positive(v, what)?;
+    if v > MAX_SEQ_LEN {
+        return Err(Error::InvalidMask(format!("{what} {v} is more than the supported {MAX_SEQ_LEN} tokens")));
     }
-    (starts, total)
+    Ok(v)
+}
+
+/// The sum of document lengths, checked like a sequence length (without wrapping).
+fn total_len(lens: impl IntoIterator<Item = usize>, what: &str) -> Result<usize> {
+    let sum = lens.into_iter().try_fold(0usize, |acc, l| acc.checked_add(l).filter(|&t| t <= MAX_SEQ_LEN));
+    match sum {
+        Some(total) => seq_len(total, what),
+        None => Err(Error::InvalidMask(format!("{what} is more than the supported {MAX_SEQ_LEN} tokens"))),
+    }
+}
+
+/// Start offsets of consecutive documents, with the total.
+fn offsets(lens: &[usize], what: &str) -> Result<(Vec<usize>, usize)> {
+    let total = total_len(lens.iter().copied(), what)?;
+    let starts = lens.iter().scan(0, |a, &l| Some(std::mem::replace(a, *a + l))).collect();
+    Ok((starts, total))
 }
 
 impl Mask {
@@ -48,8 +63,8 @@ impl Mask {
     /// `[p − left, p + right]` with `p = i + k_len − q_len`. `None` means unbounded on that side,
     /// so `(Some(w), Some(0))` is causal sliding window attention.
     pub fn sliding_window(q_len: usize, k_len: usize, left: Option<usize>, right: Option<usize>) -> Result<Mask> {
-        positive(q_len, "query length")?;
-        positive(k_len, "key length")?;
+        seq_len(q_len, "query length")?;
+        seq_len(k_len, "key length")?;
         let shift = k_len as i64 - q_len as i64;
         let slices = slices_from_rows(0..q_len, |i| {
             let p = i as i64 + shift;
@@ -63,7 +78,7 @@ impl Mask {
     /// Sliding window plus `global` leading tokens that see and are seen by every token
     /// (self-attention over `n` tokens).
     pub fn window_global(n: usize, left: Option<usize>, right: Option<usize>, global: usize) -> Result<Mask> {
-        positive(n, "sequence length")?;
+        seq_len(n, "sequence length")?;
         let g = global.min(n);
         let mut slices = Vec::new();
         if g > 0 {
@@ -74,7 +89,7 @@ impl Mask {
         }
         slices.extend(slices_from_rows(g..n, |i| {
             let lo = left.map_or(g, |l| i.saturating_sub(l).max(g));
-            let hi = right.map_or(n, |r| (i + r + 1).min(n));
+            let hi = right.map_or(n, |r| i.saturating_add(r).saturating_add(1).min(n));
             (lo, hi)
         }));
         Ok(Mask::new_unchecked(n, n, slices))
@@ -95,10 +110,8 @@ impl Mask {
                 k_lens.len()
             )));
         }
-        let (qs, q_total) = offsets(q_lens);
-        let (ks, k_total) = offsets(k_lens);
-        positive(q_total, "total query length")?;
-        positive(k_total, "total key length")?;
+        let (qs, q_total) = offsets(q_lens, "total query length")?;
+        let (ks, k_total) = offsets(k_lens, "total key length")?;
         let slice_kind = match kind {
             DocKind::Full => SliceKind::Full,
             DocKind::Causal => SliceKind::Causal,
@@ -127,6 +140,7 @@ impl Mask {
 
     /// Prefix-LM inside each document: `docs` holds `(length, prefix)` pairs.
     pub fn prefix_lm_documents(docs: &[(usize, usize)]) -> Result<Mask> {
+        total_len(docs.iter().map(|d| d.0), "sequence length")?;
         let mut slices = Vec::new();
         let mut a = 0;
         for &(len, prefix) in docs {
@@ -137,13 +151,13 @@ impl Mask {
             slices.extend(slices_from_rows(a..a + len, |i| (a, if i < p { p } else { i + 1 })));
             a += len;
         }
-        positive(a, "sequence length")?;
         Ok(Mask::new_unchecked(a, a, slices))
     }
 
     /// Shared question: a question of `question` tokens (causal) followed by answers that each
     /// see the whole question and themselves causally, but not each other.
     pub fn shared_question(question: usize, answers: &[usize]) -> Result<Mask> {
+        total_len(std::iter::once(question).chain(answers.iter().copied()), "sequence length")?;
         let mut slices = Vec::new();
         if question > 0 {
             slices.push(MaskSlice::new(0..question, 0..question, SliceKind::Causal));
@@ -156,7 +170,6 @@ impl Mask {
             slices.push(MaskSlice::new(a..a + len, a..a + len, SliceKind::Causal));
             a += len;
         }
-        positive(a, "sequence length")?;
         Ok(Mask::new_unchecked(a, a, slices))
     }
 
@@ -169,14 +182,17 @@ impl Mask {
     /// Block-causal inside each document.
     pub fn block_causal_documents(lens: &[usize], block: usize) -> Result<Mask> {
         positive(block, "block size")?;
+        total_len(lens.iter().copied(), "sequence length")?;
         let mut slices = Vec::new();
         let mut a = 0;
         for &len in lens {
             let b = a + len;
-            slices.extend(slices_from_rows(a..b, |i| (a, (a + ((i - a) / block + 1) * block).min(b))));
+            // End of row i's block, saturating: a block larger than the document is the whole
+            // document.
+            let block_end = |i: usize| ((i - a) / block + 1).saturating_mul(block).saturating_add(a).min(b);
+            slices.extend(slices_from_rows(a..b, |i| (a, block_end(i))));
             a = b;
         }
-        positive(a, "sequence length")?;
         Ok(Mask::new_unchecked(a, a, slices))
     }
 
@@ -185,21 +201,17 @@ impl Mask {
     pub fn block_mask(q_len: usize, k_len: usize, block_q: usize, block_k: usize, keep: &[bool]) -> Result<Mask> {
         positive(block_q, "query block size")?;
         positive(block_k, "key block size")?;
-        positive(q_len, "query length")?;
-        positive(k_len, "key length")?;
+        seq_len(q_len, "query length")?;
+        seq_len(k_len, "key length")?;
         let (nq, nk) = (q_len.div_ceil(block_q), k_len.div_ceil(block_k));
-        if keep.len() != nq * nk {
-            return Err(Error::InvalidMask(format!(
-                "block mask needs {nq}x{nk} = {} entries, got {}",
-                nq * nk,
-                keep.len()
-            )));
+        if nq.checked_mul(nk) != Some(keep.len()) {
+            return Err(Error::InvalidMask(format!("block mask needs {nq}x{nk} entries, got {}", keep.len())));
         }
         let mut slices = Vec::new();
         for bi in 0..nq {
             for bj in (0..nk).filter(|&bj| keep[bi * nk + bj]) {
-                let q = bi * block_q..((bi + 1) * block_q).min(q_len);
-                let k = bj * block_k..((bj + 1) * block_k).min(k_len);
+                let q = bi * block_q..(bi * block_q).saturating_add(block_q).min(q_len);
+                let k = bj * block_k..(bj * block_k).saturating_add(block_k).min(k_len);
                 slices.push(MaskSlice::new(q, k, SliceKind::Full));
             }
         }

@@ -245,6 +245,12 @@ impl Mask {
         if q_len == 0 || k_len == 0 {
             return Err(Error::InvalidMask("query and key lengths must be positive".into()));
         }
+        if q_len.max(k_len) > crate::MAX_SEQ_LEN {
+            return Err(Error::InvalidMask(format!(
+                "a {q_len}x{k_len} mask is longer than the supported {} tokens",
+                crate::MAX_SEQ_LEN
+            )));
+        }
         for s in &slices {
             if s.q.start >= s.q.end || s.k.start >= s.k.end || s.q.end > q_len || s.k.end > k_len {
                 return Err(Error::InvalidMask(format!(

@@ -51,8 +51,9 @@ impl MaskSpec {
             Ok(q_len)
         };
         let total = |lens: &[usize]| -> Result<()> {
-            let sum: usize = lens.iter().sum();
-            if sum != square()? {
+            let sum = lens.iter().try_fold(0usize, |acc, &l| acc.checked_add(l));
+            if sum != Some(square()?) {
+                let sum = sum.map_or("more than the largest integer".to_string(), |s| s.to_string());
                 return Err(Error::InvalidMask(format!(
                     "document lengths add up to {sum}, but the sequence has {q_len} tokens"
                 )));

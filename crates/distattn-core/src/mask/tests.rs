@@ -192,6 +192,86 @@ fn bad_masks_are_errors() {
 }
 
 #[test]
+fn crafted_sizes_are_quick_errors() {
+    let t0 = std::time::Instant::now();
+    let max = usize::MAX;
+    for spec in [
+        format!("docs:{max},17"),
+        format!("docs-causal:{max},{max},2"),
+        format!("prefix-docs:{max}/0,17/0"),
+        format!("shared-question:{max},17"),
+        format!("block-causal-docs:4:{max},17"),
+    ] {
+        let parsed: MaskSpec = spec.parse().unwrap();
+        let err = parsed.build(16, 16).unwrap_err();
+        assert!(matches!(err, Error::InvalidMask(_)), "{spec}: {err}");
+    }
+    let huge = 1usize << 40;
+    assert!(Mask::documents(&[max, 17], DocKind::Full).is_err());
+    assert!(Mask::prefix_lm_documents(&[(max, 0), (17, 0)]).is_err());
+    assert!(Mask::shared_question(max, &[17]).is_err());
+    assert!(Mask::block_causal_documents(&[max, 17], 4).is_err());
+    assert!(Mask::causal(huge, huge).is_err());
+    assert!(Mask::full(1, huge).is_err());
+    assert!(Mask::sliding_window(huge, 4, Some(1), Some(0)).is_err());
+    assert!(Mask::window_global(huge, None, None, 1).is_err());
+    assert!(Mask::block_mask(huge, huge, 1, 1, &[true]).is_err());
+    assert!(t0.elapsed() < std::time::Duration::from_secs(1), "took {:?}", t0.elapsed());
+    // Huge but meaningful arguments saturate instead of wrapping.
+    let full = |q, k| dense(&Mask::full(q, k).unwrap());
+    assert_eq!(dense(&Mask::window_global(64, Some(max), Some(max), 1).unwrap()), full(64, 64));
+    assert_eq!(dense(&Mask::block_causal(64, max).unwrap()), full(64, 64));
+    assert_eq!(dense(&Mask::block_mask(5, 7, max, max, &[true]).unwrap()), full(5, 7));
+}
+
+/// Mask specs made of a known name and arguments that are small, huge or malformed.
+fn spec_strings() -> impl Strategy<Value = String> {
+    let names = prop::sample::select(vec![
+        "full",
+        "causal",
+        "window",
+        "window-global",
+        "docs",
+        "docs-causal",
+        "docs-random",
+        "prefix",
+        "prefix-docs",
+        "shared-question",
+        "block-causal",
+        "block-causal-docs",
+        "blocks",
+        "bogus",
+    ]);
+    let number = prop_oneof![
+        (0usize..80).prop_map(|n| n.to_string()),
+        Just(usize::MAX.to_string()),
+        Just((1u64 << 40).to_string()),
+        Just("-".to_string()),
+        Just("x".to_string()),
+        Just(String::new()),
+    ];
+    let sep = prop::sample::select(vec![",", "/", ":", ",", ","]);
+    let args = prop::collection::vec((number, sep), 0..6)
+        .prop_map(|v| v.into_iter().map(|(n, s)| format!("{n}{s}")).collect::<String>());
+    let bits = "[01]{0,20}";
+    prop_oneof![(names, args, bits).prop_map(|(n, a, b)| format!("{n}:{a}{b}")), ".{0,40}",]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+    /// Any string: parsing and building never panic, finish at once, and a built mask has the
+    /// asked size.
+    #[test]
+    fn any_spec_string_parses_or_fails_cleanly(spec in spec_strings(), q in 1usize..200, k in 1usize..200) {
+        if let Ok(parsed) = spec.parse::<MaskSpec>() {
+            if let Ok(m) = parsed.build(q, k) {
+                prop_assert_eq!((m.q_len(), m.k_len()), (q, k));
+            }
+        }
+    }
+}
+
+#[test]
 fn random_documents_spec() {
     let spec: MaskSpec = "docs-random-causal:3".parse().unwrap();
     assert_eq!(spec.to_string(), "docs-random-causal:3");

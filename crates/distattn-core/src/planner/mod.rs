@@ -18,7 +18,11 @@ use crate::plan::{Plan, PlanOptions};
 use crate::{AttnShape, DType, Error, Mask, Result, Strategy};
 use builder::Builder;
 
-/// Builds the plan of `strategy` for `world` ranks.
+/// The most ranks a plan is built for.
+pub const MAX_WORLD: usize = 1024;
+
+/// Builds the plan of `strategy` for `world` ranks (at most [`MAX_WORLD`], and at most one per
+/// token).
 pub fn build(
     strategy: Strategy,
     world: usize,
@@ -30,6 +34,19 @@ pub fn build(
     shape.validate()?;
     if world == 0 {
         return Err(Error::ZeroDim { what: "world size" });
+    }
+    // A ring plan has world² (step, rank) entries: 1024 ranks already take seconds and a
+    // gigabyte to plan, beyond that the planner would run out of memory rather than fail.
+    if world > MAX_WORLD {
+        return Err(Error::invalid("world size", format!("{world} ranks; plans are built for at most {MAX_WORLD}")));
+    }
+    // A rank without a single token to hold is a mistake, not a plan.
+    let tokens = shape.q_len.max(shape.k_len);
+    if world > tokens {
+        return Err(Error::invalid(
+            "world size",
+            format!("{world} ranks for {tokens} tokens: every rank needs at least one token"),
+        ));
     }
     mask.check_fits(shape)?;
     let mut b = Builder::new(strategy, world, shape, mask, dtype, opts);

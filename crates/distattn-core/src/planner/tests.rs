@@ -202,3 +202,20 @@ fn display_example() {
         assert_eq!(text.lines().count(), plan.steps() + 3);
     }
 }
+
+#[test]
+fn world_sizes_beyond_the_tokens_or_the_limit_are_refused() {
+    let shape = AttnShape::new(1, 64, 64, 4, 4, 64).unwrap();
+    let mask = Mask::causal(64, 64).unwrap();
+    let opts = PlanOptions::default();
+    for world in [65, MAX_WORLD + 1] {
+        let t0 = Instant::now();
+        let err = build(Strategy::Zigzag, world, &shape, &mask, DType::BF16, &opts).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { .. }), "{world}: {err}");
+        assert!(t0.elapsed().as_secs_f64() < 0.1, "{world}: {:?}", t0.elapsed());
+    }
+    // Decode: one query token, keys spread over more ranks than queries.
+    let decode = AttnShape::new(1, 1, 64, 4, 4, 64).unwrap();
+    let mask = Mask::full(1, 64).unwrap();
+    assert!(build(Strategy::Allgather, 4, &decode, &mask, DType::BF16, &opts).is_ok());
+}

@@ -87,7 +87,7 @@ pub struct DistArgs {
     #[arg(long, default_value = "zigzag")]
     pub strategy: Strategy,
     /// Ulysses group size of the hybrid strategy (default: the largest that divides heads and world).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub ulysses_degree: Option<usize>,
     /// Backward of ring strategies: kv (K/V and dK/dV circulate) or q (BurstAttention: Q, dO, LSE, D and dQ circulate).
     #[arg(long, default_value = "kv")]
