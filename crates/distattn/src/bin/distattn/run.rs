@@ -250,15 +250,15 @@ fn check_outputs(inputs: &[NamedPath], outputs: &[NamedPath]) -> Result<()> {
         // The one way to know a directory takes new files (permissions, read-only mounts, ACLs).
         let dir = identity.parent().unwrap_or(Path::new("/"));
         if !seen[inputs_seen..].iter().any(|(_, id)| id.parent() == Some(dir)) {
-            let probe = dir.join(format!(".distattn-check.{}", std::process::id()));
-            match std::fs::OpenOptions::new().write(true).create_new(true).open(&probe) {
-                Ok(_) => std::fs::remove_file(&probe).with_context(|| format!("removing {}", probe.display()))?,
-                Err(e) => anyhow::bail!(
-                    "--{} {}: cannot create files in {}: {e}",
+            if let Err(e) = tempfile::Builder::new().prefix(".distattn-check.").tempfile_in(dir) {
+                // The kind alone: tempfile's message adds the probe's random name.
+                let reason = std::io::Error::from(e.kind());
+                anyhow::bail!(
+                    "--{} {}: cannot create files in {}: {reason}",
                     output.option,
                     output.path.display(),
                     dir.display()
-                ),
+                );
             }
         }
         seen.push((output.option, identity));
