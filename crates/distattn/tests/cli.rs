@@ -133,6 +133,26 @@ fn output_naming_an_input_or_another_output_is_refused_before_writing() {
         &distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--out", &o, "--grad-out", &g, "--dq", &q]),
         "--q and --dq name the same file",
     );
+    let dq_in_dir = p(&dir.path().join("dq.npy"));
+    let grad_dir = p(&dir.path().to_path_buf());
+    one_line_error(
+        &distattn(&[
+            "run",
+            "--q",
+            &q,
+            "--k",
+            &k,
+            "--v",
+            &v,
+            "--out",
+            &dq_in_dir,
+            "--grad-out",
+            &g,
+            "--grad-dir",
+            &grad_dir,
+        ]),
+        "--out and --grad-dir name the same file",
+    );
     assert_eq!(file_names(dir.path()), before, "no output may appear");
     assert_eq!(std::fs::read(&q).unwrap(), q_bytes);
     assert_eq!(std::fs::read(&g).unwrap(), g_bytes);

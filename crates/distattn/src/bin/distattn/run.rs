@@ -233,7 +233,10 @@ fn file_identity(option: &str, path: &Path) -> Result<PathBuf> {
 fn check_outputs(inputs: &[NamedPath], outputs: &[NamedPath]) -> Result<()> {
     let mut seen: Vec<(&str, PathBuf)> = Vec::new();
     for input in inputs {
-        seen.push((input.option, file_identity(input.option, input.path)?));
+        // An input in no existing directory is no output's file; reading it will report it.
+        if let Ok(identity) = file_identity(input.option, input.path) {
+            seen.push((input.option, identity));
+        }
     }
     let inputs_seen = seen.len();
     for output in outputs {
@@ -285,15 +288,16 @@ pub fn run(args: RunArgs) -> Result<()> {
             anyhow::bail!("--{option} needs --grad-out (the gradient of the output)");
         }
     }
-    let gradient_path = |given: &Option<PathBuf>, name: &str| {
-        given.clone().or_else(|| args.grad_dir.as_ref().map(|dir| dir.join(name)))
+    // Each gradient's path, with the option that gave it: its own, or --grad-dir.
+    let gradient_path = |option: &'static str, given: &Option<PathBuf>, name: &str| match given {
+        Some(path) => (option, Some(path.clone())),
+        None => ("grad-dir", args.grad_dir.as_ref().map(|dir| dir.join(name))),
     };
-    let (dq_path, dk_path, dv_path) = match &args.grad_out {
-        Some(_) => {
-            (gradient_path(&args.dq, "dq.npy"), gradient_path(&args.dk, "dk.npy"), gradient_path(&args.dv, "dv.npy"))
-        }
-        None => (None, None, None),
-    };
+    let ((dq_option, dq_path), (dk_option, dk_path), (dv_option, dv_path)) = (
+        gradient_path("dq", &args.dq, "dq.npy"),
+        gradient_path("dk", &args.dk, "dk.npy"),
+        gradient_path("dv", &args.dv, "dv.npy"),
+    );
     fn named<'a>(option: &'static str, path: Option<&'a Path>) -> Option<NamedPath<'a>> {
         path.map(|path| NamedPath { option, path })
     }
@@ -309,9 +313,9 @@ pub fn run(args: RunArgs) -> Result<()> {
     let outputs: Vec<NamedPath> = [
         named("out", args.out.as_deref()),
         named("lse", args.lse.as_deref()),
-        named("dq", dq_path.as_deref()),
-        named("dk", dk_path.as_deref()),
-        named("dv", dv_path.as_deref()),
+        named(dq_option, dq_path.as_deref()),
+        named(dk_option, dk_path.as_deref()),
+        named(dv_option, dv_path.as_deref()),
     ]
     .into_iter()
     .flatten()
