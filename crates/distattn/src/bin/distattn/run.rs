@@ -56,7 +56,8 @@ pub struct RunArgs {
     /// Write the log-sum-exp here (.npy, f32, [batch, heads, seq]).
     #[arg(long)]
     lse: Option<PathBuf>,
-    /// Gradient of the output (.npy, like q): also compute dq, dk, dv.
+    /// Gradient of the output (.npy, like q): also compute dq, dk, dv (written where --grad-dir or
+    /// --dq/--dk/--dv say, else summarized).
     #[arg(long)]
     grad_out: Option<PathBuf>,
     /// Write dq.npy, dk.npy and dv.npy into this directory (needs --grad-out).
