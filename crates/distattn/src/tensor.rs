@@ -120,21 +120,49 @@ impl HostTensor {
         Ok(t)
     }
 
-    /// Writes f32 values as a `.npy` file.
+    /// Writes f32 values as a `.npy` file, atomically: the data goes to a temporary file in the
+    /// same directory, synced, then renamed over `path`. So an existing file is only ever replaced
+    /// by a complete one; on error (a full disk, say) it is left as it was and the temporary file
+    /// is removed. A symbolic link at `path` is written through, as `File::create` would.
     #[cfg(feature = "npy")]
     pub fn write_npy_f32(path: impl AsRef<Path>, shape: &[usize], values: &[f32]) -> Result<()> {
         use npyz::WriterBuilder;
         let path = path.as_ref();
-        let file = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
+        // Rename over the link's target, not the link itself.
+        let target = match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path).map_err(|e| Error::io(path, e))?,
+            _ => path.to_path_buf(),
+        };
+        let Some(name) = target.file_name() else {
+            return Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name")));
+        };
+        let dir = match target.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir,
+            _ => Path::new("."),
+        };
+        let mut prefix = std::ffi::OsString::from(".");
+        prefix.push(name);
+        prefix.push(".");
+        let mut builder = tempfile::Builder::new();
+        builder.prefix(&prefix).suffix(".tmp");
+        // The mode `File::create` gives (0o666 less the umask), not the temporary file's 0o600.
+        #[cfg(unix)]
+        builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+        let staged = builder.tempfile_in(dir).map_err(|e| Error::io(path, e))?;
         let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
         let mut w = npyz::WriteOptions::new()
             .default_dtype()
             .shape(&shape)
-            .writer(BufWriter::new(file))
+            .writer(BufWriter::new(staged.as_file()))
             .begin_nd()
             .map_err(|e| Error::io(path, e))?;
         w.extend(values.iter().copied()).map_err(|e| Error::io(path, e))?;
-        w.finish().map_err(|e| Error::io(path, e))
+        // `finish` flushes the buffer; the sync makes the data durable before the rename.
+        w.finish().map_err(|e| Error::io(path, e))?;
+        staged.as_file().sync_all().map_err(|e| Error::io(path, e))?;
+        // On failure the `PersistError` drops the temporary file, which removes it.
+        staged.persist(&target).map_err(|e| Error::io(path, e.error))?;
+        Ok(())
     }
 }
 

@@ -74,6 +74,8 @@ fn run_writes_outputs_and_gradients() {
         &p(&lse),
         "--grad-out",
         &p(&g),
+        "--grad-dir",
+        &p(&dir.path().to_path_buf()),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(HostTensor::read_npy(&o).unwrap().shape, vec![1, 37, 4, 32]);
@@ -95,6 +97,149 @@ fn run_writes_outputs_and_gradients() {
     let (a, b) = (HostTensor::read_npy(&o).unwrap().to_f32(), HostTensor::read_npy(&ob).unwrap().to_f32());
     let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     assert!(err < 2e-2, "bf16 vs f32 max abs diff {err}");
+}
+
+/// The names of the files in `dir`, sorted.
+fn file_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn output_naming_an_input_or_another_output_is_refused_before_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let q = save(dir.path(), "q.npy", &[1, 16, 2, 16], 1, DType::F32);
+    let k = p(&save(dir.path(), "k.npy", &[1, 16, 2, 16], 2, DType::F32));
+    let v = p(&save(dir.path(), "v.npy", &[1, 16, 2, 16], 3, DType::F32));
+    let g = save(dir.path(), "g.npy", &[1, 16, 2, 16], 4, DType::F32);
+    let (q_bytes, g_bytes) = (std::fs::read(&q).unwrap(), std::fs::read(&g).unwrap());
+    let before = file_names(dir.path());
+    let o = p(&dir.path().join("o.npy"));
+    let (q, g) = (p(&q), p(&g));
+    // Through another spelling of the same directory too: paths are compared in canonical form.
+    let o_again = format!("{}/./o.npy", dir.path().display());
+    one_line_error(
+        &distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--out", &o, "--lse", &o_again]),
+        "--out and --lse name the same file",
+    );
+    one_line_error(
+        &distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--out", &g, "--grad-out", &g]),
+        "--grad-out and --out name the same file",
+    );
+    one_line_error(
+        &distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--out", &o, "--grad-out", &g, "--dq", &q]),
+        "--q and --dq name the same file",
+    );
+    let dq_in_dir = p(&dir.path().join("dq.npy"));
+    let grad_dir = p(&dir.path().to_path_buf());
+    one_line_error(
+        &distattn(&[
+            "run",
+            "--q",
+            &q,
+            "--k",
+            &k,
+            "--v",
+            &v,
+            "--out",
+            &dq_in_dir,
+            "--grad-out",
+            &g,
+            "--grad-dir",
+            &grad_dir,
+        ]),
+        "--out and --grad-dir name the same file",
+    );
+    assert_eq!(file_names(dir.path()), before, "no output may appear");
+    assert_eq!(std::fs::read(&q).unwrap(), q_bytes);
+    assert_eq!(std::fs::read(&g).unwrap(), g_bytes);
+}
+
+#[test]
+#[cfg(target_os = "linux")]
+fn unwritable_output_directory_is_refused_before_computing() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let q = p(&save(dir.path(), "q.npy", &[1, 16, 2, 16], 1, DType::F32));
+    let k = p(&save(dir.path(), "k.npy", &[1, 16, 2, 16], 2, DType::F32));
+    // /proc takes no new files, even from root (a chmod'ed directory would not stop root).
+    let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &k, "--out", "/proc/o.npy"]);
+    // One line: the error, and no "forward: ..." line before it.
+    one_line_error(&out, "--out /proc/o.npy: cannot create files in /proc");
+    let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &k, "--lse", "/no/such/dir/lse.npy"]);
+    one_line_error(&out, "directory /no/such/dir not found");
+}
+
+#[test]
+fn full_disk_leaves_the_old_output_intact() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    // O is 64 * 4 * 32 f32 = 32 KiB, eight times the limit below.
+    let q = p(&save(dir.path(), "q.npy", &[1, 64, 4, 32], 1, DType::F32));
+    let k = p(&save(dir.path(), "k.npy", &[1, 64, 2, 32], 2, DType::F32));
+    let o = dir.path().join("o.npy");
+    let old = b"the previous o.npy".to_vec();
+    std::fs::write(&o, &old).unwrap();
+    let before = file_names(dir.path());
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_distattn"));
+    cmd.args(["run", "--q", &q, "--k", &k, "--v", &k, "--out", &p(&o)]);
+    const LIMIT_BYTES: libc::rlim_t = 4096;
+    // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe
+    // calls are allowed: setrlimit and signal are, and it allocates nothing. Ignoring SIGXFSZ
+    // makes a write past the limit fail with EFBIG (as on a full disk) instead of killing the child.
+    unsafe {
+        cmd.pre_exec(|| {
+            let limit = libc::rlimit { rlim_cur: LIMIT_BYTES, rlim_max: LIMIT_BYTES };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0
+                || libc::signal(libc::SIGXFSZ, libc::SIG_IGN) == libc::SIG_ERR
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = cmd.output().expect("binary runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure; stderr: {err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "one error line expected: {err}");
+    assert!(errors[0].contains("o.npy") && errors[0].contains("too large"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(std::fs::read(&o).unwrap(), old, "the old o.npy must be left as it was");
+    assert_eq!(file_names(dir.path()), before, "no temporary file may be left behind");
+}
+
+#[test]
+fn gradients_without_destination_are_summarized_not_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let q = p(&save(dir.path(), "q.npy", &[1, 16, 2, 16], 1, DType::F32));
+    let k = p(&save(dir.path(), "k.npy", &[1, 16, 2, 16], 2, DType::F32));
+    let g = p(&save(dir.path(), "g.npy", &[1, 16, 2, 16], 4, DType::F32));
+    let o = p(&dir.path().join("o.npy"));
+    // Run in a directory of its own: nothing may appear there (the old default was ./dq.npy).
+    let cwd = tempfile::tempdir().unwrap();
+    for extra in [&[][..], &["--out", &o][..]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_distattn"))
+            .args(["run", "--q", &q, "--k", &k, "--v", &k, "--grad-out", &g])
+            .args(extra)
+            .current_dir(cwd.path())
+            .output()
+            .expect("binary runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(stdout.lines().count(), 1, "{stdout}");
+        for word in ["dq: [1, 16, 2, 16] f32, mean", "dk:", "dv:", "--grad-dir"] {
+            assert!(stdout.contains(word), "'{word}' not in: {stdout}");
+        }
+        assert!(file_names(cwd.path()).is_empty(), "{:?}", file_names(cwd.path()));
+    }
+    assert_eq!(file_names(dir.path()), ["g.npy", "k.npy", "o.npy", "q.npy"], "no dq.npy beside --out");
+    one_line_error(&distattn(&["run", "--q", &q, "--k", &k, "--v", &k, "--dq", &o]), "--dq needs --grad-out");
 }
 
 #[test]
@@ -130,7 +275,7 @@ fn bad_input_is_one_line_error() {
 fn help_explains_options() {
     let out = distattn(&["run", "--help"]);
     let text = String::from_utf8_lossy(&out.stdout);
-    for word in ["--mask", "--grad-out", "--check-finite", "--lse", "window:L,R", "docs-causal"] {
+    for word in ["--mask", "--grad-out", "--grad-dir", "--check-finite", "--lse", "window:L,R", "docs-causal"] {
         assert!(text.contains(word), "run --help lacks {word}");
     }
     let out = distattn(&["bench", "--help"]);

@@ -8,7 +8,7 @@ use distattn::tensor::infer_shape;
 use distattn::{
     Attention, DType, Execution, FailureKind, HostTensor, InjectedFailure, MaskSpec, PlanOptions, Ranks, Strategy,
 };
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 #[derive(Args)]
@@ -16,7 +16,11 @@ use std::time::Duration;
 Layouts: q is [batch, seq, heads, head_dim] (or packed [tokens, heads, head_dim]); k and v are
 [batch, kv_seq, kv_heads, head_dim]; heads must be a multiple of kv_heads (GQA/MQA).
 Outputs are f32: o like q, lse as [batch, heads, seq] (natural log; -inf for rows that see no
-key), dq like q, dk and dv like k.
+key), dq like q, dk and dv like k. Gradients are written only where asked (--grad-dir, --dq,
+--dk, --dv); else a one-line summary is printed. Output paths are checked before any work: each
+directory must exist and be writable, and no two options may name the same file. Each output is
+written to a temporary file beside it and renamed over it, so an existing file is only ever
+replaced by a complete one.
 
 Masks (--mask):
   full | causal                       causal is aligned bottom-right when seq != kv_seq
@@ -52,16 +56,20 @@ pub struct RunArgs {
     /// Write the log-sum-exp here (.npy, f32, [batch, heads, seq]).
     #[arg(long)]
     lse: Option<PathBuf>,
-    /// Gradient of the output (.npy, like q): also compute dq, dk, dv.
+    /// Gradient of the output (.npy, like q): also compute dq, dk, dv (written where --grad-dir or
+    /// --dq/--dk/--dv say, else summarized).
     #[arg(long)]
     grad_out: Option<PathBuf>,
-    /// Where to write dq (default: dq.npy beside --out, or ./dq.npy).
+    /// Write dq.npy, dk.npy and dv.npy into this directory (needs --grad-out).
+    #[arg(long)]
+    grad_dir: Option<PathBuf>,
+    /// Where to write dq (default: dq.npy in --grad-dir, or not written).
     #[arg(long)]
     dq: Option<PathBuf>,
-    /// Where to write dk (default: dk.npy beside --out, or ./dk.npy).
+    /// Where to write dk (default: dk.npy in --grad-dir, or not written).
     #[arg(long)]
     dk: Option<PathBuf>,
-    /// Where to write dv (default: dv.npy beside --out, or ./dv.npy).
+    /// Where to write dv (default: dv.npy in --grad-dir, or not written).
     #[arg(long)]
     dv: Option<PathBuf>,
     /// Fail if any input holds NaN or infinity.
@@ -194,11 +202,142 @@ fn load(path: &PathBuf, name: &str, dtype: Option<DType>, check: bool) -> Result
     })
 }
 
+/// A file named on the command line, with the option that names it.
+struct NamedPath<'a> {
+    option: &'static str,
+    path: &'a Path,
+}
+
+/// What identifies the file `path` names, whether or not it exists yet: its canonical path when
+/// it exists (links resolved), else its directory's canonical path joined with its file name.
+fn file_identity(option: &str, path: &Path) -> Result<PathBuf> {
+    if let Ok(canonical) = std::fs::canonicalize(path) {
+        return Ok(canonical);
+    }
+    // "out/" names a directory even where "out" does not exist yet.
+    let names_dir = path.as_os_str().as_encoded_bytes().ends_with(b"/");
+    let Some(name) = path.file_name().filter(|_| !names_dir) else {
+        anyhow::bail!("--{option} {} does not name a file", path.display());
+    };
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let dir = std::fs::canonicalize(dir)
+        .with_context(|| format!("--{option} {}: directory {} not found", path.display(), dir.display()))?;
+    Ok(dir.join(name))
+}
+
+/// Checks, before any work, that every output can be written and harms nothing: each names a
+/// file (not a directory) in an existing, writable directory, and none names the same file as
+/// another output or as an input (inputs may share a file: q = k = v is self-attention).
+fn check_outputs(inputs: &[NamedPath], outputs: &[NamedPath]) -> Result<()> {
+    let mut seen: Vec<(&str, PathBuf)> = Vec::new();
+    for input in inputs {
+        // An input in no existing directory is no output's file; reading it will report it.
+        if let Ok(identity) = file_identity(input.option, input.path) {
+            seen.push((input.option, identity));
+        }
+    }
+    let inputs_seen = seen.len();
+    for output in outputs {
+        let identity = file_identity(output.option, output.path)?;
+        if let Some((other, _)) = seen.iter().find(|(_, id)| *id == identity) {
+            anyhow::bail!("--{other} and --{} name the same file: {}", output.option, output.path.display());
+        }
+        if identity.is_dir() {
+            anyhow::bail!("--{} {} is a directory, not a file", output.option, output.path.display());
+        }
+        if std::fs::metadata(&identity).is_ok_and(|m| m.permissions().readonly()) {
+            anyhow::bail!("--{} {} is read-only; not replacing it", output.option, output.path.display());
+        }
+        // The one way to know a directory takes new files (permissions, read-only mounts, ACLs).
+        let dir = identity.parent().unwrap_or(Path::new("/"));
+        if !seen[inputs_seen..].iter().any(|(_, id)| id.parent() == Some(dir)) {
+            if let Err(e) = tempfile::Builder::new().prefix(".distattn-check.").tempfile_in(dir) {
+                // The kind alone: tempfile's message adds the probe's random name.
+                let reason = std::io::Error::from(e.kind());
+                anyhow::bail!(
+                    "--{} {}: cannot create files in {}: {reason}",
+                    output.option,
+                    output.path.display(),
+                    dir.display()
+                );
+            }
+        }
+        seen.push((output.option, identity));
+    }
+    Ok(())
+}
+
+/// One summary line for tensors not written: their shapes and means.
+fn summary(tensors: &[(&str, &[usize], &[f32])]) -> String {
+    let parts: Vec<String> = tensors
+        .iter()
+        .map(|(name, shape, values)| {
+            let mean = values.iter().map(|&x| x as f64).sum::<f64>() / values.len().max(1) as f64;
+            format!("{name}: {shape:?} f32, mean {mean:.6}")
+        })
+        .collect();
+    parts.join("; ")
+}
+
 pub fn run(args: RunArgs) -> Result<()> {
+    if args.grad_out.is_none() {
+        let given = [("grad-dir", &args.grad_dir), ("dq", &args.dq), ("dk", &args.dk), ("dv", &args.dv)];
+        if let Some((option, _)) = given.iter().find(|(_, path)| path.is_some()) {
+            anyhow::bail!("--{option} needs --grad-out (the gradient of the output)");
+        }
+    }
+    // Each gradient's path, with the option that gave it: its own, or --grad-dir.
+    let gradient_path = |option: &'static str, given: &Option<PathBuf>, name: &str| match given {
+        Some(path) => (option, Some(path.clone())),
+        None => ("grad-dir", args.grad_dir.as_ref().map(|dir| dir.join(name))),
+    };
+    let ((dq_option, dq_path), (dk_option, dk_path), (dv_option, dv_path)) = (
+        gradient_path("dq", &args.dq, "dq.npy"),
+        gradient_path("dk", &args.dk, "dk.npy"),
+        gradient_path("dv", &args.dv, "dv.npy"),
+    );
+    fn named<'a>(option: &'static str, path: Option<&'a Path>) -> Option<NamedPath<'a>> {
+        path.map(|path| NamedPath { option, path })
+    }
+    let inputs: Vec<NamedPath> = [
+        named("q", Some(&args.q)),
+        named("k", Some(&args.k)),
+        named("v", Some(&args.v)),
+        named("grad-out", args.grad_out.as_deref()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let outputs: Vec<NamedPath> = [
+        named("out", args.out.as_deref()),
+        named("lse", args.lse.as_deref()),
+        named(dq_option, dq_path.as_deref()),
+        named(dk_option, dk_path.as_deref()),
+        named(dv_option, dv_path.as_deref()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    check_outputs(&inputs, &outputs)?;
+
     let q = load(&args.q, "q", args.dtype, args.check_finite)?;
     let k = load(&args.k, "k", args.dtype, args.check_finite)?;
     let v = load(&args.v, "v", args.dtype, args.check_finite)?;
     let shape = infer_shape(&q, &k, &v)?;
+    // Every input is read before anything is written.
+    let d_o = match &args.grad_out {
+        Some(g) => {
+            let d_o = load(g, "grad-out", Some(q.dtype()), args.check_finite)?;
+            if d_o.shape != q.shape {
+                anyhow::bail!("--grad-out has shape {:?}, but q has shape {:?}", d_o.shape, q.shape);
+            }
+            Some(d_o)
+        }
+        None => None,
+    };
     let mask = args.mask.build(shape.q_len, shape.k_len)?;
     let backend = if (args.dist.world > 1 || args.dist.gpus.is_some()) && args.backend == BackendArg::Auto {
         BackendArg::Cpu
@@ -216,30 +355,40 @@ pub fn run(args: RunArgs) -> Result<()> {
         attn.execution().describe(),
         started.elapsed().as_secs_f64() * 1e3
     );
+    // The backward runs before any output is written, so a failure there leaves none half-updated.
+    let grads = match &d_o {
+        Some(d_o) => {
+            let started = std::time::Instant::now();
+            let grads = tensors::backward(&attn, &q, &k, &v, &fwd, d_o)?;
+            eprintln!("backward: {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
+            Some(grads)
+        }
+        None => None,
+    };
     if let Some(path) = &args.out {
         HostTensor::write_npy_f32(path, &q.shape, &fwd.o)?;
     }
     if let Some(path) = &args.lse {
         HostTensor::write_npy_f32(path, &[shape.batch, shape.heads, shape.q_len], &fwd.lse)?;
     }
-    if let Some(g) = &args.grad_out {
-        let d_o = load(g, "grad-out", Some(q.dtype()), args.check_finite)?;
-        if d_o.shape != q.shape {
-            anyhow::bail!("--grad-out has shape {:?}, but q has shape {:?}", d_o.shape, q.shape);
+    if let Some(grads) = &grads {
+        let mut unsaved: Vec<(&str, &[usize], &[f32])> = Vec::new();
+        for (name, path, shape, values) in [
+            ("dq", &dq_path, &q.shape, &grads.dq),
+            ("dk", &dk_path, &k.shape, &grads.dk),
+            ("dv", &dv_path, &k.shape, &grads.dv),
+        ] {
+            match path {
+                Some(path) => HostTensor::write_npy_f32(path, shape, values)?,
+                None => unsaved.push((name, shape, values)),
+            }
         }
-        let started = std::time::Instant::now();
-        let grads = tensors::backward(&attn, &q, &k, &v, &fwd, &d_o)?;
-        eprintln!("backward: {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
-        let dir = args.out.as_ref().and_then(|p| p.parent()).map(|p| p.to_path_buf()).unwrap_or_default();
-        let pick = |given: &Option<PathBuf>, name: &str| given.clone().unwrap_or_else(|| dir.join(name));
-        HostTensor::write_npy_f32(pick(&args.dq, "dq.npy"), &q.shape, &grads.dq)?;
-        HostTensor::write_npy_f32(pick(&args.dk, "dk.npy"), &k.shape, &grads.dk)?;
-        HostTensor::write_npy_f32(pick(&args.dv, "dv.npy"), &k.shape, &grads.dv)?;
+        if !unsaved.is_empty() {
+            println!("{} (pass --grad-dir DIR or --dq/--dk/--dv to save them)", summary(&unsaved));
+        }
     }
     if args.out.is_none() && args.lse.is_none() && args.grad_out.is_none() {
-        let n = fwd.o.len() as f64;
-        let mean = fwd.o.iter().map(|&x| x as f64).sum::<f64>() / n;
-        println!("o: {:?} f32, mean {mean:.6} (pass --out to save it)", q.shape);
+        println!("{} (pass --out to save it)", summary(&[("o", &q.shape, &fwd.o)]));
     }
     Ok(())
 }
