@@ -38,14 +38,20 @@ pub fn merge_into(
 }
 
 /// Merges one partial row (`part_o`, `part_lse`) into an accumulator row in place, shifted by
-/// the larger LSE; a partial that reaches no key (LSE −inf or NaN) leaves it as is, and an
-/// accumulator that has none yet takes the partial.
+/// the larger LSE; a partial that reaches no key (LSE −inf) leaves it as is, and an accumulator
+/// that has none yet takes the partial. A NaN LSE on either side (a non-finite input) makes the
+/// merged row NaN.
 pub fn merge_row(acc_o: &mut [f32], acc_lse: &mut f32, part_o: &[f32], part_lse: f32) {
     let (la, lb) = (*acc_lse, part_lse);
-    if lb == f32::NEG_INFINITY || lb.is_nan() {
+    if la.is_nan() || lb.is_nan() {
+        acc_o.fill(f32::NAN);
+        *acc_lse = f32::NAN;
         return;
     }
-    if la == f32::NEG_INFINITY || la.is_nan() {
+    if lb == f32::NEG_INFINITY {
+        return;
+    }
+    if la == f32::NEG_INFINITY {
         acc_o.copy_from_slice(part_o);
         *acc_lse = lb;
         return;

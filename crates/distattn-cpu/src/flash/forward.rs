@@ -118,7 +118,9 @@ pub(crate) fn run<T: Element>(
                 // row of `o` or this LSE entry, and neither vector is used until all tasks end.
                 unsafe {
                     let dst = std::slice::from_raw_parts_mut(o_ptr.get().add(row * d), d);
-                    if l > 0.0 && m > f32::NEG_INFINITY {
+                    // m = −inf: the row saw no key (O = 0, LSE = −inf). A NaN m or l comes
+                    // from a non-finite input and is passed on.
+                    if m != f32::NEG_INFINITY {
                         let inv = 1.0 / l;
                         for (x, &y) in dst.iter_mut().zip(&sc.o[i * dp..i * dp + d]) {
                             *x = y * inv;

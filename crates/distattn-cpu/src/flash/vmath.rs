@@ -13,7 +13,9 @@ use super::gemm::has_avx2_fma;
 /// Online-softmax step of one row in the forward pass. `s` holds the raw scores of the tile
 /// (masked entries already −inf); on return it holds `p = 2^(c·s − m_new)`. Returns
 /// `(m_new, alpha, rowsum)` with `alpha = 2^(m_old − m_new)` the rescale of earlier state.
-/// A row that has seen no key yet (`m_new = −inf`) gets `p = 0`, `alpha = 1`.
+/// A row that has seen no key yet (`m_new = −inf`) gets `p = 0`, `alpha = 1`. A NaN score (or
+/// an earlier NaN `m_old`) makes `m_new` NaN, so the row's p, alpha and sum all become NaN: a
+/// non-finite input reaches the outputs that depend on it instead of looking like a masked key.
 #[inline]
 pub fn fwd_row(simd: bool, s: &mut [f32], c: f32, m_old: f32) -> (f32, f32, f32) {
     #[cfg(target_arch = "x86_64")]
@@ -24,7 +26,7 @@ pub fn fwd_row(simd: bool, s: &mut [f32], c: f32, m_old: f32) -> (f32, f32, f32)
     }
     let _ = simd;
     let mx = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let m_new = m_old.max(c * mx);
+    let m_new = if m_old.is_nan() || s.iter().any(|x| x.is_nan()) { f32::NAN } else { m_old.max(c * mx) };
     if m_new == f32::NEG_INFINITY {
         s.fill(0.0);
         return (m_new, 1.0, 0.0);
@@ -38,7 +40,8 @@ pub fn fwd_row(simd: bool, s: &mut [f32], c: f32, m_old: f32) -> (f32, f32, f32)
 }
 
 /// Backward row: `p = 2^(c·s − lse2)` into `s`, `ds = p ∘ (dp − delta)` into `dp`.
-/// A row with `lse2 = −inf` (no key anywhere) gets zeros.
+/// A row with `lse2 = −inf` (no key anywhere) gets zeros. Masked keys (`s = −inf`) get zeros
+/// even when `lse2` or `delta` is NaN, so a NaN row's dS reaches only the keys it sees.
 #[inline]
 pub fn bwd_row(simd: bool, s: &mut [f32], dp: &mut [f32], c: f32, lse2: f32, delta: f32) {
     if lse2 == f32::NEG_INFINITY {
@@ -54,8 +57,12 @@ pub fn bwd_row(simd: bool, s: &mut [f32], dp: &mut [f32], c: f32, lse2: f32, del
     }
     let _ = simd;
     for (x, g) in s.iter_mut().zip(dp.iter_mut()) {
-        *x = (c * *x - lse2).exp2();
-        *g = *x * (*g - delta);
+        (*x, *g) = if *x == f32::NEG_INFINITY {
+            (0.0, 0.0)
+        } else {
+            let p = (c * *x - lse2).exp2();
+            (p, p * (*g - delta))
+        };
     }
 }
 
@@ -110,7 +117,8 @@ mod x86 {
     /// The CPU must support AVX2 and FMA.
     #[inline(always)]
     pub unsafe fn exp2_ps(x: __m256) -> __m256 {
-        exp2_ps_le127(_mm256_min_ps(x, _mm256_set1_ps(127.0)))
+        // minps returns its second operand when either is NaN: x, so NaN stays NaN.
+        exp2_ps_le127(_mm256_min_ps(_mm256_set1_ps(127.0), x))
     }
 
     /// [`exp2_ps`] for `x ≤ 127` (the forward's `x = c·s − m_new ≤ 0` needs no upper clamp).
@@ -120,7 +128,8 @@ mod x86 {
     #[inline(always)]
     pub unsafe fn exp2_ps_le127(x: __m256) -> __m256 {
         const MAGIC: f32 = 12_582_912.0 + 127.0;
-        let x = _mm256_max_ps(x, _mm256_set1_ps(-127.0));
+        // maxps returns its second operand when either is NaN: x, so NaN stays NaN.
+        let x = _mm256_max_ps(_mm256_set1_ps(-127.0), x);
         let t = _mm256_add_ps(x, _mm256_set1_ps(MAGIC));
         let n = _mm256_sub_ps(t, _mm256_set1_ps(MAGIC));
         let f = _mm256_sub_ps(x, n);
@@ -167,16 +176,22 @@ mod x86 {
         let n = s.len();
         let p = s.as_mut_ptr();
         let mut vm = _mm256_set1_ps(f32::NEG_INFINITY);
+        // maxps drops NaN depending on operand order, so NaN lanes are collected apart.
+        let mut vnan = _mm256_setzero_ps();
         let mut j = 0;
         while j + 8 <= n {
-            vm = _mm256_max_ps(vm, _mm256_loadu_ps(p.add(j)));
+            let x = _mm256_loadu_ps(p.add(j));
+            vm = _mm256_max_ps(vm, x);
+            vnan = _mm256_or_ps(vnan, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
             j += 8;
         }
         let mut mx = hmax(vm);
+        let mut nan = _mm256_movemask_ps(vnan) != 0 || m_old.is_nan();
         for t in j..n {
             mx = mx.max(*p.add(t));
+            nan |= (*p.add(t)).is_nan();
         }
-        let m_new = m_old.max(c * mx);
+        let m_new = if nan { f32::NAN } else { m_old.max(c * mx) };
         if m_new == f32::NEG_INFINITY {
             s.fill(0.0);
             return (m_new, 1.0, 0.0);
@@ -222,17 +237,26 @@ mod x86 {
         let vl = _mm256_set1_ps(-lse2);
         let vd = _mm256_set1_ps(delta);
         let mut j = 0;
+        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
         while j + 8 <= n {
-            let e = exp2_ps(_mm256_fmadd_ps(_mm256_loadu_ps(ps.add(j)), vc, vl));
+            let x = _mm256_loadu_ps(ps.add(j));
+            let masked = _mm256_cmp_ps::<_CMP_EQ_OQ>(x, ninf);
+            let e = _mm256_andnot_ps(masked, exp2_ps(_mm256_fmadd_ps(x, vc, vl)));
             _mm256_storeu_ps(ps.add(j), e);
-            let g = _mm256_mul_ps(e, _mm256_sub_ps(_mm256_loadu_ps(pd.add(j)), vd));
+            let g = _mm256_andnot_ps(masked, _mm256_mul_ps(e, _mm256_sub_ps(_mm256_loadu_ps(pd.add(j)), vd)));
             _mm256_storeu_ps(pd.add(j), g);
             j += 8;
         }
         for t in j..n {
-            let e = (c * *ps.add(t) - lse2).exp2();
+            let x = *ps.add(t);
+            let (e, g) = if x == f32::NEG_INFINITY {
+                (0.0, 0.0)
+            } else {
+                let e = (c * x - lse2).exp2();
+                (e, e * (*pd.add(t) - delta))
+            };
             *ps.add(t) = e;
-            *pd.add(t) = e * (*pd.add(t) - delta);
+            *pd.add(t) = g;
         }
     }
 
