@@ -127,6 +127,13 @@ fn bad_input_is_one_line_error() {
 }
 
 #[test]
+fn usage_errors_name_the_missing_argument() {
+    let out = distattn(&["run", "--k", "k.npy", "--v", "v.npy"]);
+    one_line_error(&out, "the following required arguments were not provided: --q <Q>");
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("Usage"));
+}
+
+#[test]
 fn help_explains_options() {
     let out = distattn(&["run", "--help"]);
     let text = String::from_utf8_lossy(&out.stdout);
