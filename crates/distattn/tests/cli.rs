@@ -134,6 +134,33 @@ fn usage_errors_name_the_missing_argument() {
 }
 
 #[test]
+fn inputs_are_read_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let q = save(dir.path(), "q.npy", &[1, 16, 4, 32], 1, DType::BF16);
+    let k = p(&save(dir.path(), "k.npy", &[1, 16, 4, 32], 2, DType::BF16));
+    let good = std::fs::read(&q).unwrap();
+    let mut trailing = good.clone();
+    trailing.extend_from_slice(&[0; 6]);
+    let qt = dir.path().join("qt.npy");
+    std::fs::write(&qt, trailing).unwrap();
+    one_line_error(
+        &distattn(&["run", "--q", &p(&qt), "--k", &k, "--v", &k]),
+        "header says [1, 16, 4, 32] of <u2 = 4096 bytes, file has 4102 bytes after the header",
+    );
+    std::fs::write(&qt, &good[..good.len() - 2]).unwrap();
+    one_line_error(&distattn(&["run", "--q", &p(&qt), "--k", &k, "--v", &k]), "file has 4094 bytes after the header");
+    // A header claiming 2^64 elements: an error at once, not a panic or a huge allocation.
+    let dict = b"{'descr': '<u2', 'fortran_order': False, 'shape': (4294967296, 4294967296, 1, 1), }\n";
+    let mut huge = b"\x93NUMPY\x01\x00".to_vec();
+    huge.extend_from_slice(&(dict.len() as u16).to_le_bytes());
+    huge.extend_from_slice(dict);
+    huge.extend_from_slice(&[0; 16]);
+    std::fs::write(&qt, huge).unwrap();
+    one_line_error(&distattn(&["run", "--q", &p(&qt), "--k", &k, "--v", &k]), "[4294967296, 4294967296, 1, 1] of <u2");
+}
+
+#[test]
 fn help_explains_options() {
     let out = distattn(&["run", "--help"]);
     let text = String::from_utf8_lossy(&out.stdout);
