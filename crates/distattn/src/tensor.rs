@@ -415,7 +415,20 @@ pub fn infer_shape(q: &HostTensor, k: &HostTensor, v: &HostTensor) -> Result<Att
     };
     let [b, nq, h, d] = dims4(q, "q")?;
     let [bk, nk, hk, dk] = dims4(k, "k")?;
-    if q.shape.len() != k.shape.len() || bk != b || dk != d {
+    for (name, t) in [("k", k), ("v", v)] {
+        if t.shape.len() != q.shape.len() {
+            return Err(mismatch(
+                name,
+                format!(
+                    "{} dimensions like q {:?} (q, k and v must have the same number of dimensions)",
+                    q.shape.len(),
+                    q.shape
+                ),
+                &t.shape,
+            ));
+        }
+    }
+    if bk != b || dk != d {
         return Err(mismatch("k", format!("[{b}, seq, kv_heads, {d}] (batch and head_dim of q)"), &k.shape));
     }
     if v.shape != k.shape {
@@ -542,6 +555,17 @@ mod tests {
             bytes.extend_from_slice(&f16::from_f32(1.5).to_bits().to_le_bytes());
             let t = HostTensor::from_npy_bytes(&bytes).unwrap();
             assert_eq!(t.data, HostData::F16(vec![f16::from_f32(1.5)]));
+        }
+    }
+
+    #[test]
+    fn mixed_ranks_are_named_plainly() {
+        let t = |shape: &[usize]| HostTensor::from_f32(shape.to_vec(), &vec![0.0; shape.iter().product()], DType::F32);
+        let (q, k) = (t(&[1, 4, 2, 8]), t(&[4, 2, 8]));
+        for err in [infer_shape(&q, &k, &k).unwrap_err(), infer_shape(&k, &q, &q).unwrap_err()] {
+            let msg = err.to_string();
+            assert!(msg.contains("q, k and v must have the same number of dimensions"), "{msg}");
+            assert!(msg.contains("[1, 4, 2, 8]") && msg.contains("[4, 2, 8]"), "{msg}");
         }
     }
 

@@ -158,6 +158,11 @@ fn inputs_are_read_exactly() {
     huge.extend_from_slice(&[0; 16]);
     std::fs::write(&qt, huge).unwrap();
     one_line_error(&distattn(&["run", "--q", &p(&qt), "--k", &k, "--v", &k]), "[4294967296, 4294967296, 1, 1] of <u2");
+    let k3 = p(&save(dir.path(), "k3.npy", &[16, 4, 32], 2, DType::BF16));
+    one_line_error(
+        &distattn(&["run", "--q", &p(&q), "--k", &k3, "--v", &k3]),
+        "q, k and v must have the same number of dimensions",
+    );
 }
 
 #[test]
