@@ -55,7 +55,8 @@ impl HostTensor {
         Self::from_f32(self.shape.clone(), &self.to_f32(), dtype)
     }
 
-    /// Fails with [`Error::NonFinite`] naming `name` if any element is NaN or infinite.
+    /// Fails with [`Error::NonFinite`] naming `name` and the element's index if any element is
+    /// NaN or infinite.
     pub fn check_finite(&self, name: &str) -> Result<()> {
         let bad = match &self.data {
             HostData::F32(v) => v.iter().position(|x| !x.is_finite()),
@@ -63,9 +64,24 @@ impl HostTensor {
             HostData::F16(v) => v.iter().position(|x| !x.is_finite()),
         };
         match bad {
-            Some(index) => Err(Error::NonFinite { tensor: name.to_string(), index }),
+            Some(flat) => Err(Error::NonFinite { tensor: name.to_string(), index: self.unravel(flat) }),
             None => Ok(()),
         }
+    }
+
+    /// The row-major multi-dimensional index of element `flat` (just `[flat]` if the shape does
+    /// not describe the data, so an error can still point somewhere).
+    pub fn unravel(&self, flat: usize) -> Vec<usize> {
+        if self.shape.iter().product::<usize>() != self.len() || self.shape.is_empty() {
+            return vec![flat];
+        }
+        let mut rest = flat;
+        let mut index = vec![0; self.shape.len()];
+        for (i, &dim) in index.iter_mut().zip(&self.shape).rev() {
+            *i = rest % dim;
+            rest /= dim;
+        }
+        index
     }
 
     /// Reads a `.npy` file (C order).
@@ -455,8 +471,10 @@ mod tests {
         assert!(matches!(HostTensor::read_npy(dir.path().join("missing.npy")), Err(Error::Io { .. })));
         std::fs::write(dir.path().join("junk.npy"), b"not numpy").unwrap();
         assert!(matches!(HostTensor::read_npy(dir.path().join("junk.npy")), Err(Error::InvalidFile { .. })));
-        let nan = HostTensor::from_f32(vec![2], &[1.0, f32::NAN], DType::F32);
-        assert_eq!(nan.check_finite("q"), Err(Error::NonFinite { tensor: "q".into(), index: 1 }));
+        let nan = HostTensor::from_f32(vec![2, 3], &[1.0, 0.0, 0.0, 0.0, f32::NAN, 0.0], DType::F32);
+        let err = nan.check_finite("q").unwrap_err();
+        assert_eq!(err, Error::NonFinite { tensor: "q".into(), index: vec![1, 1] });
+        assert!(err.to_string().contains("q[1, 1]"), "{err}");
     }
 
     /// A `.npy` file: version 1 header holding `dict`, padded as NumPy does, then `data`.
