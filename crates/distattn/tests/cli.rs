@@ -177,12 +177,12 @@ fn check_finite_sees_the_values_after_the_dtype_cast() {
     let big = dir.path().join("big.npy");
     HostTensor::write_npy_f32(&big, &shape, &vals).unwrap();
     let big = p(&big);
-    let dq = p(&dir.path().join("dq.npy"));
+    let [dq, dk, dv] = ["dq.npy", "dk.npy", "dv.npy"].map(|name| p(&dir.path().join(name)));
     let with = |q: &str, grad_out: Option<&str>| {
         let mut all =
             vec!["run", "--q", q, "--k", &k, "--v", &k, "--dtype", "f16", "--check-finite", "--backend", "cpu"];
         if let Some(g) = grad_out {
-            all.extend(["--grad-out", g, "--dq", &dq, "--dk", &dq, "--dv", &dq]);
+            all.extend(["--grad-out", g, "--dq", &dq, "--dk", &dk, "--dv", &dv]);
         }
         distattn(&all)
     };
