@@ -45,9 +45,10 @@ pub enum Error {
     #[error("unknown mask '{spec}': {reason}")]
     MaskSpec { spec: String, reason: String },
 
-    /// An input holds NaN or infinity (only checked when asked for).
-    #[error("{tensor} contains a non-finite value at flat index {index}")]
-    NonFinite { tensor: String, index: usize },
+    /// An input holds NaN or infinity (only checked when asked for); `index` is the element's
+    /// position, one entry per dimension.
+    #[error("non-finite value (NaN or infinity) at {tensor}[{}]", join_index(index))]
+    NonFinite { tensor: String, index: Vec<usize> },
 
     /// An argument outside its valid range (a softmax scale, a world size, an option).
     #[error("invalid {what}: {reason}")]
@@ -89,6 +90,11 @@ pub enum Error {
     /// An invariant of distattn itself failed: a bug to report, not a usage error.
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+/// `[0, 5, 2]` as `0, 5, 2`, the way an element is written after a tensor's name.
+fn join_index(index: &[usize]) -> String {
+    index.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ")
 }
 
 impl Error {

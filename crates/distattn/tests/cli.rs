@@ -267,8 +267,86 @@ fn bad_input_is_one_line_error() {
     HostTensor::write_npy_f32(&qn, &[1, 16, 4, 32], &vals).unwrap();
     one_line_error(
         &distattn(&["run", "--q", &p(&qn), "--k", &k, "--v", &v, "--check-finite"]),
-        "non-finite value at flat index 77",
+        "non-finite value (NaN or infinity) at q[0, 0, 2, 13]",
     );
+}
+
+#[test]
+fn usage_errors_name_the_missing_argument() {
+    let out = distattn(&["run", "--k", "k.npy", "--v", "v.npy"]);
+    one_line_error(&out, "the following required arguments were not provided: --q <Q>");
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("Usage"));
+}
+
+#[test]
+fn inputs_are_read_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let q = save(dir.path(), "q.npy", &[1, 16, 4, 32], 1, DType::BF16);
+    let k = p(&save(dir.path(), "k.npy", &[1, 16, 4, 32], 2, DType::BF16));
+    let good = std::fs::read(&q).unwrap();
+    let mut trailing = good.clone();
+    trailing.extend_from_slice(&[0; 6]);
+    let qt = dir.path().join("qt.npy");
+    std::fs::write(&qt, trailing).unwrap();
+    one_line_error(
+        &distattn(&["run", "--q", &p(&qt), "--k", &k, "--v", &k]),
+        "header says [1, 16, 4, 32] of <u2 = 4096 bytes, file has 4102 bytes after the header",
+    );
+    std::fs::write(&qt, &good[..good.len() - 2]).unwrap();
+    one_line_error(&distattn(&["run", "--q", &p(&qt), "--k", &k, "--v", &k]), "file has 4094 bytes after the header");
+    // A header claiming 2^64 elements: an error at once, not a panic or a huge allocation.
+    let dict = b"{'descr': '<u2', 'fortran_order': False, 'shape': (4294967296, 4294967296, 1, 1), }\n";
+    let mut huge = b"\x93NUMPY\x01\x00".to_vec();
+    huge.extend_from_slice(&(dict.len() as u16).to_le_bytes());
+    huge.extend_from_slice(dict);
+    huge.extend_from_slice(&[0; 16]);
+    std::fs::write(&qt, huge).unwrap();
+    one_line_error(&distattn(&["run", "--q", &p(&qt), "--k", &k, "--v", &k]), "[4294967296, 4294967296, 1, 1] of <u2");
+    let k3 = p(&save(dir.path(), "k3.npy", &[16, 4, 32], 2, DType::BF16));
+    one_line_error(
+        &distattn(&["run", "--q", &p(&q), "--k", &k3, "--v", &k3]),
+        "q, k and v must have the same number of dimensions",
+    );
+}
+
+#[test]
+fn check_finite_sees_the_values_after_the_dtype_cast() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let shape = [1, 8, 4, 32];
+    let k = p(&save(dir.path(), "k.npy", &shape, 2, DType::F32));
+    // 70000 is finite in f32 but beyond f16's largest value (65504).
+    let mut vals = vec![0.5f32; 8 * 4 * 32];
+    vals[(5 * 4 + 2) * 32 + 17] = 70000.0;
+    let big = dir.path().join("big.npy");
+    HostTensor::write_npy_f32(&big, &shape, &vals).unwrap();
+    let big = p(&big);
+    let [dq, dk, dv] = ["dq.npy", "dk.npy", "dv.npy"].map(|name| p(&dir.path().join(name)));
+    let with = |q: &str, grad_out: Option<&str>| {
+        let mut all =
+            vec!["run", "--q", q, "--k", &k, "--v", &k, "--dtype", "f16", "--check-finite", "--backend", "cpu"];
+        if let Some(g) = grad_out {
+            all.extend(["--grad-out", g, "--dq", &dq, "--dk", &dk, "--dv", &dv]);
+        }
+        distattn(&all)
+    };
+    one_line_error(&with(&big, None), "at q[0, 5, 2, 17]: the file's value 70000 overflows f16");
+    // --grad-out is read after the forward, whose summary line comes first.
+    let out = with(&k, Some(&big));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.trim()
+            .lines()
+            .last()
+            .unwrap()
+            .ends_with("at grad-out[0, 5, 2, 17]: the file's value 70000 overflows f16 (--dtype f16)"),
+        "{err}"
+    );
+    // Without --dtype the value stays f32, finite.
+    let out = distattn(&["run", "--q", &big, "--k", &k, "--v", &k, "--check-finite", "--backend", "cpu"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 #[test]

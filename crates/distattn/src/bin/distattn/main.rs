@@ -60,9 +60,18 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            // Usage errors in one line too: clap's first line names the problem.
+            // Usage errors in one line too. clap may spread the problem over several lines
+            // (e.g. the missing arguments under "were not provided:"), so join those, and drop
+            // the Usage/help tail that follows.
             let text = e.render().to_string();
-            eprintln!("{}", text.lines().next().unwrap_or("error: bad arguments"));
+            let problem: Vec<&str> = text
+                .lines()
+                .take_while(|line| !line.starts_with("Usage:"))
+                .map(str::trim)
+                .filter(|line| !line.is_empty())
+                .collect();
+            let line = problem.join(" ");
+            eprintln!("{}", if line.is_empty() { "error: bad arguments" } else { &line });
             return ExitCode::from(2);
         }
     };

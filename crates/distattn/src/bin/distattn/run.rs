@@ -6,7 +6,8 @@ use clap::Args;
 use distattn::plan::RingBackward;
 use distattn::tensor::infer_shape;
 use distattn::{
-    Attention, DType, Execution, FailureKind, HostTensor, InjectedFailure, MaskSpec, PlanOptions, Ranks, Strategy,
+    Attention, DType, Error, Execution, FailureKind, HostData, HostTensor, InjectedFailure, MaskSpec, PlanOptions,
+    Ranks, Strategy,
 };
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -191,15 +192,28 @@ impl DistArgs {
     }
 }
 
+/// Reads the `--{name}` file and converts it to `dtype`; with `check`, fails on NaN or infinity
+/// in the values the kernels will see, i.e. after the conversion (70000 is finite in f32 but
+/// infinite in f16).
 fn load(path: &PathBuf, name: &str, dtype: Option<DType>, check: bool) -> Result<HostTensor> {
-    let t = HostTensor::read_npy(path).with_context(|| format!("reading --{name}"))?;
+    let read = HostTensor::read_npy(path).with_context(|| format!("reading --{name}"))?;
+    let cast = dtype.filter(|&d| d != read.dtype()).map(|d| read.cast(d));
     if check {
-        t.check_finite(name)?;
+        if let Err(e) = cast.as_ref().unwrap_or(&read).check_finite(name) {
+            let Error::NonFinite { index, .. } = &e else { return Err(e.into()) };
+            let flat = index.iter().zip(&read.shape).fold(0, |acc, (&i, &dim)| acc * dim + i);
+            let source = match &read.data {
+                HostData::F32(v) => v.get(flat).copied(),
+                HostData::BF16(v) => v.get(flat).map(|x| x.to_f32()),
+                HostData::F16(v) => v.get(flat).map(|x| x.to_f32()),
+            };
+            if let (Some(d), Some(x)) = (dtype, source.filter(|x| x.is_finite())) {
+                anyhow::bail!("{e}: the file's value {x} overflows {d} (--dtype {d})");
+            }
+            return Err(e.into());
+        }
     }
-    Ok(match dtype {
-        Some(d) => t.cast(d),
-        None => t,
-    })
+    Ok(cast.unwrap_or(read))
 }
 
 /// A file named on the command line, with the option that names it.
