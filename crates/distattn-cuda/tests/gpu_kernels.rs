@@ -212,3 +212,58 @@ fn bad_inputs_are_typed_errors() {
     );
     assert!(matches!(r, Err(Error::UnsupportedHeadDim { head_dim: 256, .. })), "{r:?}");
 }
+
+/// A NaN or infinite query row gives NaN in that row only; a NaN key gives NaN in exactly the
+/// rows that see it (never O = 0, LSE = −inf, which means "sees no key").
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn non_finite_inputs_give_nan_where_they_reach() {
+    let gpu = gpu();
+    let (mut rng, _) = seeded_rng("non_finite_inputs_give_nan_where_they_reach");
+    let opts = AttnOptions::default();
+    let n = 300;
+    for d in [64, 128, 256] {
+        let shape = AttnShape::new(1, n, n, 2, 1, d).unwrap();
+        let q: Vec<bf16> = cast(&randn(&mut rng, shape.q_elems(), 1.0));
+        let k: Vec<bf16> = cast(&randn(&mut rng, shape.kv_elems(), 1.0));
+        let v: Vec<bf16> = cast(&randn(&mut rng, shape.kv_elems(), 1.0));
+        let row = |f: &distattn_core::Forward, i: usize, h: usize| {
+            let off = shape.q_offset(0, i, h);
+            (f.o[off..off + d].to_vec(), f.lse[shape.lse_offset(0, h, i)])
+        };
+        for mask in [Mask::causal(n, n).unwrap(), Mask::full(n, n).unwrap()] {
+            let clean = gpu.forward_host(&q, &k, &v, &shape, &mask, &opts).unwrap();
+            for bad in [f32::NAN, f32::INFINITY] {
+                let mut q2 = q.clone();
+                q2[shape.q_offset(0, 77, 1) + 5] = bf16::from_f32(bad);
+                let got = gpu.forward_host(&q2, &k, &v, &shape, &mask, &opts).unwrap();
+                for i in 0..n {
+                    for h in 0..2 {
+                        let (o, lse) = row(&got, i, h);
+                        if (i, h) == (77, 1) {
+                            assert!(o.iter().all(|x| x.is_nan()) && lse.is_nan(), "d{d} {bad}: row {i}: {lse}");
+                        } else {
+                            assert_eq!((o, lse), row(&clean, i, h), "d{d} {bad}: row {i} head {h}");
+                        }
+                    }
+                }
+            }
+        }
+        let mask = Mask::causal(n, n).unwrap();
+        let clean = gpu.forward_host(&q, &k, &v, &shape, &mask, &opts).unwrap();
+        let j = 200;
+        let mut k2 = k.clone();
+        k2[shape.kv_offset(0, j, 0) + 3] = bf16::from_f32(f32::NAN);
+        let got = gpu.forward_host(&q, &k2, &v, &shape, &mask, &opts).unwrap();
+        for i in 0..n {
+            for h in 0..2 {
+                let (o, lse) = row(&got, i, h);
+                if i >= j {
+                    assert!(o.iter().all(|x| x.is_nan()) && lse.is_nan(), "d{d}: row {i} sees key {j}");
+                } else {
+                    assert_eq!((o, lse), row(&clean, i, h), "d{d}: row {i} does not see key {j}");
+                }
+            }
+        }
+    }
+}

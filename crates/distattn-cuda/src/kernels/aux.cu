@@ -97,8 +97,13 @@ __device__ __forceinline__ void merge_one(const float* o, const float* lse, floa
     const float lb = lse[sl];
     const float la = lacc[dl];
     __syncwarp();
-    if (!(lb > -3.0e38f)) return;  // -inf or NaN: nothing to add
-    if (!(la > -3.0e38f)) {
+    if (isnan(la) || isnan(lb)) {  // a non-finite input upstream: the row is NaN
+        for (int c = lane; c < d; c += 32) oacc[dof + c] = QNAN;
+        if (lane == 0) lacc[dl] = QNAN;
+        return;
+    }
+    if (lb == NEG_INF) return;  // the partial saw no key: nothing to add
+    if (la == NEG_INF) {
         for (int c = lane; c < d; c += 32) oacc[dof + c] = o[so + c];
         if (lane == 0) lacc[dl] = lb;
         return;

@@ -25,8 +25,17 @@ typedef unsigned long long u64;
 #define POS_INF (__int_as_float(0x7f800000))
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+#define QNAN (__int_as_float(0x7fffffff))
 
 // ---------------------------------------------------------------- small helpers
+
+// The larger of a and b, NaN if either is NaN (fmaxf drops NaN): a NaN score must make its row
+// NaN, not vanish as if masked.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
 
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
     u32 r;

@@ -132,12 +132,12 @@ extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p
             for (int r = 0; r < 2; ++r) {
                 float mx = NEG_INF;
 #pragma unroll
-                for (int j = 0; j < FWD_BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * r], s[mi][j][2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+                for (int j = 0; j < FWD_BN / 8; ++j) mx = fmax_nan(mx, fmax_nan(s[mi][j][2 * r], s[mi][j][2 * r + 1]));
+                mx = fmax_nan(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+                mx = fmax_nan(mx, __shfl_xor_sync(0xffffffff, mx, 2));
                 // m is kept in scaled (log2) units; scores are scaled inside the exponent.
                 const float mo = MROW(mi, r);
-                const float mn = fmaxf(mo, mx * sl2);
+                const float mn = fmax_nan(mo, mx * sl2);
                 const float mu = mn == NEG_INF ? 0.f : mn;
                 const float alpha = fast_exp2(mo - mu);
                 MROW(mi, r) = mn;
@@ -190,10 +190,11 @@ extern "C" __global__ void __launch_bounds__(FWD_NT) flash_fwd(const FwdParams p
             float lt = LROW(mi, r);
             lt += __shfl_xor_sync(0xffffffff, lt, 1);
             lt += __shfl_xor_sync(0xffffffff, lt, 2);
-            inv[r] = lt > 0.f ? 1.f / lt : 0.f;
+            // lt = 0: the row saw no key (O = 0, LSE = -inf); a NaN lt is passed on.
+            inv[r] = lt != 0.f ? 1.f / lt : 0.f;
             const int row = q0 + wr0 + mi * 16 + g + 8 * r;
             if (t == 0 && row < p.q_len)
-                p.lse[((size_t)b * p.heads + h) * p.q_len + row] = lt > 0.f ? (MROW(mi, r) + __log2f(lt)) * LN2 : NEG_INF;
+                p.lse[((size_t)b * p.heads + h) * p.q_len + row] = lt != 0.f ? (MROW(mi, r) + __log2f(lt)) * LN2 : NEG_INF;
             if (p.o_f32 && row < p.q_len) {
                 float* dst = p.o_f32 + (((size_t)b * p.q_len + row) * p.heads + h) * D;
 #pragma unroll

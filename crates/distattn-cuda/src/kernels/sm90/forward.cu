@@ -33,10 +33,10 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[64], float (&m)[2], float
     for (int r = 0; r < 2; ++r) {
         float mx = NEG_INF;
 #pragma unroll
-        for (int j = 0; j < FW_BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float mn = fmaxf(m[r], mx * sl2);
+        for (int j = 0; j < FW_BN / 8; ++j) mx = fmax_nan(mx, fmax_nan(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        mx = fmax_nan(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmax_nan(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float mn = fmax_nan(m[r], mx * sl2);
         const float mu = mn == NEG_INF ? 0.f : mn;
         alpha[r] = fast_exp2(m[r] - mu);
         m[r] = mn;
@@ -82,11 +82,12 @@ __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D
         float lt = l[r];
         lt += __shfl_xor_sync(0xffffffff, lt, 1);
         lt += __shfl_xor_sync(0xffffffff, lt, 2);
-        const float inv = lt > 0.f ? 1.f / lt : 0.f;
+        // lt = 0: the row saw no key (O = 0, LSE = -inf); a NaN lt is passed on.
+        const float inv = lt != 0.f ? 1.f / lt : 0.f;
         const int row = row0 + 8 * r;
         if (row >= p.q_len) continue;
         if (t == 0)
-            p.lse[((size_t)b * p.heads + h) * p.q_len + row] = lt > 0.f ? (m[r] + __log2f(lt)) * LN2 : NEG_INF;
+            p.lse[((size_t)b * p.heads + h) * p.q_len + row] = lt != 0.f ? (m[r] + __log2f(lt)) * LN2 : NEG_INF;
         const size_t off = (((size_t)b * p.q_len + row) * p.heads + h) * D + 2 * t;
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) {
