@@ -200,6 +200,10 @@ impl Communicator for PeerComm {
     fn check(&self) -> Result<()> {
         self.group.failure().map_or(Ok(()), Err)
     }
+
+    fn stall_watch_progress(&self) {
+        self.group.progress();
+    }
 }
 
 /// Opens `world` thread ranks on GPU `device`, each with its own backend (its own streams)

@@ -23,9 +23,13 @@ pub enum FailureKind {
     Error,
     /// The rank panics (the runners turn it into an error naming the rank).
     Panic,
+    /// The rank stops making progress without failing, as one stuck computing: it never sends
+    /// again and, like the interpreter between two blocks, only checks whether the group has
+    /// failed (which its waiting peers declare once their timeout passes).
+    Hang,
 }
 
-/// A test hook: make `rank` fail when it reaches `step`.
+/// A test hook: make `rank` fail when it reaches `step` (the last step of a plan with fewer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InjectedFailure {
     pub rank: usize,
@@ -172,10 +176,13 @@ where
     let mut compute_span: Vec<[Option<B::Event>; 2]> = (0..prog.steps).map(|_| [None, None]).collect();
     let mut transfers: Vec<Vec<(B::Event, B::Event)>> = (0..prog.steps).map(|_| Vec::new()).collect();
     let mut progress: Vec<B::Event> = Vec::new();
+    let mut done = 0;
 
+    let fail_step =
+        ctl.fail.filter(|f| f.rank == prog.rank).map(|f| (f.kind, f.step.min(prog.steps.saturating_sub(1))));
     for so in sched.issue.iter().map(|&i| &sched.ops[i]) {
-        if let Some(f) = ctl.fail.filter(|f| f.rank == prog.rank && f.step == so.step) {
-            match f.kind {
+        if let Some((kind, _)) = fail_step.filter(|&(_, step)| step == so.step) {
+            match kind {
                 FailureKind::Error => {
                     return Err(Error::Backend {
                         backend: "test",
@@ -183,9 +190,18 @@ where
                     })
                 }
                 FailureKind::Panic => panic!("injected panic at step {}", so.step),
+                FailureKind::Hang => loop {
+                    comm.check()?;
+                    std::thread::sleep(Duration::from_millis(10));
+                },
             }
         }
         let op = &prog.ops[so.id];
+        // A rank busy computing stops at its next block once the group has failed (a peer's
+        // error, or a peer that gave up waiting for this one), rather than running to its end.
+        if op.is_block() {
+            comm.check()?;
+        }
         let lane = so.lane;
         if let Some(w) = so.wait {
             let ev = events[w]
@@ -215,6 +231,12 @@ where
         }
         if op.is_block() {
             progress.push(backend.record(lane, false)?);
+            // Blocks already done (all of them on the CPU) restart the stall clock now, so a
+            // long run reports progress while it issues.
+            while done < progress.len() && backend.is_done(&progress[done])? {
+                done += 1;
+                comm.stall_watch_progress();
+            }
         }
         if so.signals {
             events[so.id] = Some(backend.record(lane, false)?);
@@ -223,7 +245,7 @@ where
     // Join the comm lane into compute and wait for the end, polling for failures.
     backend.wait(Lane::Compute, &backend.record(Lane::Comm, false)?)?;
     let end = backend.record(Lane::Compute, timed)?;
-    wait_done(backend, comm, &end, &progress)?;
+    wait_done(backend, comm, &end, &progress[done..])?;
     let timeline = match t_start {
         Some(t0) => {
             let ms = |e: &B::Event| backend.elapsed_ms(&t0, e);

@@ -16,6 +16,8 @@ struct State<M> {
     failed: Option<(usize, String)>,
     barrier_count: usize,
     barrier_gen: u64,
+    /// The last message, barrier or completed block of any rank.
+    last_progress: Instant,
 }
 
 /// The mailboxes, barrier and failure of `world` in-process ranks. Waits give up after the
@@ -29,7 +31,13 @@ pub struct Rendezvous<M> {
 
 impl<M> Rendezvous<M> {
     pub fn new(world: usize, timeout: Duration) -> Self {
-        let state = State { mail: HashMap::new(), failed: None, barrier_count: 0, barrier_gen: 0 };
+        let state = State {
+            mail: HashMap::new(),
+            failed: None,
+            barrier_count: 0,
+            barrier_gen: 0,
+            last_progress: Instant::now(),
+        };
         Rendezvous { world, timeout, state: Mutex::new(state), cv: Condvar::new() }
     }
 
@@ -76,8 +84,15 @@ impl<M> Rendezvous<M> {
             }
             st.mail.entry((from, to, chan)).or_default().push_back(m);
         }
+        st.last_progress = Instant::now();
         self.cv.notify_all();
         Ok(())
+    }
+
+    /// Records that a rank completed work (restarts the clock of [`Rendezvous::run`]'s check
+    /// for ranks left without progress).
+    pub fn progress(&self) {
+        self.lock().last_progress = Instant::now();
     }
 
     /// Waits on `st` until `ready` gives a value, a rank fails or the timeout passes.
@@ -91,6 +106,7 @@ impl<M> Rendezvous<M> {
         loop {
             Self::failed(&st)?;
             if let Some(v) = ready(&mut st) {
+                st.last_progress = Instant::now();
                 return Ok(v);
             }
             let now = Instant::now();
@@ -130,7 +146,10 @@ impl<M> Rendezvous<M> {
     /// every rank's result in rank order. A rank's error or panic is recorded as the group's
     /// failure (the first one wins; a rank that only saw a peer's failure does not overwrite
     /// it), so every other rank's pending or next wait returns [`Error::RankFailed`] naming it,
-    /// and this returns that error.
+    /// and this returns that error. Once some ranks have returned, a rank that makes no
+    /// progress (messages, barriers, completed blocks) for the timeout is declared failed, so its
+    /// next check ends it instead of the join waiting forever. (A thread stuck inside one
+    /// computation cannot be stopped in-process; it ends at its next check.)
     pub fn run<H: Send, R: Send>(&self, handles: Vec<H>, f: impl Fn(usize, &H) -> Result<R> + Sync) -> Result<Vec<R>>
     where
         M: Send,
@@ -139,7 +158,7 @@ impl<M> Rendezvous<M> {
             return Err(Error::ZeroDim { what: "world size" });
         }
         let results: Vec<Result<R>> = std::thread::scope(|s| {
-            let threads: Vec<_> = handles
+            let threads: Vec<std::thread::ScopedJoinHandle<'_, Result<R>>> = handles
                 .into_iter()
                 .enumerate()
                 .map(|(rank, h)| {
@@ -158,6 +177,18 @@ impl<M> Rendezvous<M> {
                     })
                 })
                 .collect();
+            loop {
+                let running: Vec<usize> = (0..threads.len()).filter(|&r| !threads[r].is_finished()).collect();
+                if running.is_empty() {
+                    break;
+                }
+                let idle = self.lock().last_progress.elapsed();
+                if running.len() < threads.len() && idle > self.timeout && self.failure().is_none() {
+                    let reason = format!("made no progress for {:?} after its peers finished", self.timeout);
+                    self.abort(running[0], &reason);
+                }
+                std::thread::sleep(Duration::from_millis(10).min(self.timeout));
+            }
             threads
                 .into_iter()
                 .map(|t| {

@@ -154,6 +154,10 @@ impl Communicator for ThreadComm {
     fn check(&self) -> Result<()> {
         self.failure().map_or(Ok(()), Err)
     }
+
+    fn stall_watch_progress(&self) {
+        self.group.progress();
+    }
 }
 
 /// Runs `f` on `world` ranks, one thread each, and returns every rank's result in rank order.

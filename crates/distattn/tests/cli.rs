@@ -400,6 +400,36 @@ fn run_on_ranks_matches_single_call_and_failed_rank_is_named() {
         distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--world", "4", "--strategy", "ring", "--fail-rank", "3"]);
     one_line_error(&out, "rank 3 failed");
     assert!(started.elapsed().as_secs() < 10);
+    // A single-step plan fails too, and a rank that stops making progress is given up on after
+    // --timeout.
+    for (strategy, kind, says) in [
+        ("allgather", "error", "rank 1 failed"),
+        ("dispatch", "error", "rank 1 failed"),
+        ("ring", "hang", "rank 1 failed"),
+    ] {
+        let started = std::time::Instant::now();
+        let out = distattn(&[
+            "run",
+            "--q",
+            &q,
+            "--k",
+            &k,
+            "--v",
+            &v,
+            "--world",
+            "2",
+            "--strategy",
+            strategy,
+            "--fail-rank",
+            "1",
+            "--fail-kind",
+            kind,
+            "--timeout",
+            "1",
+        ]);
+        one_line_error(&out, says);
+        assert!(started.elapsed().as_secs() < 10, "{strategy} {kind}");
+    }
     one_line_error(
         &distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--world", "3", "--strategy", "ulysses"]),
         "divisible by the world size 3",

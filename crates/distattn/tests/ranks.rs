@@ -176,12 +176,13 @@ fn failed_rank_stops_everyone_with_its_name() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(9);
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
-    for s in [Strategy::Ring, Strategy::Balanced, Strategy::Ulysses, Strategy::Dispatch] {
+    // Step 1 is the last step of single-step plans (allgather, dispatch).
+    for s in [Strategy::Ring, Strategy::Balanced, Strategy::Ulysses, Strategy::Allgather, Strategy::Dispatch] {
         for kind in [FailureKind::Error, FailureKind::Panic] {
             let t0 = Instant::now();
             let ranks = Ranks {
                 timeout: Duration::from_secs(60),
-                fail: Some(InjectedFailure { rank: 2, step: if s == Strategy::Dispatch { 0 } else { 1 }, kind }),
+                fail: Some(InjectedFailure { rank: 2, step: 1, kind }),
                 ..Ranks::new(4, s)
             };
             let e = on_ranks(&shape, &mask, ranks).forward(&q, &k, &k).unwrap_err();
@@ -189,6 +190,28 @@ fn failed_rank_stops_everyone_with_its_name() {
             assert!(t0.elapsed() < Duration::from_secs(5), "{s}: took {:?}", t0.elapsed());
             println!("{s} {kind:?}: {e} after {:?}", t0.elapsed());
         }
+    }
+}
+
+#[test]
+fn a_rank_that_stops_making_progress_is_given_up_on_after_the_timeout() {
+    let shape = AttnShape::new(1, 64, 64, 8, 4, 16).unwrap();
+    let mask = Mask::causal(64, 64).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(10);
+    let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
+    let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
+    for s in [Strategy::Ring, Strategy::Ulysses, Strategy::Allgather] {
+        let t0 = Instant::now();
+        let ranks = Ranks {
+            timeout: Duration::from_millis(500),
+            fail: Some(InjectedFailure { rank: 1, step: 1, kind: FailureKind::Hang }),
+            ..Ranks::new(4, s)
+        };
+        let e = on_ranks(&shape, &mask, ranks).forward(&q, &k, &k).unwrap_err();
+        // A peer that waited for rank 1 gives up and names the stall; every rank then stops.
+        assert!(matches!(e, Error::Comm(_) | Error::RankFailed { .. }), "{s}: {e}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "{s}: took {:?}", t0.elapsed());
+        println!("{s} hang: {e} after {:?}", t0.elapsed());
     }
 }
 

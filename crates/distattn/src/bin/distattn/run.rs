@@ -104,9 +104,21 @@ pub struct DistArgs {
     /// Seconds a rank waits for a peer before giving up with an error.
     #[arg(long, default_value_t = 60)]
     pub timeout: u64,
-    /// Testing aid: make this rank fail at the start of the plan's second step.
+    /// Testing aid: make this rank fail at the start of the plan's second step (the last step of
+    /// a single-step plan).
     #[arg(long)]
     pub fail_rank: Option<usize>,
+    /// How --fail-rank fails: error, panic, or hang (stop making progress; peers give up after
+    /// --timeout).
+    #[arg(long, value_enum, default_value_t = FailKindArg::Error, requires = "fail_rank")]
+    pub fail_kind: FailKindArg,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy)]
+pub enum FailKindArg {
+    Error,
+    Panic,
+    Hang,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy)]
@@ -169,7 +181,14 @@ impl DistArgs {
         Ok(Ranks {
             plan: self.plan_options(mask, seq),
             timeout: Duration::from_secs(self.timeout),
-            fail: self.fail_rank.map(|rank| InjectedFailure { rank, step: 1, kind: FailureKind::Error }),
+            fail: self.fail_rank.map(|rank| {
+                let kind = match self.fail_kind {
+                    FailKindArg::Error => FailureKind::Error,
+                    FailKindArg::Panic => FailureKind::Panic,
+                    FailKindArg::Hang => FailureKind::Hang,
+                };
+                InjectedFailure { rank, step: 1, kind }
+            }),
             ..Ranks::new(world, self.strategy())
         })
     }
