@@ -198,3 +198,19 @@ fn a_failed_rank_stops_the_others_after_the_grace_period() {
         assert_no_rank_left(&pids);
     }
 }
+
+#[test]
+fn a_second_signal_kills_the_ranks_at_once() {
+    let script = "trap '' TERM; echo $$ > $PIDS/pid.$RANK; exec sleep 100";
+    let mut run = Launched::start(&["--grace", "30"], 2, script);
+    let pids = run.rank_pids();
+    run.signal(libc::SIGTERM);
+    // The launcher polls its flags every 50 ms: let it see the first signal on its own.
+    std::thread::sleep(Duration::from_millis(300));
+    run.signal(libc::SIGTERM);
+    let status = run.wait(Duration::from_secs(5));
+    assert_eq!(status.code(), Some(143), "{status}");
+    let err = run.stderr();
+    assert_one_line(&err, "ranks 0, 1 were still running after a second SIGTERM and were killed");
+    assert_no_rank_left(&pids);
+}
