@@ -3,7 +3,7 @@
 //! `distattn run` computes attention on `.npy` files (on one call or on in-process ranks),
 //! `distattn bench` runs the benchmark table on the backend present, `distattn plan` shows a
 //! context-parallel plan, `distattn timeline` shows and draws recorded multi-GPU timelines.
-//! Errors print one line and exit with status 1.
+//! Errors print one line and exit with status 1 (`launch` stopped by SIGINT or SIGTERM: 130 or 143).
 
 mod bench;
 mod launch;
@@ -87,7 +87,8 @@ fn main() -> ExitCode {
         Err(e) => {
             let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
             eprintln!("error: {}", chain.join(": "));
-            ExitCode::FAILURE
+            // A launcher stopped by SIGINT or SIGTERM exits 130 or 143, as shells report it.
+            e.downcast_ref::<launch::Interrupted>().map_or(ExitCode::FAILURE, |i| ExitCode::from(i.exit_status()))
         }
     }
 }
