@@ -62,6 +62,22 @@ fn on(s: Strategy, p: usize, shape: &AttnShape, mask: &Mask) -> Attention {
 }
 
 /// The single call's forward and backward.
+/// Forward and backward of `s` on `world` ranks against the single call's (`want`, `wg`).
+fn assert_matches_single(
+    s: Strategy,
+    world: usize,
+    shape: &AttnShape,
+    mask: &Mask,
+    (q, k, v, d_o): (&[f32], &[f32], &[f32], &[f32]),
+    (want, wg): &(Forward, Grads),
+) {
+    let attn = on(s, world, shape, mask);
+    let got = attn.forward(q, k, v).unwrap();
+    assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
+    let g = attn.backward(q, k, v, want, d_o).unwrap();
+    assert!(rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL, "{s}");
+}
+
 fn single_fwd_bwd<T: Element>(
     shape: &AttnShape,
     mask: &Mask,
@@ -134,7 +150,7 @@ fn batch_and_cross_lengths() {
     let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
     for mask in [Mask::causal(29, 41).unwrap(), Mask::full(29, 41).unwrap()] {
-        let (want, wg) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
+        let want_grads = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
         for s in [
             Strategy::Ring,
             Strategy::Zigzag,
@@ -144,14 +160,7 @@ fn batch_and_cross_lengths() {
             Strategy::Dispatch,
             Strategy::Hybrid { ulysses_degree: 2 },
         ] {
-            let attn = on(s, 4, &shape, &mask);
-            let got = attn.forward(&q, &k, &v).unwrap();
-            assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
-            let g = attn.backward(&q, &k, &v, &want, &d_o).unwrap();
-            assert!(
-                rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL,
-                "{s}"
-            );
+            assert_matches_single(s, 4, &shape, &mask, (&q, &k, &v, &d_o), &want_grads);
         }
     }
 }
@@ -272,16 +281,9 @@ fn one_token_per_rank_and_no_fewer() {
     let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
     for mask in [Mask::causal(5, 5).unwrap(), Mask::full(5, 5).unwrap()] {
-        let (want, wg) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
+        let want_grads = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
         for s in strategies(5) {
-            let attn = on(s, 5, &shape, &mask);
-            let got = attn.forward(&q, &k, &v).unwrap();
-            assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
-            let g = attn.backward(&q, &k, &v, &want, &d_o).unwrap();
-            assert!(
-                rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL,
-                "{s}"
-            );
+            assert_matches_single(s, 5, &shape, &mask, (&q, &k, &v, &d_o), &want_grads);
         }
         for s in strategies(6) {
             let err = on(s, 6, &shape, &mask).forward(&q, &k, &v).unwrap_err();
@@ -341,12 +343,8 @@ fn rows_with_several_key_runs() {
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
-    let (want, wg) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
+    let want_grads = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
     for s in strategies(3) {
-        let attn = on(s, 3, &shape, &mask);
-        let got = attn.forward(&q, &k, &v).unwrap();
-        assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{s}");
-        let g = attn.backward(&q, &k, &v, &want, &d_o).unwrap();
-        assert!(rel_err(&g.dq, &wg.dq) < TOL && rel_err(&g.dk, &wg.dk) < TOL && rel_err(&g.dv, &wg.dv) < TOL, "{s}");
+        assert_matches_single(s, 3, &shape, &mask, (&q, &k, &v, &d_o), &want_grads);
     }
 }
