@@ -233,10 +233,7 @@ where
             progress.push(backend.record(lane, false)?);
             // Blocks already done (all of them on the CPU) restart the stall clock now, so a
             // long run reports progress while it issues.
-            while done < progress.len() && backend.is_done(&progress[done])? {
-                done += 1;
-                comm.stall_watch_progress();
-            }
+            report_progress(backend, comm, &progress, &mut done)?;
         }
         if so.signals {
             events[so.id] = Some(backend.record(lane, false)?);
@@ -245,7 +242,7 @@ where
     // Join the comm lane into compute and wait for the end, polling for failures.
     backend.wait(Lane::Compute, &backend.record(Lane::Comm, false)?)?;
     let end = backend.record(Lane::Compute, timed)?;
-    wait_done(backend, comm, &end, &progress[done..])?;
+    wait_done(backend, comm, &end, &progress, done)?;
     let timeline = match t_start {
         Some(t0) => {
             let ms = |e: &B::Event| backend.elapsed_ms(&t0, e);
@@ -269,19 +266,36 @@ where
 
 /// Waits until `end` has completed, polling the transport for failures; each block of
 /// `progress` (in completion order) that completes restarts the stall clock.
-fn wait_done<B: Backend, C: Communicator>(backend: &B, comm: &C, end: &B::Event, progress: &[B::Event]) -> Result<()> {
-    let mut next = 0;
+fn wait_done<B: Backend, C: Communicator>(
+    backend: &B,
+    comm: &C,
+    end: &B::Event,
+    progress: &[B::Event],
+    mut done: usize,
+) -> Result<()> {
     loop {
         if backend.is_done(end)? {
             return Ok(());
         }
-        while next < progress.len() && backend.is_done(&progress[next])? {
-            next += 1;
-            comm.stall_watch_progress();
-        }
+        report_progress(backend, comm, progress, &mut done)?;
         comm.check()?;
         std::thread::sleep(Duration::from_micros(20));
     }
+}
+
+/// Reports each block of `progress` past `done` that has completed, in order (each restarts the
+/// stall clock).
+fn report_progress<B: Backend, C: Communicator>(
+    backend: &B,
+    comm: &C,
+    progress: &[B::Event],
+    done: &mut usize,
+) -> Result<()> {
+    while *done < progress.len() && backend.is_done(&progress[*done])? {
+        *done += 1;
+        comm.stall_watch_progress();
+    }
+    Ok(())
 }
 
 fn run_op<B, C>(
