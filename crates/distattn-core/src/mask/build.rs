@@ -103,6 +103,21 @@ impl Mask {
     /// Packed documents with separate query and key lengths per document (varlen
     /// cross-attention or decoding); causal is bottom-right aligned inside each document.
     pub fn documents_qk(q_lens: &[usize], k_lens: &[usize], kind: DocKind) -> Result<Mask> {
+        Mask::per_document(q_lens, k_lens, |q_len, k_len| match kind {
+            DocKind::Full => Mask::full(q_len, k_len),
+            DocKind::Causal => Mask::causal(q_len, k_len),
+        })
+    }
+
+    /// Packed sequences, each under its own mask (the packed variable-length layout):
+    /// document `d` has `q_lens[d]` queries and `k_lens[d]` keys, sees only its own keys, and
+    /// `part(q_len, k_len)` says which of them. A document with no queries or no keys keeps
+    /// nothing, and `part` is not called for it.
+    pub fn per_document(
+        q_lens: &[usize],
+        k_lens: &[usize],
+        part: impl Fn(usize, usize) -> Result<Mask>,
+    ) -> Result<Mask> {
         if q_lens.len() != k_lens.len() {
             return Err(Error::InvalidMask(format!(
                 "{} query documents but {} key documents",
@@ -112,14 +127,24 @@ impl Mask {
         }
         let (qs, q_total) = offsets(q_lens, "total query length")?;
         let (ks, k_total) = offsets(k_lens, "total key length")?;
-        let slice_kind = match kind {
-            DocKind::Full => SliceKind::Full,
-            DocKind::Causal => SliceKind::Causal,
-        };
-        let slices = (0..q_lens.len())
-            .filter(|&d| q_lens[d] > 0 && k_lens[d] > 0)
-            .map(|d| MaskSlice::new(qs[d]..qs[d] + q_lens[d], ks[d]..ks[d] + k_lens[d], slice_kind))
-            .collect();
+        let mut slices = Vec::new();
+        for d in (0..q_lens.len()).filter(|&d| q_lens[d] > 0 && k_lens[d] > 0) {
+            let m = part(q_lens[d], k_lens[d])?;
+            if (m.q_len(), m.k_len()) != (q_lens[d], k_lens[d]) {
+                return Err(Error::Internal(format!(
+                    "document {d}: a {}x{} mask for {}x{} tokens",
+                    m.q_len(),
+                    m.k_len(),
+                    q_lens[d],
+                    k_lens[d]
+                )));
+            }
+            // A slice's kept pairs are defined relative to its own ranges, so moving it to the
+            // document's offsets keeps its meaning.
+            slices.extend(m.slices().iter().map(|s| {
+                MaskSlice::new(qs[d] + s.q.start..qs[d] + s.q.end, ks[d] + s.k.start..ks[d] + s.k.end, s.kind)
+            }));
+        }
         Ok(Mask::new_unchecked(q_total, k_total, slices))
     }
 

@@ -151,6 +151,34 @@ fn documents_and_prefix() {
 }
 
 #[test]
+fn per_document_windows_with_ragged_lengths() {
+    // Varlen cross-attention: query and key lengths differ per document (one has no keys, one
+    // no queries), each under a window around its own bottom-right-aligned diagonal.
+    let (q_lens, k_lens) = ([4usize, 1, 6, 0, 9], [7usize, 3, 0, 5, 9]);
+    let (left, right) = (2i64, 1i64);
+    let m = Mask::per_document(&q_lens, &k_lens, |q, k| Mask::sliding_window(q, k, Some(2), Some(1))).unwrap();
+    let start = |lens: &[usize], d: usize| lens[..d].iter().sum::<usize>();
+    let doc_of = |lens: &[usize], i: usize| (0..lens.len()).find(|&d| i < start(lens, d) + lens[d]).unwrap();
+    let (nq, nk) = (q_lens.iter().sum(), k_lens.iter().sum());
+    check(
+        &m,
+        from_fn(nq, nk, |i, j| {
+            let d = doc_of(&q_lens, i);
+            if k_lens[d] == 0 || doc_of(&k_lens, j) != d {
+                return false;
+            }
+            let (ti, tj) = ((i - start(&q_lens, d)) as i64, (j - start(&k_lens, d)) as i64);
+            let diag = ti + k_lens[d] as i64 - q_lens[d] as i64;
+            tj >= diag - left && tj <= diag + right
+        }),
+    );
+    let causal = Mask::per_document(&q_lens, &k_lens, |q, k| Mask::causal(q, k)).unwrap();
+    assert_eq!(causal, Mask::documents_qk(&q_lens, &k_lens, DocKind::Causal).unwrap());
+    assert!(Mask::per_document(&[1, 2], &[3], Mask::full).is_err());
+    assert!(Mask::per_document(&[2], &[2], |_, _| Mask::full(1, 1)).is_err());
+}
+
+#[test]
 fn shared_question_block_causal_blocks() {
     let (q, answers) = (6, [4, 9, 3]);
     let mut starts = vec![q];
