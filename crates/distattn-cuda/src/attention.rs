@@ -4,7 +4,9 @@
 //!
 //! Buffers are any cudarc device memory of the right element type (slices or views); lengths
 //! and 16-byte alignment are checked, never assumed. A launch takes each buffer its kernel
-//! reads or writes, which is more than clippy's argument limit.
+//! reads or writes, which is more than clippy's argument limit. The launches themselves take
+//! checked addresses and a stream, so that [`crate::external`] runs the same kernels on memory
+//! and streams another library owns.
 #![allow(clippy::too_many_arguments)] // a launch takes each buffer its kernel reads or writes
 
 use crate::aux::{MergeDims, OLse};
@@ -12,19 +14,19 @@ use crate::compile::{backend_err, KernelConfig};
 use crate::device::CudaBackend;
 use crate::params::{BwdParams, FwdParams};
 use crate::{driver_err, tma, CudaElement};
-use cudarc::driver::{sys, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, Result};
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 
 impl CudaBackend {
-    fn check_common<T: CudaElement>(&self, shape: &AttnShape, mask: &Mask) -> Result<KernelConfig> {
+    pub(crate) fn check_common(&self, dtype: DType, shape: &AttnShape, mask: &Mask) -> Result<KernelConfig> {
         shape.validate()?;
         mask.check_fits(shape)?;
         if shape.q_len > i32::MAX as usize / 2 || shape.k_len > i32::MAX as usize / 2 {
             return Err(Error::invalid("sequence length", "too long for 32-bit tile indices"));
         }
-        Ok(KernelConfig::new(T::DTYPE, shape.head_dim)?.for_arch(self.arch()))
+        Ok(KernelConfig::new(dtype, shape.head_dim)?.for_arch(self.arch()))
     }
 
     /// The buffer's address after checking its length and alignment.
@@ -52,9 +54,8 @@ impl CudaBackend {
         lse: &mut impl DevicePtrMut<f32>,
         o_f32: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
-        let cfg = self.check_common::<T>(shape, mask)?;
-        let s = self.stream();
-        let p = FwdParams {
+        self.check_common(T::DTYPE, shape, mask)?;
+        let t = ForwardPtrs {
             q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
             k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
             v: self.checked_ptr("v", v, shape.kv_elems(), shape)?,
@@ -64,26 +65,48 @@ impl CudaBackend {
                 None => 0,
             },
             lse: self.checked_mut_ptr("lse", lse, shape.lse_elems(), shape)?,
-            tile_ptr: 0,
-            tiles: 0,
-            bits: 0,
+        };
+        // SAFETY: every address was checked above to hold what `shape` says, 16-byte aligned, in
+        // buffers of this context used on the compute stream.
+        unsafe { self.launch_forward(self.stream(), T::DTYPE, &t, shape, mask, opts) }
+    }
+
+    /// Launches the forward kernel on `s`.
+    ///
+    /// # Safety
+    /// The addresses of `t` are, in this context, 16-byte aligned buffers of `dtype` (`o_f32`
+    /// and `lse`: f32; `o_f32` may be 0) holding what `shape` says (q, o, o_f32: q_elems(); k, v:
+    /// kv_elems(); lse: lse_elems()), not used by another stream while the kernel runs.
+    pub(crate) unsafe fn launch_forward(
+        &self,
+        s: &CudaStream,
+        dtype: DType,
+        t: &ForwardPtrs,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+    ) -> Result<()> {
+        let cfg = self.check_common(dtype, shape, mask)?;
+        let kern = self.kernels(dtype, shape.head_dim)?;
+        let tiles = self.tiles(mask, cfg.fwd_bm(), cfg.fwd_bn, false)?;
+        let p = FwdParams {
+            q: t.q,
+            k: t.k,
+            v: t.v,
+            o: t.o,
+            o_f32: t.o_f32,
+            lse: t.lse,
+            tile_ptr: tiles.ptr.device_ptr(s).0,
+            tiles: tiles.tiles.device_ptr(s).0,
+            bits: tiles.bits.device_ptr(s).0,
             batch: shape.batch as i32,
             q_len: shape.q_len as i32,
             k_len: shape.k_len as i32,
             heads: shape.heads as i32,
             kv_heads: shape.kv_heads as i32,
-            n_tiles: 0,
+            n_tiles: tiles.n_major as i32,
             scale_log2: opts.scale_for(shape.head_dim)? * LOG2E,
             pad_: 0,
-        };
-        let kern = self.kernels(T::DTYPE, shape.head_dim)?;
-        let tiles = self.tiles(mask, cfg.fwd_bm(), cfg.fwd_bn, false)?;
-        let p = FwdParams {
-            tile_ptr: tiles.ptr.device_ptr(s).0,
-            tiles: tiles.tiles.device_ptr(s).0,
-            bits: tiles.bits.device_ptr(s).0,
-            n_tiles: tiles.n_major as i32,
-            ..p
         };
         let launch_cfg = LaunchConfig {
             // x: query tile x query head within its KV head group (see fwd_block in kernels/params.cuh).
@@ -103,21 +126,21 @@ impl CudaBackend {
             let (bm, bn) = (kern.cfg.fwd_bm() as u32, kern.cfg.fwd_bn as u32);
             let kv_rows = tma::RowsTensor::of_keys(shape);
             maps = [
-                tma::TensorMap::rows(p.q, tma::RowsTensor::of_queries(shape), T::DTYPE, bm)?,
-                tma::TensorMap::rows(p.k, kv_rows, T::DTYPE, bn)?,
-                tma::TensorMap::rows(p.v, kv_rows, T::DTYPE, bn)?,
+                tma::TensorMap::rows(p.q, tma::RowsTensor::of_queries(shape), dtype, bm)?,
+                tma::TensorMap::rows(p.k, kv_rows, dtype, bn)?,
+                tma::TensorMap::rows(p.v, kv_rows, dtype, bn)?,
             ];
             for m in &maps {
                 launch.arg(m);
             }
         }
         // SAFETY: the kernel takes FwdParams (and, warp-specialized, the three tensor maps) by
-        // value, layouts asserted against params.cuh at every compile. Every address in it was
-        // checked above to hold what `shape` says (q, o, o_f32: q_elems(); k, v: kv_elems(); lse:
-        // lse_elems()), 16-byte aligned, with sizes that fit its i32 fields (check_common); the
-        // tile plan was built for this mask and these tile sizes and uploaded on this stream,
-        // where `tiles` keeps it alive until the launch (an evicted plan is freed in this
-        // stream's order, after the kernel). The maps describe q, k and v as those buffers.
+        // value, layouts asserted against params.cuh at every compile. Every address in it holds
+        // what `shape` says, 16-byte aligned (this function's contract), with sizes that fit its
+        // i32 fields (check_common); the tile plan was built for this mask and these tile sizes
+        // and is complete on the device (DeviceTiles), where `tiles` keeps it alive until the
+        // launch (an evicted plan is freed after every stream's work). The maps describe q, k and
+        // v as those buffers.
         unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the forward kernel"))?;
         Ok(())
     }
@@ -138,8 +161,8 @@ impl CudaBackend {
     }
 
     /// The kernel configuration of a backward pass, or the error saying the head dim has none.
-    fn backward_config<T: CudaElement>(&self, shape: &AttnShape, mask: &Mask) -> Result<KernelConfig> {
-        let cfg = self.check_common::<T>(shape, mask)?;
+    pub(crate) fn backward_config(&self, dtype: DType, shape: &AttnShape, mask: &Mask) -> Result<KernelConfig> {
+        let cfg = self.check_common(dtype, shape, mask)?;
         if !cfg.has_backward() {
             return Err(Error::UnsupportedHeadDim {
                 head_dim: shape.head_dim,
@@ -169,37 +192,64 @@ impl CudaBackend {
         dk: &mut impl DevicePtrMut<T>,
         dv: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
-        let cfg = self.backward_config::<T>(shape, mask)?;
-        let scale = opts.scale_for(shape.head_dim)?;
-        let mut bp = BwdParams {
+        self.backward_config(T::DTYPE, shape, mask)?;
+        let t = DkDvPtrs {
             q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
             k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
             v: self.checked_ptr("v", v, shape.kv_elems(), shape)?,
-            dout: self.checked_ptr("d_o", d_o, shape.q_elems(), shape)?,
+            d_o: self.checked_ptr("d_o", d_o, shape.q_elems(), shape)?,
             lse: self.checked_ptr("lse", lse, shape.lse_elems(), shape)?,
             delta: self.checked_ptr("delta", delta, shape.lse_elems(), shape)?,
             dq_acc: self.checked_mut_ptr("dq_acc", dq_acc, shape.q_elems(), shape)?,
             dk: self.checked_mut_ptr("dk", dk, shape.kv_elems(), shape)?,
             dv: self.checked_mut_ptr("dv", dv, shape.kv_elems(), shape)?,
-            tile_ptr: 0,
-            tiles: 0,
-            bits: 0,
+        };
+        // SAFETY: every address was checked above to hold what `shape` says, 16-byte aligned, in
+        // buffers of this context used on the compute stream.
+        unsafe { self.launch_dkdv(self.stream(), T::DTYPE, &t, shape, mask, opts) }
+    }
+
+    /// Launches the dK/dV kernel (which also accumulates dQ) on `s`.
+    ///
+    /// # Safety
+    /// The addresses of `t` are, in this context, 16-byte aligned buffers holding what `shape`
+    /// says (q, d_o: q_elems() of `dtype`; dq_acc: q_elems() f32; k, v, dk, dv: kv_elems() of
+    /// `dtype`; lse, delta: lse_elems() f32), not used by another stream while the kernel runs.
+    pub(crate) unsafe fn launch_dkdv(
+        &self,
+        s: &CudaStream,
+        dtype: DType,
+        t: &DkDvPtrs,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+    ) -> Result<()> {
+        let cfg = self.backward_config(dtype, shape, mask)?;
+        let scale = opts.scale_for(shape.head_dim)?;
+        let kern = self.kernels(dtype, shape.head_dim)?;
+        let tiles = self.tiles(mask, cfg.bwd_bm, cfg.bwd_bn(), true)?;
+        let bp = BwdParams {
+            q: t.q,
+            k: t.k,
+            v: t.v,
+            dout: t.d_o,
+            lse: t.lse,
+            delta: t.delta,
+            dq_acc: t.dq_acc,
+            dk: t.dk,
+            dv: t.dv,
+            tile_ptr: tiles.ptr.device_ptr(s).0,
+            tiles: tiles.tiles.device_ptr(s).0,
+            bits: tiles.bits.device_ptr(s).0,
             batch: shape.batch as i32,
             q_len: shape.q_len as i32,
             k_len: shape.k_len as i32,
             heads: shape.heads as i32,
             kv_heads: shape.kv_heads as i32,
-            n_tiles: 0,
+            n_tiles: tiles.n_major as i32,
             scale_log2: scale * LOG2E,
             scale,
         };
-        let kern = self.kernels(T::DTYPE, shape.head_dim)?;
-        let tiles = self.tiles(mask, cfg.bwd_bm, cfg.bwd_bn(), true)?;
-        let s = self.stream();
-        bp.tile_ptr = tiles.ptr.device_ptr(s).0;
-        bp.tiles = tiles.tiles.device_ptr(s).0;
-        bp.bits = tiles.bits.device_ptr(s).0;
-        bp.n_tiles = tiles.n_major as i32;
         let launch_cfg = LaunchConfig {
             grid_dim: (tiles.n_major as u32, shape.kv_heads as u32, shape.batch as u32),
             block_dim: (cfg.bwd_threads() as u32, 1, 1),
@@ -215,10 +265,10 @@ impl CudaBackend {
             let (q_rows, kv_rows) = (tma::RowsTensor::of_queries(shape), tma::RowsTensor::of_keys(shape));
             let (bm, bn) = (cfg.bwd_bm as u32, cfg.bwd_bn() as u32);
             maps = [
-                tma::TensorMap::rows(bp.q, q_rows, T::DTYPE, bm)?,
-                tma::TensorMap::rows(bp.dout, q_rows, T::DTYPE, bm)?,
-                tma::TensorMap::rows(bp.k, kv_rows, T::DTYPE, bn)?,
-                tma::TensorMap::rows(bp.v, kv_rows, T::DTYPE, bn)?,
+                tma::TensorMap::rows(bp.q, q_rows, dtype, bm)?,
+                tma::TensorMap::rows(bp.dout, q_rows, dtype, bm)?,
+                tma::TensorMap::rows(bp.k, kv_rows, dtype, bn)?,
+                tma::TensorMap::rows(bp.v, kv_rows, dtype, bn)?,
                 tma::TensorMap::rows(bp.dq_acc, q_rows, DType::F32, bm)?,
             ];
             for m in &maps {
@@ -226,13 +276,12 @@ impl CudaBackend {
             }
         }
         // SAFETY: the kernel takes BwdParams (and, warp-specialized, the five tensor maps) by
-        // value, layouts asserted against params.cuh at every compile. Every address in it was
-        // checked above to hold what `shape` says (q, d_o, dq_acc: q_elems(); k, v, dk, dv:
-        // kv_elems(); lse, delta: lse_elems()), 16-byte aligned, with sizes that fit its i32
-        // fields (check_common); the key-major tile plan was built for this mask and these tile
-        // sizes and uploaded on this stream, where `tiles` keeps it alive until the launch (an
-        // evicted plan is freed in this stream's order, after the kernel). The maps describe q,
-        // d_o, k, v and dq_acc as those buffers.
+        // value, layouts asserted against params.cuh at every compile. Every address in it holds
+        // what `shape` says, 16-byte aligned (this function's contract), with sizes that fit its
+        // i32 fields (check_common); the key-major tile plan was built for this mask and these
+        // tile sizes and is complete on the device (DeviceTiles), where `tiles` keeps it alive
+        // until the launch (an evicted plan is freed after every stream's work). The maps
+        // describe q, d_o, k, v and dq_acc as those buffers.
         unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the dK/dV kernel"))?;
         Ok(())
     }
@@ -254,27 +303,66 @@ impl CudaBackend {
         dk: &mut impl DevicePtrMut<T>,
         dv: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
-        self.backward_config::<T>(shape, mask)?;
-        let o_ptr = self.checked_ptr("o", o, shape.q_elems(), shape)?;
-        let d_o_ptr = self.checked_ptr("d_o", d_o, shape.q_elems(), shape)?;
-        let dq_ptr = self.checked_mut_ptr("dq", dq, shape.q_elems(), shape)?;
-        let aux = self.aux(T::DTYPE)?;
+        self.backward_config(T::DTYPE, shape, mask)?;
+        let t = BackwardPtrs {
+            o: self.checked_ptr("o", o, shape.q_elems(), shape)?,
+            dq: self.checked_mut_ptr("dq", dq, shape.q_elems(), shape)?,
+            // The workspace is filled in below; the rest are the caller's buffers.
+            dkdv: DkDvPtrs {
+                q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
+                k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
+                v: self.checked_ptr("v", v, shape.kv_elems(), shape)?,
+                d_o: self.checked_ptr("d_o", d_o, shape.q_elems(), shape)?,
+                lse: self.checked_ptr("lse", lse, shape.lse_elems(), shape)?,
+                delta: 0,
+                dq_acc: 0,
+                dk: self.checked_mut_ptr("dk", dk, shape.kv_elems(), shape)?,
+                dv: self.checked_mut_ptr("dv", dv, shape.kv_elems(), shape)?,
+            },
+        };
         let s = self.stream();
-        // SAFETY: the row delta launched next on `s` writes all lse_elems() values before the
-        // dK/dV kernel, later on `s`, reads them; nothing else sees the buffer.
+        // SAFETY: the row delta, launched on `s` by launch_backward, writes all lse_elems() values
+        // before the dK/dV kernel, later on `s`, reads them; nothing else sees the buffer.
         let delta = unsafe { s.alloc::<f32>(shape.lse_elems()) }.map_err(driver_err("allocating delta"))?;
-        let mut dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).map_err(driver_err("allocating the dQ accumulator"))?;
-        // SAFETY: o_ptr and d_o_ptr passed checked_ptr above: q_elems() values of T, 16-byte
-        // aligned; delta was allocated above with lse_elems() f32; the kernel runs on `s`, the
-        // only stream these buffers are used on here.
-        unsafe { aux.row_delta(s, o_ptr, T::DTYPE, d_o_ptr, delta.device_ptr(s).0, shape) }?;
-        self.backward_block(q, k, v, d_o, lse, &delta, shape, mask, opts, &mut dq_acc, dk, dv)?;
-        // SAFETY: dq_acc was allocated above with q_elems() f32 and dq_ptr passed checked_mut_ptr
-        // for q_elems() values of T, both 16-byte aligned; the conversion runs on `s` after the
-        // dK/dV kernel that accumulated into dq_acc.
-        unsafe { aux.convert_f32(s, dq_acc.device_ptr(s).0, dq_ptr, shape.q_elems()) }?;
+        let dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).map_err(driver_err("allocating the dQ accumulator"))?;
+        let t = BackwardPtrs {
+            dkdv: DkDvPtrs { delta: delta.device_ptr(s).0, dq_acc: dq_acc.device_ptr(s).0, ..t.dkdv },
+            ..t
+        };
+        // SAFETY: the caller's addresses were checked above; delta and dq_acc were allocated
+        // above (lse_elems() and q_elems() f32, dq_acc zeroed), all in this context and used on
+        // `s` only.
+        unsafe { self.launch_backward(s, T::DTYPE, &t, shape, mask, opts) }
         // The workspace buffers are freed in stream order (async free) when they drop here.
-        Ok(())
+    }
+
+    /// Launches the whole backward on `s`: the row delta, the dK/dV kernel (accumulating dQ in
+    /// f32) and dQ's conversion to `dtype`.
+    ///
+    /// # Safety
+    /// The addresses of `t.dkdv` are as [`CudaBackend::launch_dkdv`] requires, with `dq_acc`
+    /// zeroed; `t.o` and `t.dq` are 16-byte aligned buffers of q_elems() of `dtype`; none is used
+    /// by another stream while the kernels run.
+    pub(crate) unsafe fn launch_backward(
+        &self,
+        s: &CudaStream,
+        dtype: DType,
+        t: &BackwardPtrs,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+    ) -> Result<()> {
+        self.backward_config(dtype, shape, mask)?;
+        let aux = self.aux(dtype)?;
+        let d = &t.dkdv;
+        // SAFETY: o and d_o hold q_elems() values of `dtype` and delta lse_elems() f32, 16-byte
+        // aligned (this function's contract); the kernel runs on `s` like the ones after it.
+        unsafe { aux.row_delta(s, t.o, dtype, d.d_o, d.delta, shape) }?;
+        // SAFETY: this function's contract is launch_dkdv's for `t.dkdv`.
+        unsafe { self.launch_dkdv(s, dtype, d, shape, mask, opts) }?;
+        // SAFETY: dq_acc holds q_elems() f32 and dq q_elems() of `dtype`, 16-byte aligned; the
+        // conversion runs on `s` after the dK/dV kernel that accumulated into dq_acc.
+        unsafe { aux.convert_f32(s, d.dq_acc, t.dq, shape.q_elems()) }
     }
 
     /// Merges `n_parts` partial results over disjoint key sets: `o_parts` is `n_parts`
@@ -337,4 +425,37 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// Device addresses of a forward launch's tensors (`o_f32` may be 0: no f32 copy of O).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ForwardPtrs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub o_f32: u64,
+    pub lse: u64,
+}
+
+/// Device addresses of a dK/dV launch's tensors.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DkDvPtrs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub d_o: u64,
+    pub lse: u64,
+    pub delta: u64,
+    pub dq_acc: u64,
+    pub dk: u64,
+    pub dv: u64,
+}
+
+/// Device addresses of a whole backward's tensors: the dK/dV launch's, O and dQ.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BackwardPtrs {
+    pub dkdv: DkDvPtrs,
+    pub o: u64,
+    pub dq: u64,
 }

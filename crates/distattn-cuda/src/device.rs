@@ -20,7 +20,8 @@ pub(crate) struct Kernels {
     pub dkdv: Option<CudaFunction>,
 }
 
-/// A tile plan uploaded to the device.
+/// A tile plan uploaded to the device, complete there before it is handed out: kernels on any
+/// stream of the context (the compute lane, or a stream another library owns) may read it.
 pub(crate) struct DeviceTiles {
     pub ptr: CudaSlice<i32>,
     pub tiles: CudaSlice<i32>,
@@ -240,8 +241,13 @@ impl CudaBackend {
             self.stream.clone_htod(&tp.bits).map_err(driver_err("uploading a tile plan"))?
         };
         let dp = Arc::new(DeviceTiles { ptr: up_i(&tp.ptr)?, tiles: up_i(&flat)?, bits, n_major: tp.n_major });
+        // Once per mask: the plan is read by kernels on whatever stream the caller launches on,
+        // which the upload's stream does not order.
+        self.stream.synchronize().map_err(driver_err("uploading a tile plan"))?;
         let mut cache = self.tiles.lock().map_err(|_| poisoned("tile plan"))?;
         if cache.len() >= 512 {
+            // Kernels on any stream may still read an evicted plan: free it after all of them.
+            self.ctx.synchronize().map_err(driver_err("evicting tile plans"))?;
             cache.clear();
         }
         cache.insert(key, dp.clone());

@@ -9,6 +9,8 @@
 //!   modules; attention on device buffers ([`attention`]) and on host slices ([`host`]); masks
 //!   arrive as per-tile lists built on the host ([`tiles::TilePlan`]): empty tiles are never
 //!   visited, full tiles run without mask arithmetic, partial tiles read a bitmask.
+//! * [`external`]: the same kernels on memory and a stream another library owns (the Python
+//!   package launches them on PyTorch's tensors and current stream).
 //! * [`backend`]: `CudaBackend` as a `distattn_exec::Backend` on [`GpuBuf`]s ([`buffer`]), so
 //!   every plan runs on GPUs through the one interpreter; between GPU ranks of one process,
 //!   NCCL (crate `distattn-nccl`) or, without it and on a single GPU, [`peer`] copies.
@@ -23,6 +25,7 @@ pub mod backend;
 pub mod buffer;
 pub mod compile;
 pub mod device;
+pub mod external;
 pub mod host;
 pub mod params;
 pub mod peer;
