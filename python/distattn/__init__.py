@@ -1,0 +1,17 @@
+"""distattn: exact, memory-efficient attention for PyTorch, on CPU and CUDA tensors.
+
+Drop-in for flash-attn's functions (``flash_attn_func``, ``flash_attn_varlen_func``) and
+``attention`` for any mask distattn has (documents, prefix-LM, shared question, block masks,
+…). Every function is differentiable in q, k and v, and is a ``torch.library`` custom op
+(``torch.ops.distattn.forward`` / ``backward``) that ``torch.compile(fullgraph=True)`` traces.
+CPU tensors may be float32, bfloat16 or float16; CUDA tensors bfloat16 or float16, computed on
+the tensors' GPU and torch's current stream. The LSE is in natural log.
+"""
+
+from . import _native
+from .interface import attention, flash_attn_func, flash_attn_varlen_func
+
+__version__ = _native.__version__
+cuda_available = _native.cuda_available
+
+__all__ = ["attention", "flash_attn_func", "flash_attn_varlen_func", "cuda_available", "__version__"]

@@ -1,0 +1,123 @@
+"""The two custom ops, ``distattn::forward`` and ``distattn::backward``, with fake (meta)
+implementations for ``torch.compile`` and the autograd formula that links them.
+
+Each op takes Q ``[b, nq, h, d]``, K and V ``[b, nk, hkv, d]`` (packed sequences: ``b = 1``
+with cumulative lengths), a mask spec string and the softmax scale. Torch allocates every
+output and, on a GPU, the backward's workspace; the native module checks the tensors, then
+runs the CPU kernels or enqueues the CUDA kernels on torch's current stream and returns
+without waiting, so a forward and backward can be captured in a CUDA graph (packed sequences
+excepted: their lengths are read on the host).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _native
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _desc(t: Tensor):
+    """What the native module reads of a tensor: address, shape, strides, dtype, device."""
+    device = t.device.index if t.device.type == "cuda" else -1
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), _DTYPE_NAMES.get(t.dtype, str(t.dtype)), device)
+
+
+def _dense(t: Tensor) -> Tensor:
+    """``t`` contiguous and 16-byte aligned (what the kernels read), copied only if needed."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _stream(t: Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _seqlens(cu_q: Optional[Tensor], cu_k: Optional[Tensor]):
+    if cu_q is None or cu_k is None:
+        return None
+    return (cu_q.tolist(), cu_k.tolist())
+
+
+@torch.library.custom_op("distattn::forward", mutates_args=())
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: str,
+    softmax_scale: Optional[float],
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+) -> Tuple[Tensor, Tensor]:
+    q, k, v = _dense(q), _dense(k), _dense(v)
+    b, nq, h, _ = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    _native.forward(
+        _desc(q), _desc(k), _desc(v), _desc(o), _desc(lse),
+        mask, softmax_scale, _seqlens(cu_seqlens_q, cu_seqlens_k), _stream(q),
+    )  # fmt: skip
+    return o, lse
+
+
+@forward.register_fake
+def _(q, k, v, mask, softmax_scale, cu_seqlens_q, cu_seqlens_k):
+    b, nq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("distattn::backward", mutates_args=())
+def backward(
+    d_o: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    mask: str,
+    softmax_scale: Optional[float],
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor]:
+    d_o, q, k, v, o, lse = (_dense(t) for t in (d_o, q, k, v, o, lse))
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    delta = dq_acc = None
+    if q.is_cuda:
+        # The kernels' workspace, from torch's allocator: row sums of dO*O and dQ accumulated
+        # in f32 (zeroed: the kernels add into it).
+        delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    _native.backward(
+        _desc(q), _desc(k), _desc(v), _desc(o), _desc(lse), _desc(d_o),
+        _desc(dq), _desc(dk), _desc(dv),
+        None if delta is None else _desc(delta), None if dq_acc is None else _desc(dq_acc),
+        mask, softmax_scale, _seqlens(cu_seqlens_q, cu_seqlens_k), _stream(q),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+@backward.register_fake
+def _(d_o, q, k, v, o, lse, mask, softmax_scale, cu_seqlens_q, cu_seqlens_k):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, softmax_scale, cu_seqlens_q, cu_seqlens_k = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.mask, ctx.softmax_scale = mask, softmax_scale
+    # As in flash-attn, the LSE is an output for merging partial results, not a function of
+    # the inputs that gradients flow through.
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, d_o, _d_lse):
+    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = backward(d_o, q, k, v, o, lse, ctx.mask, ctx.softmax_scale, cu_seqlens_q, cu_seqlens_k)
+    return dq, dk, dv, None, None, None, None
+
+
+forward.register_autograd(_backward, setup_context=_setup_context)

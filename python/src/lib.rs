@@ -1,0 +1,137 @@
+//! `distattn._native`: the Rust side of the `distattn` Python package.
+//!
+//! It never links libtorch. The Python layer (`distattn/_ops.py`) allocates every tensor —
+//! outputs and the GPU workspace — with torch and passes each as a descriptor: data address,
+//! shape, strides, dtype and device. This module checks the descriptors against each other and
+//! the problem (one set of checks for every caller: the library's own), then runs the CPU
+//! kernels on host memory or enqueues the CUDA kernels on torch's current stream, without
+//! waiting. Errors become `ValueError` (bad input), `TypeError` (dtypes) or `RuntimeError`
+//! (the device); a panic becomes a `RuntimeError` and never unwinds into Python.
+
+mod problem;
+
+use distattn::{AttnOptions, DType, Error};
+use problem::{Problem, Seqlens, TensorDesc};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// The Python exception for a library error.
+fn to_py(e: Error) -> PyErr {
+    match e {
+        Error::UnsupportedDType(_) | Error::DTypeMismatch { .. } => PyTypeError::new_err(e.to_string()),
+        Error::Backend { .. } | Error::Internal(_) | Error::Io { .. } | Error::Comm(_) | Error::RankFailed { .. } => {
+            PyRuntimeError::new_err(e.to_string())
+        }
+        _ => PyValueError::new_err(e.to_string()),
+    }
+}
+
+/// Runs `f` without the GIL (CPU attention takes a while; GPU calls may compile kernels) and
+/// turns a panic into a `RuntimeError`.
+fn guarded(py: Python<'_>, f: impl FnOnce() -> distattn::Result<()> + Send) -> PyResult<()> {
+    let r = py.detach(|| catch_unwind(AssertUnwindSafe(f)));
+    match r {
+        Ok(r) => r.map_err(to_py),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("no message");
+            Err(PyRuntimeError::new_err(format!("distattn internal error (please report it): {msg}")))
+        }
+    }
+}
+
+/// Forward: writes O (like Q) and LSE (`[b, h, nq]` f32, natural log).
+#[pyfunction]
+#[pyo3(signature = (q, k, v, o, lse, mask, softmax_scale, seqlens, stream))]
+#[allow(clippy::too_many_arguments)] // one descriptor per tensor the kernels touch
+fn forward(
+    py: Python<'_>,
+    q: TensorDesc,
+    k: TensorDesc,
+    v: TensorDesc,
+    o: TensorDesc,
+    lse: TensorDesc,
+    mask: &str,
+    softmax_scale: Option<f64>,
+    seqlens: Option<Seqlens>,
+    stream: u64,
+) -> PyResult<()> {
+    let mask = mask.to_string();
+    guarded(py, move || {
+        let p = Problem::new(&q, &k, &v, &mask, seqlens.as_ref(), options(softmax_scale)?)?;
+        p.expect("o", &o, &p.q_dims(), p.dtype)?;
+        p.expect("lse", &lse, &p.lse_dims(), DType::F32)?;
+        p.forward(&q, &k, &v, &o, &lse, stream)
+    })
+}
+
+/// Backward: writes dQ, dK, dV (like Q, K, V) from the forward's inputs, O, LSE and dO. On a
+/// GPU, `delta` (`[b, h, nq]` f32) and `dq_acc` (`[b, nq, h, d]` f32, zeroed) are the
+/// workspace; on the CPU they are `None`.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, o, lse, d_o, dq, dk, dv, delta, dq_acc, mask, softmax_scale, seqlens, stream))]
+#[allow(clippy::too_many_arguments)] // one descriptor per tensor the kernels touch
+fn backward(
+    py: Python<'_>,
+    q: TensorDesc,
+    k: TensorDesc,
+    v: TensorDesc,
+    o: TensorDesc,
+    lse: TensorDesc,
+    d_o: TensorDesc,
+    dq: TensorDesc,
+    dk: TensorDesc,
+    dv: TensorDesc,
+    delta: Option<TensorDesc>,
+    dq_acc: Option<TensorDesc>,
+    mask: &str,
+    softmax_scale: Option<f64>,
+    seqlens: Option<Seqlens>,
+    stream: u64,
+) -> PyResult<()> {
+    let mask = mask.to_string();
+    guarded(py, move || {
+        let p = Problem::new(&q, &k, &v, &mask, seqlens.as_ref(), options(softmax_scale)?)?;
+        let (q_dims, kv_dims) = (p.q_dims(), p.kv_dims());
+        for (name, t, dims) in [("o", &o, &q_dims), ("d_o", &d_o, &q_dims), ("dq", &dq, &q_dims)] {
+            p.expect(name, t, dims, p.dtype)?;
+        }
+        p.expect("dk", &dk, &kv_dims, p.dtype)?;
+        p.expect("dv", &dv, &kv_dims, p.dtype)?;
+        p.expect("lse", &lse, &p.lse_dims(), DType::F32)?;
+        let workspace = match (&delta, &dq_acc) {
+            (Some(delta), Some(dq_acc)) => {
+                p.expect("delta", delta, &p.lse_dims(), DType::F32)?;
+                p.expect("dq_acc", dq_acc, &q_dims, DType::F32)?;
+                Some((delta, dq_acc))
+            }
+            (None, None) => None,
+            _ => return Err(Error::invalid("workspace", "give both delta and dq_acc, or neither")),
+        };
+        p.backward([&q, &k, &v, &o, &lse, &d_o], [&dq, &dk, &dv], workspace, stream)
+    })
+}
+
+/// The softmax scale, checked as the library checks it (positive and finite).
+fn options(softmax_scale: Option<f64>) -> distattn::Result<AttnOptions> {
+    Ok(AttnOptions { scale: softmax_scale.map(|s| s as f32) })
+}
+
+/// Whether a CUDA driver and GPU can be used by the kernels.
+#[pyfunction]
+fn cuda_available() -> bool {
+    distattn_cuda::cuda_available()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(forward, m)?)?;
+    m.add_function(wrap_pyfunction!(backward, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
