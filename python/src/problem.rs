@@ -21,7 +21,7 @@ pub struct Problem {
     /// CUDA ordinal, or −1 for the CPU.
     device: i64,
     shape: AttnShape,
-    mask: Mask,
+    mask: Arc<Mask>,
     opts: AttnOptions,
 }
 
@@ -108,23 +108,7 @@ impl Problem {
         }
         let shape = AttnShape::new(b, nq, nk, h, hkv, d)?;
         opts.scale_for(d)?;
-        let spec: MaskSpec = spec.parse()?;
-        let mask = match seqlens {
-            None => spec.build(nq, nk)?,
-            Some((cu_q, cu_k)) => {
-                if b != 1 {
-                    return Err(Error::invalid("q", "packed sequences take a batch of 1"));
-                }
-                let (q_lens, k_lens) = (lengths("cu_seqlens_q", cu_q, nq)?, lengths("cu_seqlens_k", cu_k, nk)?);
-                if q_lens.len() != k_lens.len() {
-                    return Err(Error::invalid(
-                        "cu_seqlens_k",
-                        format!("holds {} sequences but cu_seqlens_q holds {}", k_lens.len(), q_lens.len()),
-                    ));
-                }
-                Mask::per_document(&q_lens, &k_lens, |ql, kl| spec.build(ql, kl))?
-            }
-        };
+        let mask = cached_mask(spec, nq, nk, seqlens, b)?;
         Ok(Problem { dtype, device: q.4, shape, mask, opts })
     }
 
@@ -237,7 +221,7 @@ impl Problem {
     }
 
     fn attention<T: Element>(&self) -> Result<Attention<T>> {
-        Ok(Attention::new(self.shape, self.mask.clone())?.scale(self.opts.scale)?.output::<T>())
+        Ok(Attention::new(self.shape, Mask::clone(&self.mask))?.scale(self.opts.scale)?.output::<T>())
     }
 
     fn cpu_forward<T: Element>(
@@ -272,6 +256,46 @@ impl Problem {
         }
         Ok(())
     }
+}
+
+/// The mask of `spec` over `nq × nk` tokens, or inside each packed sequence of `seqlens`,
+/// built once per distinct call: training runs the same shapes every step, and building a
+/// mask is linear in the sequence length.
+fn cached_mask(spec: &str, nq: usize, nk: usize, seqlens: Option<&Seqlens>, batch: usize) -> Result<Arc<Mask>> {
+    type Key = (String, usize, usize, Option<Seqlens>);
+    static MASKS: OnceLock<Mutex<HashMap<Key, Arc<Mask>>>> = OnceLock::new();
+    let masks = MASKS.get_or_init(Default::default);
+    let key = (spec.to_string(), nq, nk, seqlens.cloned());
+    if let Some(m) = masks.lock().map_err(|_| poisoned("mask"))?.get(&key) {
+        return Ok(m.clone());
+    }
+    let spec: MaskSpec = spec.parse()?;
+    let mask = Arc::new(match seqlens {
+        None => spec.build(nq, nk)?,
+        Some((cu_q, cu_k)) => {
+            if batch != 1 {
+                return Err(Error::invalid("q", "packed sequences take a batch of 1"));
+            }
+            let (q_lens, k_lens) = (lengths("cu_seqlens_q", cu_q, nq)?, lengths("cu_seqlens_k", cu_k, nk)?);
+            if q_lens.len() != k_lens.len() {
+                return Err(Error::invalid(
+                    "cu_seqlens_k",
+                    format!("holds {} sequences but cu_seqlens_q holds {}", k_lens.len(), q_lens.len()),
+                ));
+            }
+            Mask::per_document(&q_lens, &k_lens, |ql, kl| spec.build(ql, kl))?
+        }
+    });
+    let mut masks = masks.lock().map_err(|_| poisoned("mask"))?;
+    if masks.len() >= 64 {
+        masks.clear();
+    }
+    masks.insert(key, mask.clone());
+    Ok(mask)
+}
+
+fn poisoned(what: &str) -> Error {
+    Error::Internal(format!("the {what} table was poisoned"))
 }
 
 fn dims4(t: &TensorDesc) -> [usize; 4] {

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""distattn from PyTorch against PyTorch's SDPA (cuDNN and flash backends), one GPU.
+
+  python_bench.py OUT_DIR [--rust-rows ROWS.json] [--quick]
+
+Times forward and forward+backward of `distattn.flash_attn_func` and of
+`scaled_dot_product_attention` pinned to each backend, all with the same timer around the Python
+call: CUDA events around each call, after a warm-up, repeated for at least a second; the median
+is reported. Every impl gets its best configuration: SDPA takes contiguous [b, h, n, d]
+tensors (its native layout), distattn [b, n, h, d] (flash-attn's); grouped-query attention uses
+SDPA's `enable_gqa`, or K/V expanded beforehand (untimed) where a backend lacks it. Gradients
+come from `torch.autograd.grad` (no accumulation into .grad). TFLOP/s by the FlashAttention
+convention: forward 4·b·h·area·d with area the kept query-key pairs, backward 2.5× forward.
+
+With --rust-rows (the JSON of `distattn-cuda-bench bench` run on the same GPU in the same
+call), the table adds the Rust benchmark's time for the same shape and the Python overhead.
+Writes OUT_DIR/python_bench.json and prints a Markdown table.
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import distattn
+
+
+def timed(fn, min_seconds=1.0, warmup=3, min_reps=10):
+    """Median milliseconds of `fn()` (CUDA events around each call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times, start = [], time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_seconds:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def sdpa_call(backend, causal, gqa):
+    def attn(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+    return attn
+
+
+def case(b, n, h, hkv, d, causal, quick):
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    q = torch.randn(b, n, h, d, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(b, n, hkv, d, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(b, n, hkv, d, device=dev, dtype=dt, requires_grad=True)
+    g = torch.randn(b, n, h, d, device=dev, dtype=dt)
+    area = n * (n + 1) // 2 if causal else n * n
+    fwd_flop = 4 * b * h * area * d
+    impls = {"distattn": (lambda: distattn.flash_attn_func(q, k, v, causal=causal), (q, k, v), g)}
+    # SDPA in its own layout, made contiguous beforehand.
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    gt = g.transpose(1, 2).contiguous()
+    for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+        call = sdpa_call(backend, causal, h != hkv)
+        try:
+            call(qt, kt, vt).backward(gt)
+            impls[name] = (lambda call=call: call(qt, kt, vt), (qt, kt, vt), gt)
+        except RuntimeError:
+            # No native GQA on this backend: expand K/V once, outside the timed region.
+            ke, ve = (t.detach().repeat_interleave(h // hkv, 1).requires_grad_() for t in (kt, vt))
+            call = sdpa_call(backend, causal, False)
+            try:
+                call(qt, ke, ve).backward(gt)
+            except RuntimeError as e:
+                print(f"{name}: skipped ({str(e).splitlines()[0]})")
+                continue
+            impls[f"{name} (K/V expanded)"] = (lambda call=call, ke=ke, ve=ve: call(qt, ke, ve), (qt, ke, ve), gt)
+    secs = 0.3 if quick else 1.0
+    rows = []
+    for name, (fwd, inputs, grad) in impls.items():
+        with torch.no_grad():
+            ms_f = timed(fwd, secs)
+        ms_fb = timed(lambda: torch.autograd.grad(fwd(), inputs, grad), secs)
+        for pas, ms, flop in (("fwd", ms_f, fwd_flop), ("fwd+bwd", ms_fb, 3.5 * fwd_flop)):
+            rows.append(dict(impl=name, pass_=pas, batch=b, seq=n, heads=h, kv_heads=hkv, head_dim=d,
+                             causal=causal, ms=ms, tflops=flop / ms / 1e9))
+    return rows
+
+
+def rust_ms(rust_rows, r):
+    """The Rust benchmark's fwd / fwd+bwd time for row `r`'s shape, if it ran it."""
+    if r["heads"] != r["kv_heads"]:
+        return None
+    found = {}
+    for x in rust_rows:
+        if (x["seq"], x["heads"], x["head_dim"], x["causal"], x["batch"]) == (r["seq"], r["heads"], r["head_dim"], r["causal"], r["batch"]):
+            found[x["pass"]] = x["ms"]
+    if "fwd" not in found:
+        return None
+    if r["pass_"] == "fwd":
+        return found["fwd"]
+    return found["fwd"] + found["bwd"] if "bwd" in found else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir")
+    ap.add_argument("--rust-rows", help="JSON rows of distattn-cuda-bench bench on this GPU")
+    ap.add_argument("--quick", action="store_true", help="short timing loops (a smoke test)")
+    a = ap.parse_args()
+    os.makedirs(a.out_dir, exist_ok=True)
+    rust_rows = []
+    if a.rust_rows:
+        with open(a.rust_rows) as f:
+            data = json.load(f)
+        rust_rows = data["rows"] if isinstance(data, dict) else data
+    shapes = [(1, 16384, 16, 16, 128), (1, 16384, 32, 32, 64), (1, 16384, 32, 8, 128)]
+    rows = []
+    for b, n, h, hkv, d in shapes:
+        for causal in (True, False):
+            rows += case(b, n, h, hkv, d, causal, a.quick)
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+          f"distattn {distattn.__version__}; bf16, median ms (CUDA events around the Python call)\n")
+    print("| shape | mask | pass | impl | ms | TFLOP/s | vs best SDPA | Rust bench ms | Python overhead |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        peers = [x for x in rows if x["impl"].startswith("sdpa") and all(x[f] == r[f] for f in ("seq", "heads", "kv_heads", "head_dim", "causal", "pass_"))]
+        best = min((x["ms"] for x in peers), default=None)
+        r["vs_best_sdpa"] = best / r["ms"] if best else None
+        r["rust_ms"] = rust_ms(rust_rows, r) if r["impl"] == "distattn" else None
+        r["python_overhead"] = r["ms"] / r["rust_ms"] - 1 if r["rust_ms"] else None
+        shape = f"{r['heads']}/{r['kv_heads']} heads, d {r['head_dim']}, {r['seq'] // 1024}k"
+        vs = f"{r['vs_best_sdpa']:.3f}x" if r["vs_best_sdpa"] else "-"
+        rust = f"{r['rust_ms']:.3f}" if r["rust_ms"] else "-"
+        over = f"{100 * r['python_overhead']:+.1f}%" if r["python_overhead"] is not None else "-"
+        print(f"| {shape} | {'causal' if r['causal'] else 'full'} | {r['pass_']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | {vs} | {rust} | {over} |")
+    meta = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+                cudnn=torch.backends.cudnn.version(), distattn=distattn.__version__)
+    with open(os.path.join(a.out_dir, "python_bench.json"), "w") as f:
+        json.dump(dict(meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
