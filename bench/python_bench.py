@@ -12,8 +12,9 @@ SDPA's `enable_gqa`, or K/V expanded beforehand (untimed) where a backend lacks 
 come from `torch.autograd.grad` (no accumulation into .grad). TFLOP/s by the FlashAttention
 convention: forward 4·b·h·area·d with area the kept query-key pairs, backward 2.5× forward.
 
-With --rust-rows (the JSON of `distattn-cuda-bench bench` run on the same GPU in the same
-call), the table adds the Rust benchmark's time for the same shape and the Python overhead.
+With --rust-rows (the JSON of `distattn-cuda-bench bench --sustain 1`, the same timing, run on
+the same GPU in the same call), the table adds the Rust benchmark's time for the same shape and
+the Python overhead. "host us" is the host time of one call while the GPU is busy.
 Writes OUT_DIR/python_bench.json and prints a Markdown table.
 """
 import argparse
@@ -43,6 +44,19 @@ def timed(fn, min_seconds=1.0, warmup=3, min_reps=10):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def host_us(fn, n=20):
+    """Host microseconds per call while the GPU is busy: what the Python layer costs when its
+    launches are not hidden behind earlier work."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
 
 
 def sdpa_call(backend, causal, gqa):
@@ -84,12 +98,13 @@ def case(b, n, h, hkv, d, causal, quick):
     secs = 0.3 if quick else 1.0
     rows = []
     for name, (fwd, inputs, grad) in impls.items():
+        fwd_bwd = lambda fwd=fwd, inputs=inputs, grad=grad: torch.autograd.grad(fwd(), inputs, grad)  # noqa: E731
         with torch.no_grad():
-            ms_f = timed(fwd, secs)
-        ms_fb = timed(lambda: torch.autograd.grad(fwd(), inputs, grad), secs)
-        for pas, ms, flop in (("fwd", ms_f, fwd_flop), ("fwd+bwd", ms_fb, 3.5 * fwd_flop)):
+            ms_f, us_f = timed(fwd, secs), host_us(fwd)
+        ms_fb, us_fb = timed(fwd_bwd, secs), host_us(fwd_bwd)
+        for pas, ms, us, flop in (("fwd", ms_f, us_f, fwd_flop), ("fwd+bwd", ms_fb, us_fb, 3.5 * fwd_flop)):
             rows.append(dict(impl=name, pass_=pas, batch=b, seq=n, heads=h, kv_heads=hkv, head_dim=d,
-                             causal=causal, ms=ms, tflops=flop / ms / 1e9))
+                             causal=causal, ms=ms, tflops=flop / ms / 1e9, host_us=us))
     return rows
 
 
@@ -127,8 +142,8 @@ def main():
             rows += case(b, n, h, hkv, d, causal, a.quick)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"distattn {distattn.__version__}; bf16, median ms (CUDA events around the Python call)\n")
-    print("| shape | mask | pass | impl | ms | TFLOP/s | vs best SDPA | Rust bench ms | Python overhead |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | mask | pass | impl | ms | TFLOP/s | vs best SDPA | host us | Rust bench ms | Python overhead |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         peers = [x for x in rows if x["impl"].startswith("sdpa") and all(x[f] == r[f] for f in ("seq", "heads", "kv_heads", "head_dim", "causal", "pass_"))]
         best = min((x["ms"] for x in peers), default=None)
@@ -139,7 +154,7 @@ def main():
         vs = f"{r['vs_best_sdpa']:.3f}x" if r["vs_best_sdpa"] else "-"
         rust = f"{r['rust_ms']:.3f}" if r["rust_ms"] else "-"
         over = f"{100 * r['python_overhead']:+.1f}%" if r["python_overhead"] is not None else "-"
-        print(f"| {shape} | {'causal' if r['causal'] else 'full'} | {r['pass_']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | {vs} | {rust} | {over} |")
+        print(f"| {shape} | {'causal' if r['causal'] else 'full'} | {r['pass_']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | {vs} | {r['host_us']:.0f} | {rust} | {over} |")
     meta = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                 cudnn=torch.backends.cudnn.version(), distattn=distattn.__version__)
     with open(os.path.join(a.out_dir, "python_bench.json"), "w") as f:

@@ -80,7 +80,7 @@ def attention(
     if not isinstance(mask, str):
         raise TypeError(f"mask must be a spec string such as 'causal', got {type(mask).__name__}")
     scale = _check_scale(softmax_scale)
-    o, lse = _ops.forward(q.contiguous(), k.contiguous(), v.contiguous(), mask, scale, None, None)
+    o, lse = _ops.attention(q.contiguous(), k.contiguous(), v.contiguous(), mask, scale, None, None)
     return _result(o, lse, return_lse)
 
 
@@ -141,5 +141,5 @@ def flash_attn_varlen_func(
     mask = _flash_mask(bool(causal), window_size)
     scale = _check_scale(softmax_scale)
     q4, k4, v4 = (t.contiguous().unsqueeze(0) for t in (q, k, v))
-    o, lse = _ops.forward(q4, k4, v4, mask, scale, cu_seqlens_q, cu_seqlens_k)
+    o, lse = _ops.attention(q4, k4, v4, mask, scale, cu_seqlens_q, cu_seqlens_k)
     return _result(o.squeeze(0), lse.squeeze(0), return_lse)

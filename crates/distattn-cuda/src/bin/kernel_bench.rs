@@ -1,10 +1,12 @@
 //! Benchmark of the CUDA kernels on one GPU (run on a machine with a GPU; the correctness
 //! checks are the ignored tests of `tests/gpu_kernels.rs`).
 //!
-//! `distattn-cuda-bench bench --out FILE [--dims 128,64] [--quick] [--seqs 16384,...]`: times
-//! forward and backward (CUDA events, one warm-up, the median of 10 runs, 3 at 64k and beyond)
-//! on the standard grid (16k tokens per batch, 2048 / head dim heads, bf16, causal and not) and
-//! writes JSON rows.
+//! `distattn-cuda-bench bench --out FILE [--dims 128,64] [--quick] [--seqs 16384,...]
+//! [--sustain SECONDS]`: times forward and backward (CUDA events, one warm-up, the median of 10
+//! runs, 3 at 64k and beyond) on the standard grid (16k tokens per batch, 2048 / head dim heads,
+//! bf16, causal and not) and writes JSON rows. With `--sustain S`, each time is instead the
+//! median of runs repeated for at least S seconds after three warm-ups — the timing of
+//! `bench/python_bench.py`, so that the two compare at the same (sustained-load) clocks.
 //!
 //! `distattn-cuda-bench dump DIR`: runs forward and backward on the cases PyTorch can run too
 //! (full and causal, no GQA) for bf16 and f16 at every head dim, and writes inputs, outputs and
@@ -52,13 +54,17 @@ struct BenchRow {
     ms: f64,
 }
 
-/// Median time of `reps` runs of `f` (CUDA events around each), after one warm-up run.
-fn time_ms(be: &CudaBackend, reps: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+/// Median time of runs of `f` (CUDA events around each): after one warm-up, `reps` runs; or,
+/// when `sustain` is positive, after three warm-ups, at least `reps` runs and `sustain` seconds.
+fn time_ms(be: &CudaBackend, reps: usize, sustain: f64, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    f()?;
+    for _ in 0..if sustain > 0.0 { 3 } else { 1 } {
+        f()?;
+    }
     be.synchronize()?;
+    let start = std::time::Instant::now();
     let mut ts = Vec::new();
-    for _ in 0..reps {
+    while ts.len() < reps || start.elapsed().as_secs_f64() < sustain {
         let a = be.stream().record_event(flags)?;
         f()?;
         let b = be.stream().record_event(flags)?;
@@ -69,7 +75,7 @@ fn time_ms(be: &CudaBackend, reps: usize, mut f: impl FnMut() -> Res<()>) -> Res
     Ok(ts[ts.len() / 2])
 }
 
-fn bench(be: &CudaBackend, out: &str, dims: &[usize], quick: bool, seqs: Option<Vec<usize>>) -> Res<()> {
+fn bench(be: &CudaBackend, out: &str, dims: &[usize], quick: bool, seqs: Option<Vec<usize>>, sustain: f64) -> Res<()> {
     let mut rows = Vec::new();
     let mut grid: Vec<(usize, usize)> = [512, 1024, 2048, 4096, 8192, 16384].iter().map(|&s| (16384 / s, s)).collect();
     if !quick {
@@ -98,9 +104,10 @@ fn bench(be: &CudaBackend, out: &str, dims: &[usize], quick: bool, seqs: Option<
                 let opts = AttnOptions::default();
                 let fwd_flops = 4.0 * (batch * heads) as f64 * mask.area() as f64 * d as f64;
                 let reps = if seq >= 65536 { 3 } else { 10 };
-                let tf =
-                    time_ms(be, reps, || Ok(be.forward(&q, &k, &v, &shape, &mask, &opts, &mut o, &mut lse, None)?))?;
-                let tb = time_ms(be, reps, || {
+                let tf = time_ms(be, reps, sustain, || {
+                    Ok(be.forward(&q, &k, &v, &shape, &mask, &opts, &mut o, &mut lse, None)?)
+                })?;
+                let tb = time_ms(be, reps, sustain, || {
                     Ok(be.backward(&q, &k, &v, &o, &lse, &d_o, &shape, &mask, &opts, &mut dq, &mut dk, &mut dv)?)
                 })?;
                 for (pass, t, fl) in [("fwd", tf, fwd_flops), ("bwd", tb, 2.5 * fwd_flops)] {
@@ -194,7 +201,8 @@ fn dump(be: &CudaBackend, dir: &std::path::Path) -> Res<()> {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let get = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
-    let usage = "usage: distattn-cuda-bench bench --out FILE [--dims 128,64] [--quick] [--seqs N,...] | dump DIR";
+    let usage =
+        "usage: distattn-cuda-bench bench --out FILE [--dims 128,64] [--quick] [--seqs N,...] [--sustain S] | dump DIR";
     let be = match CudaBackend::new(0) {
         Ok(b) => b,
         Err(e) => {
@@ -210,7 +218,8 @@ fn main() {
             let prepared: Res<()> = dims.iter().try_for_each(|&d| Ok(be.prepare(DType::BF16, d)?));
             prepared.and_then(|_| {
                 let out = get("--out").unwrap_or_else(|| "distattn_bench.json".into());
-                bench(&be, &out, &dims, args.iter().any(|a| a == "--quick"), get("--seqs").map(list))
+                let sustain = get("--sustain").and_then(|v| v.parse().ok()).unwrap_or(0.0);
+                bench(&be, &out, &dims, args.iter().any(|a| a == "--quick"), get("--seqs").map(list), sustain)
             })
         }
         Some("dump") => match args.get(2) {
