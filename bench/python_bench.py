@@ -12,9 +12,11 @@ SDPA's `enable_gqa`, or K/V expanded beforehand (untimed) where a backend lacks 
 come from `torch.autograd.grad` (no accumulation into .grad). TFLOP/s by the FlashAttention
 convention: forward 4·b·h·area·d with area the kept query-key pairs, backward 2.5× forward.
 
-With --rust-rows (the JSON of `distattn-cuda-bench bench --sustain 1`, the same timing, run on
-the same GPU in the same call), the table adds the Rust benchmark's time for the same shape and
-the Python overhead. "host us" is the host time of one call while the GPU is busy.
+Each impl is also timed with calls issued back to back (events around 10 calls), where launch
+latency hides behind the GPU as in a training loop; "host us" is the host time of one call
+while the GPU is busy. With --rust-rows (the JSON of `distattn-cuda-bench bench --sustain 1`,
+the same two timings, run on the same GPU in the same call), the table adds the Rust
+benchmark's times for the same shape and the Python layer's overhead over them.
 Writes OUT_DIR/python_bench.json and prints a Markdown table.
 """
 import argparse
@@ -43,6 +45,24 @@ def timed(fn, min_seconds=1.0, warmup=3, min_reps=10):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def timed_back_to_back(fn, min_seconds=1.0, batch=10):
+    """Median milliseconds per call of `batch` calls issued back to back (CUDA events around
+    the batch): the time a training loop sees once launch latency hides behind the GPU."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times, start = [], time.perf_counter()
+    while len(times) < 3 or time.perf_counter() - start < min_seconds:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(batch):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / batch)
     return statistics.median(times)
 
 
@@ -100,27 +120,28 @@ def case(b, n, h, hkv, d, causal, quick):
     for name, (fwd, inputs, grad) in impls.items():
         fwd_bwd = lambda fwd=fwd, inputs=inputs, grad=grad: torch.autograd.grad(fwd(), inputs, grad)  # noqa: E731
         with torch.no_grad():
-            ms_f, us_f = timed(fwd, secs), host_us(fwd)
-        ms_fb, us_fb = timed(fwd_bwd, secs), host_us(fwd_bwd)
-        for pas, ms, us, flop in (("fwd", ms_f, us_f, fwd_flop), ("fwd+bwd", ms_fb, us_fb, 3.5 * fwd_flop)):
+            fwd_times = timed(fwd, secs), timed_back_to_back(fwd, secs), host_us(fwd)
+        fwd_bwd_times = timed(fwd_bwd, secs), timed_back_to_back(fwd_bwd, secs), host_us(fwd_bwd)
+        for pas, (ms, b2b, us), flop in (("fwd", fwd_times, fwd_flop), ("fwd+bwd", fwd_bwd_times, 3.5 * fwd_flop)):
             rows.append(dict(impl=name, pass_=pas, batch=b, seq=n, heads=h, kv_heads=hkv, head_dim=d,
-                             causal=causal, ms=ms, tflops=flop / ms / 1e9, host_us=us))
+                             causal=causal, ms=ms, ms_back_to_back=b2b, tflops=flop / ms / 1e9, host_us=us))
     return rows
 
 
-def rust_ms(rust_rows, r):
-    """The Rust benchmark's fwd / fwd+bwd time for row `r`'s shape, if it ran it."""
+def rust_ms(rust_rows, r, key):
+    """The Rust benchmark's fwd / fwd+bwd time (`key`: ms or ms_back_to_back) for row `r`'s
+    shape, if it ran it."""
     if r["heads"] != r["kv_heads"]:
         return None
     found = {}
     for x in rust_rows:
         if (x["seq"], x["heads"], x["head_dim"], x["causal"], x["batch"]) == (r["seq"], r["heads"], r["head_dim"], r["causal"], r["batch"]):
-            found[x["pass"]] = x["ms"]
-    if "fwd" not in found:
+            found[x["pass"]] = x.get(key)
+    if found.get("fwd") is None:
         return None
     if r["pass_"] == "fwd":
         return found["fwd"]
-    return found["fwd"] + found["bwd"] if "bwd" in found else None
+    return found["fwd"] + found["bwd"] if found.get("bwd") is not None else None
 
 
 def main():
@@ -142,19 +163,25 @@ def main():
             rows += case(b, n, h, hkv, d, causal, a.quick)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"distattn {distattn.__version__}; bf16, median ms (CUDA events around the Python call)\n")
-    print("| shape | mask | pass | impl | ms | TFLOP/s | vs best SDPA | host us | Rust bench ms | Python overhead |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | mask | pass | impl | ms | TFLOP/s | vs best SDPA | back-to-back ms | vs best SDPA | host us "
+          "| Rust ms | overhead | Rust back-to-back ms | overhead |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    same = ("seq", "heads", "kv_heads", "head_dim", "causal", "pass_")
     for r in rows:
-        peers = [x for x in rows if x["impl"].startswith("sdpa") and all(x[f] == r[f] for f in ("seq", "heads", "kv_heads", "head_dim", "causal", "pass_"))]
-        best = min((x["ms"] for x in peers), default=None)
-        r["vs_best_sdpa"] = best / r["ms"] if best else None
-        r["rust_ms"] = rust_ms(rust_rows, r) if r["impl"] == "distattn" else None
-        r["python_overhead"] = r["ms"] / r["rust_ms"] - 1 if r["rust_ms"] else None
-        shape = f"{r['heads']}/{r['kv_heads']} heads, d {r['head_dim']}, {r['seq'] // 1024}k"
-        vs = f"{r['vs_best_sdpa']:.3f}x" if r["vs_best_sdpa"] else "-"
-        rust = f"{r['rust_ms']:.3f}" if r["rust_ms"] else "-"
-        over = f"{100 * r['python_overhead']:+.1f}%" if r["python_overhead"] is not None else "-"
-        print(f"| {shape} | {'causal' if r['causal'] else 'full'} | {r['pass_']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | {vs} | {r['host_us']:.0f} | {rust} | {over} |")
+        peers = [x for x in rows if x["impl"].startswith("sdpa") and all(x[f] == r[f] for f in same)]
+        cells = [f"{r['heads']}/{r['kv_heads']} heads, d {r['head_dim']}, {r['seq'] // 1024}k",
+                 "causal" if r["causal"] else "full", r["pass_"], r["impl"]]
+        for key in ("ms", "ms_back_to_back"):
+            best = min((x[key] for x in peers), default=None)
+            r[f"{key}_vs_best_sdpa"] = best / r[key] if best else None
+            cells += [f"{r[key]:.3f}"] + ([f"{r['tflops']:.0f}"] if key == "ms" else []) + [f"{best / r[key]:.3f}x" if best else "-"]
+        cells.append(f"{r['host_us']:.0f}")
+        for key in ("ms", "ms_back_to_back"):
+            rust = rust_ms(rust_rows, r, key) if r["impl"] == "distattn" else None
+            r[f"rust_{key}"] = rust
+            r[f"python_overhead_{key}"] = r[key] / rust - 1 if rust else None
+            cells += [f"{rust:.3f}", f"{100 * (r[key] / rust - 1):+.1f}%"] if rust else ["-", "-"]
+        print("| " + " | ".join(cells) + " |")
     meta = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                 cudnn=torch.backends.cudnn.version(), distattn=distattn.__version__)
     with open(os.path.join(a.out_dir, "python_bench.json"), "w") as f:

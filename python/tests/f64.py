@@ -86,7 +86,7 @@ def attention(q, k, v, keep, scale=None, d_o=None, o_stored=None):
     O rounded to bf16 shifts dS = P (dP - D) by an amount that rows' conditioning amplifies,
     which is the definition's, not the kernels' error. Without `o_stored`, D uses the exact O.
     """
-    q, k, v = (t.detach().double() for t in (q, k, v))
+    q, k, v = (t.detach().double().cpu() for t in (q, k, v))
     h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
     group = h // hkv
     scale = 1 / math.sqrt(d) if scale is None else scale
@@ -98,8 +98,8 @@ def attention(q, k, v, keep, scale=None, d_o=None, o_stored=None):
     o = torch.einsum("bhnm,bmhd->bnhd", p, vv)
     if d_o is None:
         return o, lse, None
-    d_o = d_o.double()
-    o_d = o if o_stored is None else o_stored.detach().double()
+    d_o = d_o.double().cpu()
+    o_d = o if o_stored is None else o_stored.detach().double().cpu()
     dp = torch.einsum("bnhd,bmhd->bhnm", d_o, vv)
     ds = p * (dp - (d_o * o_d).sum(-1).transpose(1, 2)[..., None])
     dq = torch.einsum("bhnm,bmhd->bnhd", ds, kk) * scale

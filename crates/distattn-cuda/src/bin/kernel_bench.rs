@@ -5,8 +5,9 @@
 //! [--sustain SECONDS]`: times forward and backward (CUDA events, one warm-up, the median of 10
 //! runs, 3 at 64k and beyond) on the standard grid (16k tokens per batch, 2048 / head dim heads,
 //! bf16, causal and not) and writes JSON rows. With `--sustain S`, each time is instead the
-//! median of runs repeated for at least S seconds after three warm-ups — the timing of
-//! `bench/python_bench.py`, so that the two compare at the same (sustained-load) clocks.
+//! median of runs repeated for at least S seconds after three warm-ups, and rows also give the
+//! time per call of calls issued back to back — the two timings of `bench/python_bench.py`,
+//! so that the two compare at the same (sustained-load) clocks.
 //!
 //! `distattn-cuda-bench dump DIR`: runs forward and backward on the cases PyTorch can run too
 //! (full and causal, no GQA) for bf16 and f16 at every head dim, and writes inputs, outputs and
@@ -52,6 +53,10 @@ struct BenchRow {
     dtype: String,
     tflops: f64,
     ms: f64,
+    /// With `--sustain`: milliseconds per call of calls issued back to back (no wait between
+    /// them), the time a training loop sees once launch latency hides behind the GPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ms_back_to_back: Option<f64>,
 }
 
 /// Median time of runs of `f` (CUDA events around each): after one warm-up, `reps` runs; or,
@@ -70,6 +75,30 @@ fn time_ms(be: &CudaBackend, reps: usize, sustain: f64, mut f: impl FnMut() -> R
         let b = be.stream().record_event(flags)?;
         b.synchronize()?;
         ts.push(a.elapsed_ms(&b)? as f64);
+    }
+    ts.sort_by(|a, b| a.total_cmp(b));
+    Ok(ts[ts.len() / 2])
+}
+
+/// Median milliseconds per call of batches of 10 calls issued back to back (CUDA events around
+/// each batch), repeated for at least `sustain` seconds after three warm-up calls.
+fn time_back_to_back(be: &CudaBackend, sustain: f64, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+    const BATCH: usize = 10;
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    for _ in 0..3 {
+        f()?;
+    }
+    be.synchronize()?;
+    let start = std::time::Instant::now();
+    let mut ts = Vec::new();
+    while ts.len() < 3 || start.elapsed().as_secs_f64() < sustain {
+        let a = be.stream().record_event(flags)?;
+        for _ in 0..BATCH {
+            f()?;
+        }
+        let b = be.stream().record_event(flags)?;
+        b.synchronize()?;
+        ts.push(a.elapsed_ms(&b)? as f64 / BATCH as f64);
     }
     ts.sort_by(|a, b| a.total_cmp(b));
     Ok(ts[ts.len() / 2])
@@ -104,13 +133,14 @@ fn bench(be: &CudaBackend, out: &str, dims: &[usize], quick: bool, seqs: Option<
                 let opts = AttnOptions::default();
                 let fwd_flops = 4.0 * (batch * heads) as f64 * mask.area() as f64 * d as f64;
                 let reps = if seq >= 65536 { 3 } else { 10 };
-                let tf = time_ms(be, reps, sustain, || {
-                    Ok(be.forward(&q, &k, &v, &shape, &mask, &opts, &mut o, &mut lse, None)?)
-                })?;
-                let tb = time_ms(be, reps, sustain, || {
-                    Ok(be.backward(&q, &k, &v, &o, &lse, &d_o, &shape, &mask, &opts, &mut dq, &mut dk, &mut dv)?)
-                })?;
-                for (pass, t, fl) in [("fwd", tf, fwd_flops), ("bwd", tb, 2.5 * fwd_flops)] {
+                let mut fwd = || Ok(be.forward(&q, &k, &v, &shape, &mask, &opts, &mut o, &mut lse, None)?);
+                let tf = time_ms(be, reps, sustain, &mut fwd)?;
+                let fwd_b2b = if sustain > 0.0 { Some(time_back_to_back(be, sustain, &mut fwd)?) } else { None };
+                let mut bwd =
+                    || Ok(be.backward(&q, &k, &v, &o, &lse, &d_o, &shape, &mask, &opts, &mut dq, &mut dk, &mut dv)?);
+                let tb = time_ms(be, reps, sustain, &mut bwd)?;
+                let bwd_b2b = if sustain > 0.0 { Some(time_back_to_back(be, sustain, &mut bwd)?) } else { None };
+                for (pass, t, b2b, fl) in [("fwd", tf, fwd_b2b, fwd_flops), ("bwd", tb, bwd_b2b, 2.5 * fwd_flops)] {
                     let tflops = fl / (t * 1e-3) / 1e12;
                     println!("distattn {pass} causal={causal} b={batch} n={seq} h={heads} d={d}: {t:.3} ms {tflops:.1} TFLOP/s");
                     rows.push(BenchRow {
@@ -124,6 +154,7 @@ fn bench(be: &CudaBackend, out: &str, dims: &[usize], quick: bool, seqs: Option<
                         dtype: "bf16".into(),
                         tflops,
                         ms: t,
+                        ms_back_to_back: b2b,
                     });
                 }
                 std::io::stdout().flush()?;
