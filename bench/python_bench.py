@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """distattn from PyTorch against PyTorch's SDPA (cuDNN and flash backends), one GPU.
 
-  python_bench.py OUT_DIR [--rust-rows ROWS.json] [--quick]
+  python_bench.py OUT_DIR [--rust-rows ROWS.json] [--quick] [--impls distattn,sdpa-cudnn,sdpa-flash]
 
 Times forward and forward+backward of `distattn.flash_attn_func` and of
 `scaled_dot_product_attention` pinned to each backend, all with the same timer around the Python
@@ -87,7 +87,7 @@ def sdpa_call(backend, causal, gqa):
     return attn
 
 
-def case(b, n, h, hkv, d, causal, quick):
+def case(b, n, h, hkv, d, causal, quick, only):
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     q = torch.randn(b, n, h, d, device=dev, dtype=dt, requires_grad=True)
@@ -101,6 +101,8 @@ def case(b, n, h, hkv, d, causal, quick):
     qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     gt = g.transpose(1, 2).contiguous()
     for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+        if only and name not in only:
+            continue
         call = sdpa_call(backend, causal, h != hkv)
         try:
             call(qt, kt, vt).backward(gt)
@@ -149,6 +151,7 @@ def main():
     ap.add_argument("out_dir")
     ap.add_argument("--rust-rows", help="JSON rows of distattn-cuda-bench bench on this GPU")
     ap.add_argument("--quick", action="store_true", help="short timing loops (a smoke test)")
+    ap.add_argument("--impls", help="comma-separated subset of distattn,sdpa-cudnn,sdpa-flash")
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
     rust_rows = []
@@ -160,7 +163,7 @@ def main():
     rows = []
     for b, n, h, hkv, d in shapes:
         for causal in (True, False):
-            rows += case(b, n, h, hkv, d, causal, a.quick)
+            rows += case(b, n, h, hkv, d, causal, a.quick, a.impls.split(",") if a.impls else None)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"distattn {distattn.__version__}; bf16, median ms (CUDA events around the Python call)\n")
     print("| shape | mask | pass | impl | ms | TFLOP/s | vs best SDPA | back-to-back ms | vs best SDPA | host us "
