@@ -90,10 +90,11 @@ def sdpa_call(backend, causal, gqa):
 def case(b, n, h, hkv, d, causal, quick, only):
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
-    q = torch.randn(b, n, h, d, device=dev, dtype=dt, requires_grad=True)
-    k = torch.randn(b, n, hkv, d, device=dev, dtype=dt, requires_grad=True)
-    v = torch.randn(b, n, hkv, d, device=dev, dtype=dt, requires_grad=True)
-    g = torch.randn(b, n, h, d, device=dev, dtype=dt)
+    # Unit-variance uniform values, as distattn-cuda-bench draws them: kernel times depend a
+    # little on the data (power draw, softmax rescales), so both benches time the same kind.
+    rand = lambda *shape: ((torch.rand(*shape, device=dev) * 2 - 1) * 3**0.5).to(dt)  # noqa: E731
+    q, k, v = rand(b, n, h, d).requires_grad_(), rand(b, n, hkv, d).requires_grad_(), rand(b, n, hkv, d).requires_grad_()
+    g = rand(b, n, h, d)
     area = n * (n + 1) // 2 if causal else n * n
     fwd_flop = 4 * b * h * area * d
     impls = {"distattn": (lambda: distattn.flash_attn_func(q, k, v, causal=causal), (q, k, v), g)}

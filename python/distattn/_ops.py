@@ -123,11 +123,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.mask, ctx.softmax_scale = mask, softmax_scale
     # As in flash-attn, the LSE is an output for merging partial results, not a function of
-    # the inputs that gradients flow through.
+    # the inputs that gradients flow through; and its gradient is never materialized as a
+    # tensor of zeros (a kernel per backward otherwise).
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
 
 
 def _gradients(ctx, d_o, backward_fn):
+    if d_o is None:  # O took no part in the loss
+        return None, None, None, None, None, None, None
     q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv = backward_fn(d_o, q, k, v, o, lse, ctx.mask, ctx.softmax_scale, cu_seqlens_q, cu_seqlens_k)
     return dq, dk, dv, None, None, None, None
