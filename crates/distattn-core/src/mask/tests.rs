@@ -172,7 +172,7 @@ fn per_document_windows_with_ragged_lengths() {
             tj >= diag - left && tj <= diag + right
         }),
     );
-    let causal = Mask::per_document(&q_lens, &k_lens, |q, k| Mask::causal(q, k)).unwrap();
+    let causal = Mask::per_document(&q_lens, &k_lens, Mask::causal).unwrap();
     assert_eq!(causal, Mask::documents_qk(&q_lens, &k_lens, DocKind::Causal).unwrap());
     assert!(Mask::per_document(&[1, 2], &[3], Mask::full).is_err());
     assert!(Mask::per_document(&[2], &[2], |_, _| Mask::full(1, 1)).is_err());
