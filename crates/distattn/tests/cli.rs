@@ -574,3 +574,58 @@ fn timeline_tables_and_charts_recorded_runs() {
     one_line_error(&distattn(&["timeline", dir.path().join("bad.json").to_str().unwrap()]), "is not a timelines file");
     one_line_error(&distattn(&["timeline", file.to_str().unwrap(), "--strategy", "ring"]), "no run in");
 }
+
+const SMALL_BENCH: [&str; 11] =
+    ["bench", "--seqs", "128,256", "--mask", "causal", "--head-dims", "32", "--dtypes", "f32", "--repeats", "1"];
+
+#[test]
+fn bench_json_to_stdout_is_json_alone_and_the_table_goes_to_stderr() {
+    let out = distattn(&[&SMALL_BENCH[..], &["--json", "-"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("standard output is one JSON document");
+    assert_eq!(report["rows"].as_array().unwrap().len(), 4, "2 configurations x fwd, bwd");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("fwd GFLOP/s") && err.contains("causal"), "the table is on standard error: {err}");
+    // What a user pipes it into.
+    if let Ok(mut child) = Command::new("python3")
+        .args(["-m", "json.tool"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+    {
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(&out.stdout).unwrap();
+        assert!(child.wait().unwrap().success(), "python -m json.tool rejects the output");
+    }
+}
+
+#[test]
+fn redirected_bench_prints_each_row_as_it_finishes() {
+    // `distattn bench > log 2>&1`: no terminal, so plain progress lines, and each
+    // configuration's row lands before the next configuration starts.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("log");
+    let log = std::fs::File::create(&path).unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_distattn"))
+        .args(SMALL_BENCH)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let text = std::fs::read_to_string(&path).unwrap();
+    let at = |needle: &str| text.find(needle).unwrap_or_else(|| panic!("'{needle}' not in:\n{text}"));
+    let first_row = at("\ncpu     single       f32   causal                    128");
+    assert!(at("[1/2") < first_row && first_row < at("[2/2"), "{text}");
+    assert!(!text.contains("TF/s") && !text.contains("per-GPU eff"), "CPU units, no empty efficiency column: {text}");
+}
+
+#[test]
+fn bench_on_ranks_says_when_ranks_share_cores() {
+    let world = std::thread::available_parallelism().map_or(1, |n| n.get()) + 1;
+    let world = world.to_string();
+    let out = distattn(&[&SMALL_BENCH[..], &["--world", &world, "--strategies", "ring", "--forward-only"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("note: {world} ranks share")));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("per-rank eff"));
+}

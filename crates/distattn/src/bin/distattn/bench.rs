@@ -15,6 +15,7 @@ use distattn_testkit::{lse_err, reference, rel_err};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -224,56 +225,96 @@ fn commit() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-fn print_table(rows: &[Row]) {
-    println!(
-        "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10} {:>9} {:>10} {:>9} {:>11}",
-        "backend",
-        "strategy",
-        "dtype",
-        "mask",
-        "seq",
-        "heads",
-        "d",
-        "fwd ms",
-        "fwd TF/s",
-        "bwd ms",
-        "bwd TF/s",
-        "per-GPU eff"
-    );
-    for fwd in rows.iter().filter(|r| r.pass == "fwd") {
-        let bwd = rows.iter().find(|r| {
-            r.pass == "bwd"
-                && r.mask == fwd.mask
-                && r.seq == fwd.seq
-                && r.head_dim == fwd.head_dim
-                && r.dtype == fwd.dtype
-                && r.strategy == fwd.strategy
-        });
-        let (bms, btf) = bwd.map_or(("-".into(), "-".into()), |b| (format!("{:.1}", b.ms), format!("{:.3}", b.tflops)));
-        let mut mask = fwd.mask.clone();
-        if mask.len() > 22 {
-            mask.truncate(19);
-            mask.push_str("...");
-        }
-        // Scaling of the per-GPU (per-rank) throughput against the single kernel, fwd / bwd.
-        let pct =
-            |r: Option<&Row>| r.and_then(|r| r.scaling_eff).map_or("-".to_string(), |e| format!("{:.0}%", 100.0 * e));
-        let eff = if fwd.world > 1 { format!("{} / {}", pct(Some(fwd)), pct(bwd)) } else { "-".into() };
-        println!(
-            "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10.1} {:>9.3} {:>10} {:>9} {:>11}",
-            fwd.backend,
-            if fwd.world > 1 { format!("{}x{}", fwd.strategy, fwd.world) } else { fwd.strategy.clone() },
-            fwd.dtype,
-            mask,
-            fwd.seq,
-            fwd.heads,
-            fwd.head_dim,
-            fwd.ms,
-            fwd.tflops,
-            bms,
-            btf,
-            eff
+/// The results table, printed a configuration at a time as each finishes: on standard output,
+/// or on standard error when the JSON report takes standard output (`--json -`). Throughput is
+/// in GFLOP/s on the CPU and TFLOP/s on GPUs; the efficiency column appears only when ranks
+/// are timed.
+struct Table {
+    to_stderr: bool,
+    /// Divide FLOP/s by this for the unit in `unit`.
+    scale: f64,
+    unit: &'static str,
+    /// The efficiency column's title, when ranks are timed.
+    ranks: Option<&'static str>,
+}
+
+impl Table {
+    fn new(to_stderr: bool, gpu: bool, ranks: Option<&'static str>) -> Table {
+        let (scale, unit) = if gpu { (1e12, "TFLOP/s") } else { (1e9, "GFLOP/s") };
+        Table { to_stderr, scale, unit, ranks }
+    }
+
+    fn header(&self) -> String {
+        let mut line = format!(
+            "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10} {:>12} {:>10} {:>12}",
+            "backend",
+            "strategy",
+            "dtype",
+            "mask",
+            "seq",
+            "heads",
+            "d",
+            "fwd ms",
+            format!("fwd {}", self.unit),
+            "bwd ms",
+            format!("bwd {}", self.unit),
         );
+        if let Some(title) = self.ranks {
+            line += &format!(" {title:>13}");
+        }
+        line
+    }
+
+    /// One line per forward row of `rows` (one configuration), with its backward beside it.
+    fn lines(&self, rows: &[Row]) -> Vec<String> {
+        let rate = |flops_per_s: f64| format!("{:.1}", flops_per_s / self.scale);
+        rows.iter()
+            .filter(|r| r.pass == "fwd")
+            .map(|fwd| {
+                let bwd = rows.iter().find(|r| r.pass == "bwd" && r.strategy == fwd.strategy && r.world == fwd.world);
+                let (bms, brate) =
+                    bwd.map_or(("-".into(), "-".into()), |b| (format!("{:.1}", b.ms), rate(b.tflops * 1e12)));
+                let mut mask = fwd.mask.clone();
+                if mask.len() > 22 {
+                    mask.truncate(19);
+                    mask.push_str("...");
+                }
+                let mut line = format!(
+                    "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10.1} {:>12} {:>10} {:>12}",
+                    fwd.backend,
+                    if fwd.world > 1 { format!("{}x{}", fwd.strategy, fwd.world) } else { fwd.strategy.clone() },
+                    fwd.dtype,
+                    mask,
+                    fwd.seq,
+                    fwd.heads,
+                    fwd.head_dim,
+                    fwd.ms,
+                    rate(fwd.tflops * 1e12),
+                    bms,
+                    brate,
+                );
+                if self.ranks.is_some() {
+                    // Per-rank throughput against the single kernel's, fwd / bwd.
+                    let pct = |r: Option<&Row>| {
+                        r.and_then(|r| r.scaling_eff).map_or("-".to_string(), |e| format!("{:.0}%", 100.0 * e))
+                    };
+                    let eff = if fwd.world > 1 { format!("{} / {}", pct(Some(fwd)), pct(bwd)) } else { "-".into() };
+                    line += &format!(" {eff:>13}");
+                }
+                line
+            })
+            .collect()
+    }
+
+    /// Prints `line` where the table goes, out of the progress bar's way.
+    fn print(&self, bar: &ProgressBar, line: &str) {
+        bar.suspend(|| {
+            if self.to_stderr {
+                eprintln!("{line}");
+            } else {
+                println!("{line}");
+            }
+        });
     }
 }
 
@@ -421,13 +462,46 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
             }
         }
     }
-    let bar = ProgressBar::new(configs.len() as u64);
-    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {msg}")?);
+    let to_stderr = args.json.as_ref().is_some_and(|p| p.as_os_str() == "-");
+    let eff_title = if gpus > 0 {
+        Some("per-GPU eff")
+    } else if args.world > 1 {
+        Some("per-rank eff")
+    } else {
+        None
+    };
+    let table = Table::new(to_stderr, gpu || gpus > 0, eff_title);
+    if args.world > 1 && !gpu {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if args.world > cores {
+            eprintln!(
+                "note: {} ranks share {cores} cores here, so a rank runs at a fraction of one core: the per-rank \
+                 efficiency measures that sharing, not the strategy's scaling",
+                args.world
+            );
+        }
+    }
+    // On a terminal a progress bar; otherwise (a log, CI) one plain line per configuration.
+    let bar = if std::io::stderr().is_terminal() {
+        let bar = ProgressBar::new(configs.len() as u64);
+        bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {msg}")?);
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
+    table.print(&bar, &table.header());
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     let mut rows = Vec::new();
     let mut timelines = Vec::new();
-    for (seq, spec, d, dtype) in configs {
-        bar.set_message(format!("{dtype} {spec} seq {seq} d {d}"));
+    let started = Instant::now();
+    let n_configs = configs.len();
+    for (i, (seq, spec, d, dtype)) in configs.into_iter().enumerate() {
+        let what = format!("{dtype} {spec} seq {seq} d {d}");
+        if bar.is_hidden() {
+            eprintln!("[{}/{n_configs}, {:.0} s] {what}", i + 1, started.elapsed().as_secs_f64());
+        }
+        bar.set_message(what);
+        let first_row = rows.len();
         let shape = AttnShape::new(args.batch, seq, seq, heads, kv_heads, d)?;
         let mask = spec.build(seq, seq)?;
         let q = random_tensor(&mut rng, vec![args.batch, seq, heads, d], dtype);
@@ -511,10 +585,12 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
             rows.push(row);
             rows.extend(bwd);
         }
+        for line in table.lines(&rows[first_row..]) {
+            table.print(&bar, &line);
+        }
         bar.inc(1);
     }
     bar.finish_and_clear();
-    print_table(&rows);
     if let Some(path) = &args.timelines {
         std::fs::write(path, serde_json::to_string(&timelines)?)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
