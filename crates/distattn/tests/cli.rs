@@ -629,3 +629,43 @@ fn bench_on_ranks_says_when_ranks_share_cores() {
     assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("note: {world} ranks share")));
     assert!(String::from_utf8_lossy(&out.stdout).contains("per-rank eff"));
 }
+
+#[test]
+fn plan_help_lists_planning_options_only() {
+    let help = String::from_utf8(distattn(&["plan", "--help"]).stdout).unwrap();
+    for planning in ["--world", "--strategy", "--ulysses-degree", "--ring-backward", "--seq", "--mask"] {
+        assert!(help.contains(planning), "plan --help lacks {planning}");
+    }
+    for run_time in ["--timeout", "--fail-rank", "--fail-kind", "--backend", "local GPUs", "in-process"] {
+        assert!(!help.contains(run_time), "plan --help shows the run-time '{run_time}':\n{help}");
+    }
+    // --gpus still names the rank count, as it did.
+    let out = distattn(&["plan", "--seq", "512", "--gpus", "2", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The testing aid is not advertised to users of run either.
+    let run_help = String::from_utf8(distattn(&["run", "--help"]).stdout).unwrap();
+    assert!(!run_help.contains("--fail-rank") && run_help.contains("--timeout"));
+}
+
+#[test]
+fn plan_table_reads_in_a_terminal() {
+    let out = distattn(&["plan", "--seq", "131072", "--world", "8", "--heads", "32", "--kv-heads", "8"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("8 ranks, 8 steps") && text.contains("FLOPs per rank, min-max"), "{text}");
+    assert!(text.contains("zigzag 0: own kv") && text.contains("zigzag 1: kv of rank r-1"), "{text}");
+    assert!(!text.contains("FLOP/B") && !text.contains("-0"), "{text}");
+    assert!(text.lines().all(|l| l.len() <= 100), "lines over 100 columns:\n{text}");
+    let one = String::from_utf8(distattn(&["plan", "--seq", "512"]).stdout).unwrap();
+    assert!(one.contains("1 rank, 1 step,"), "{one}");
+}
+
+#[test]
+fn launch_help_example_runs_with_an_installed_distattn() {
+    let help = String::from_utf8(distattn(&["launch", "--help"]).stdout).unwrap();
+    assert!(!help.contains("distattn-multigpu-bench"), "{help}");
+    let example = help.lines().find_map(|l| l.strip_prefix("Example: ")).expect("an example line");
+    let script = example.strip_prefix("distattn launch --nproc 2 -- sh -c ").expect(example).trim_matches('\'');
+    let out = distattn(&["launch", "--nproc", "2", "--", "sh", "-c", script]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("rank 0 of 2") && text.contains("rank 1 of 2"), "{text}");
+}

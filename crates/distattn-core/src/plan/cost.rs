@@ -167,12 +167,14 @@ pub fn human(x: f64) -> String {
 }
 
 impl fmt::Display for Plan {
-    /// Per-step table: for each step and rank, FLOPs / bytes sent, then the totals.
+    /// One line per step: what it does, the range of the ranks' work, how uneven it is and the
+    /// bytes all ranks send; then the totals. The per-rank breakdown is in the JSON summary.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = self.summary();
+        let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
         writeln!(
             f,
-            "plan {} ({:?}{}), P={}, {} steps, layout {}; {} {}",
+            "plan {} ({:?}{}), {}, {}, layout {}\n  {} {}",
             self.strategy,
             self.pass,
             if self.pass == Pass::Backward && self.strategy.is_ring() {
@@ -180,38 +182,39 @@ impl fmt::Display for Plan {
             } else {
                 String::new()
             },
-            self.world,
-            self.steps(),
+            plural(self.world, "rank"),
+            plural(self.steps(), "step"),
             s.layout,
             self.shape,
             self.dtype
         )?;
-        write!(f, "{:<24}", "step")?;
-        for r in 0..self.world {
-            write!(f, " | {:>17}", format!("rank {r} FLOP/B"))?;
-        }
-        writeln!(f, " | {:>8}", "max/mean")?;
+        writeln!(
+            f,
+            "{:>4}  {:<30} {:>25} {:>13} {:>14}",
+            "step", "what", "FLOPs per rank, min-max", "slowest/mean", "bytes sent"
+        )?;
         for (t, step) in s.per_step.iter().enumerate() {
-            let label: String = self.step_labels[t].chars().take(24).collect();
-            write!(f, "{label:<24}")?;
-            for c in step {
-                write!(f, " | {:>8}/{:>8}", human(c.flops), human(c.bytes_sent as f64))?;
-            }
-            let mean = step.iter().map(|c| c.flops).sum::<f64>() / self.world as f64;
-            let max = step.iter().map(|c| c.flops).fold(0.0, f64::max);
-            if mean > 0.0 {
-                writeln!(f, " | {:>8.3}", max / mean)?;
-            } else {
-                writeln!(f, " | {:>8}", "-")?;
-            }
+            let label: String = self.step_labels[t].chars().take(30).collect();
+            let work = step.iter().map(|c| c.flops);
+            let (min, max) = (work.clone().fold(f64::INFINITY, f64::min), work.clone().fold(0.0, f64::max));
+            let mean = work.sum::<f64>() / self.world as f64;
+            let spread = if max > 0.0 { format!("{:.3}", max / mean) } else { "-".into() };
+            let sent: u64 = step.iter().map(|c| c.bytes_sent).sum();
+            writeln!(
+                f,
+                "{t:>4}  {label:<30} {:>25} {spread:>13} {:>13}B",
+                format!("{} - {}", human(min), human(max)),
+                human(sent as f64)
+            )?;
         }
         writeln!(
             f,
-            "imbalance {:.3}, bytes moved {}B, FLOPs {}, critical path {} FLOPs, peak memory per rank {}B",
+            "imbalance {:.3}, critical path {} of {} FLOPs\n\
+             bytes moved {}B, peak memory per rank {}B (per rank and step: --json)",
             s.imbalance,
-            human(s.bytes_moved as f64),
-            human(s.flops),
             human(s.critical_flops),
+            human(s.flops),
+            human(s.bytes_moved as f64),
             human(s.peak_bytes_per_rank as f64)
         )
     }

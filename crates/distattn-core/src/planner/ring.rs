@@ -25,6 +25,15 @@ pub(super) fn over_layout(b: &mut Builder, layout: Layout, name: &str) -> Result
     Ok(())
 }
 
+/// A ring step's label: at step 0 each member works on its own block; at step `t` on the block
+/// of the member `t` places back in the ring.
+fn step_label(name: &str, t: usize, what: &str) -> String {
+    match t {
+        0 => format!("{name} 0: own {what}"),
+        t => format!("{name} {t}: {what} of rank r-{t}"),
+    }
+}
+
 /// Forward ring among `members` (ranks, in ring order) starting at `step0`; `bufs[r]` is rank
 /// r's own shard and accumulators. Uses steps `step0 .. step0 + members.len()`.
 pub(super) fn forward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[FwdBufs], name: &str) {
@@ -33,7 +42,7 @@ pub(super) fn forward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[
     let mut held: Vec<KvBufs> = members.iter().map(|&r| bufs[r].kv).collect();
     for t in 0..n {
         let step = step0 + t;
-        b.label(step, format!("{name} {t}: kv from -{t}"));
+        b.label(step, step_label(name, t, "kv"));
         let mut next = held.clone();
         if t + 1 < n {
             for (i, &kv) in held.iter().enumerate() {
@@ -75,7 +84,7 @@ pub(super) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &
     let mut pending: Vec<(usize, BufId, BufId)> = Vec::new();
     for t in 0..n {
         let step = step0 + t;
-        b.label(step, format!("{name} {t}: {what} from -{t}"));
+        b.label(step, step_label(name, t, what));
         let mut next = held.clone();
         if t + 1 < n {
             for (i, own) in held.iter().enumerate() {

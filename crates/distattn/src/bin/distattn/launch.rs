@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 #[derive(Args)]
 #[command(after_help = "\
-Example: distattn launch --nproc 4 -- distattn-multigpu-bench worker
+Example: distattn launch --nproc 2 -- sh -c 'echo rank $RANK of $WORLD_SIZE on GPU $LOCAL_RANK'
 Each process reads its rank with distattn_nccl::gpu_rank_from_env (library) and uses GPU
 LOCAL_RANK. Several hosts: start one launcher per host with --node-rank and --master-addr,
 or use any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK and NCCL_COMM_ID.

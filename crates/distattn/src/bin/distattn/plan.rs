@@ -7,7 +7,7 @@ use distattn::plan::Pass;
 use distattn::planner::build;
 use distattn::{AttnShape, DType, MaskSpec};
 
-use crate::run::DistArgs;
+use crate::run::StrategyArgs;
 
 #[derive(Args)]
 #[command(after_help = "\
@@ -44,21 +44,23 @@ pub struct PlanArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// Ranks (GPUs or processes) the sequence is split across.
+    #[arg(long, alias = "gpus", default_value_t = 1)]
+    world: usize,
     #[command(flatten)]
-    dist: DistArgs,
+    strategy: StrategyArgs,
 }
 
 pub fn plan(args: PlanArgs) -> Result<()> {
     let shape =
         AttnShape::new(args.batch, args.seq, args.seq, args.heads, args.kv_heads.unwrap_or(args.heads), args.head_dim)?;
     let mask = args.mask.build(args.seq, args.seq)?;
-    if args.dist.world == 0 {
+    if args.world == 0 {
         anyhow::bail!("--world must be at least 1");
     }
-    let strategy = args.dist.strategy();
-    let mut opts = args.dist.plan_options(&args.mask, args.seq);
+    let mut opts = args.strategy.plan_options(&args.mask, args.seq);
     opts.pass = Some(if args.backward { Pass::Backward } else { Pass::Forward });
-    let plan = build(strategy, args.dist.gpus.unwrap_or(args.dist.world), &shape, &mask, args.dtype, &opts)?;
+    let plan = build(args.strategy.strategy(), args.world, &shape, &mask, args.dtype, &opts)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan.summary())?);
     } else {

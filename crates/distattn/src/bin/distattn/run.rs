@@ -83,15 +83,9 @@ pub struct RunArgs {
     dist: DistArgs,
 }
 
-/// Options of a context-parallel run on in-process ranks.
+/// The context-parallel strategy and its planner options, for running and for planning.
 #[derive(Args, Clone)]
-pub struct DistArgs {
-    /// Number of in-process CPU ranks the sequence is split across (1 = a single call).
-    #[arg(long, default_value_t = 1)]
-    pub world: usize,
-    /// Split the sequence across this many local GPUs (a thread each, NCCL between them); bf16/f16 inputs.
-    #[arg(long, conflicts_with = "world")]
-    pub gpus: Option<usize>,
+pub struct StrategyArgs {
     /// Context-parallel strategy: ring, zigzag, striped, balanced, ulysses, hybrid, allgather, dispatch.
     #[arg(long, default_value = "zigzag")]
     pub strategy: Strategy,
@@ -101,16 +95,29 @@ pub struct DistArgs {
     /// Backward of ring strategies: kv (K/V and dK/dV circulate) or q (BurstAttention: Q, dO, LSE, D and dQ circulate).
     #[arg(long, default_value = "kv")]
     pub ring_backward: RingBackwardArg,
+}
+
+/// Options of a context-parallel run on in-process ranks or local GPUs.
+#[derive(Args, Clone)]
+pub struct DistArgs {
+    /// Number of in-process CPU ranks the sequence is split across (1 = a single call).
+    #[arg(long, default_value_t = 1)]
+    pub world: usize,
+    /// Split the sequence across this many local GPUs (a thread each, NCCL between them); bf16/f16 inputs.
+    #[arg(long, conflicts_with = "world")]
+    pub gpus: Option<usize>,
+    #[command(flatten)]
+    pub plan: StrategyArgs,
     /// Seconds a rank waits for a peer before giving up with an error.
     #[arg(long, default_value_t = 60)]
     pub timeout: u64,
-    /// Testing aid: make this rank fail at the start of the plan's second step (the last step of
-    /// a single-step plan).
-    #[arg(long)]
+    /// Testing aid (hidden): make this rank fail at the start of the plan's second step (the
+    /// last step of a single-step plan).
+    #[arg(long, hide = true)]
     pub fail_rank: Option<usize>,
-    /// How --fail-rank fails: error, panic, or hang (stop making progress; peers give up after
-    /// --timeout).
-    #[arg(long, value_enum, default_value_t = FailKindArg::Error, requires = "fail_rank")]
+    /// Testing aid (hidden): how --fail-rank fails: error, panic, or hang (stop making
+    /// progress; peers give up after --timeout).
+    #[arg(long, value_enum, default_value_t = FailKindArg::Error, requires = "fail_rank", hide = true)]
     pub fail_kind: FailKindArg,
 }
 
@@ -152,7 +159,7 @@ impl BackendArg {
     }
 }
 
-impl DistArgs {
+impl StrategyArgs {
     /// The strategy with the hybrid's Ulysses degree applied.
     pub fn strategy(&self) -> Strategy {
         match self.ulysses_degree {
@@ -172,14 +179,16 @@ impl DistArgs {
             ..PlanOptions::default()
         }
     }
+}
 
+impl DistArgs {
     /// The ranks of a run on `world` of them.
     fn ranks(&self, world: usize, mask: &MaskSpec, seq: usize) -> Result<Ranks> {
         if let Some(rank) = self.fail_rank.filter(|&r| r >= world) {
             anyhow::bail!("--fail-rank {rank} is not a rank of a world of {world}");
         }
         Ok(Ranks {
-            plan: self.plan_options(mask, seq),
+            plan: self.plan.plan_options(mask, seq),
             timeout: Duration::from_secs(self.timeout),
             fail: self.fail_rank.map(|rank| {
                 let kind = match self.fail_kind {
@@ -189,7 +198,7 @@ impl DistArgs {
                 };
                 InjectedFailure { rank, step: 1, kind }
             }),
-            ..Ranks::new(world, self.strategy())
+            ..Ranks::new(world, self.plan.strategy())
         })
     }
 
