@@ -199,7 +199,8 @@ fn display_example() {
         let plan = build(s, 8, &shape, &mask, DType::BF16, &PlanOptions::forward()).unwrap();
         let text = plan.to_string();
         println!("{text}");
-        assert_eq!(text.lines().count(), plan.steps() + 3);
+        // Title and shape, column heads, a line per step, two lines of totals.
+        assert_eq!(text.lines().count(), plan.steps() + 5);
     }
 }
 
