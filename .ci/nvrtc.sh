@@ -18,4 +18,4 @@ CU=$SITE/nvidia/cu13
 export LD_LIBRARY_PATH="$CU/lib:${LD_LIBRARY_PATH:-}"
 export DISTATTN_CUDA_INCLUDE="$CU/include"
 export DISTATTN_REQUIRE_NVRTC=1
-cargo run --release -q -p distattn-cuda --bin nvrtc-check -- "$@"
+cargo run --release -q -p distattn-cuda --features cli --bin nvrtc-check -- "$@"

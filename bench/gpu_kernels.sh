@@ -3,7 +3,7 @@
 # GPU (their correctness against f64 is the GPU tests': bench/gpu_tests.sh).
 #   bench/gpu_kernels.sh OUTDIR
 # Env: DISTATTN_CUDA_BIN (default target/release/distattn-cuda-bench, built beforehand with
-# `cargo build --release -p distattn-cuda`), BENCH_DIMS (default 128,64), BENCH_QUICK=1 (no 64k/128k),
+# `cargo build --release -p distattn-cuda --features cli`), BENCH_DIMS (default 128,64), BENCH_QUICK=1 (no 64k/128k),
 # SKIP_CHECK=1 (no accuracy comparison), SKIP_BENCH=1, DISTATTN_COMMIT (recorded in the JSON).
 # Writes OUTDIR/check.log, accuracy.json, bench.log and kernels.json ({device, date, commit, rows}).
 set -uo pipefail

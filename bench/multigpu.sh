@@ -3,7 +3,7 @@
 # (Ulysses) SDPA baseline, all in one call on one machine:
 #   bench/multigpu.sh OUTDIR
 # Env: DISTATTN_MULTIGPU_BIN (default target/release/distattn-multigpu-bench, built with
-# `cargo build --release -p distattn-nccl`), DISTATTN_GPU_TESTS (a folder of GPU test
+# `cargo build --release -p distattn-nccl --features cli`), DISTATTN_GPU_TESTS (a folder of GPU test
 # executables, `cargo test --release --no-run -p distattn-nccl -p distattn-cuda`: the check
 # stage runs them), GPUS (default: all), SEQS (default 32768,131072),
 # STRATEGIES (default zigzag,balanced,ulysses,allgather), BUDGET_S (default 400: later stages are

@@ -229,11 +229,38 @@ fn dump(be: &CudaBackend, dir: &std::path::Path) -> Res<()> {
     Ok(())
 }
 
+/// Benchmark of the CUDA kernels on GPU 0.
+#[derive(clap::Parser)]
+#[command(name = "distattn-cuda-bench", version)]
+enum Cli {
+    /// Times forward and backward on the standard grid and writes JSON rows.
+    Bench {
+        /// Where the JSON rows go.
+        #[arg(long, default_value = "distattn_bench.json")]
+        out: String,
+        /// Head dims (2048 / d heads each).
+        #[arg(long, value_delimiter = ',', default_value = "128")]
+        dims: Vec<usize>,
+        /// Skip the 64k and 128k rows.
+        #[arg(long)]
+        quick: bool,
+        /// Only these sequence lengths of the grid.
+        #[arg(long, value_delimiter = ',')]
+        seqs: Option<Vec<usize>>,
+        /// Time each row by the median over at least this many seconds of sustained runs (and
+        /// back to back), as bench/python_bench.py does; 0: one warm-up, median of 10.
+        #[arg(long, default_value_t = 0.0)]
+        sustain: f64,
+    },
+    /// Writes inputs and outputs of the cases PyTorch runs too, for bench/torch_peer.py.
+    Dump {
+        /// Output folder.
+        dir: std::path::PathBuf,
+    },
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let get = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
-    let usage =
-        "usage: distattn-cuda-bench bench --out FILE [--dims 128,64] [--quick] [--seqs N,...] [--sustain S] | dump DIR";
+    let cli = <Cli as clap::Parser>::parse();
     let be = match CudaBackend::new(0) {
         Ok(b) => b,
         Err(e) => {
@@ -242,22 +269,12 @@ fn main() {
         }
     };
     println!("device {} ({}), cache {:?}", be.device_name(), be.arch(), distattn_cuda::compile::cache_dir());
-    let list = |v: String| v.split(',').filter_map(|x| x.parse().ok()).collect::<Vec<usize>>();
-    let res = match args.get(1).map(|s| s.as_str()) {
-        Some("bench") => {
-            let dims = list(get("--dims").unwrap_or_else(|| "128".into()));
-            let prepared: Res<()> = dims.iter().try_for_each(|&d| Ok(be.prepare(DType::BF16, d)?));
-            prepared.and_then(|_| {
-                let out = get("--out").unwrap_or_else(|| "distattn_bench.json".into());
-                let sustain = get("--sustain").and_then(|v| v.parse().ok()).unwrap_or(0.0);
-                bench(&be, &out, &dims, args.iter().any(|a| a == "--quick"), get("--seqs").map(list), sustain)
-            })
-        }
-        Some("dump") => match args.get(2) {
-            Some(dir) => dump(&be, std::path::Path::new(dir)),
-            None => Err(usage.into()),
-        },
-        _ => Err(usage.into()),
+    let res = match cli {
+        Cli::Bench { out, dims, quick, seqs, sustain } => dims
+            .iter()
+            .try_for_each(|&d| -> Res<()> { Ok(be.prepare(DType::BF16, d)?) })
+            .and_then(|_| bench(&be, &out, &dims, quick, seqs, sustain)),
+        Cli::Dump { dir } => dump(&be, &dir),
     };
     if let Err(e) = res {
         eprintln!("error: {e}");

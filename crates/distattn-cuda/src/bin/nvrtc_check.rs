@@ -6,12 +6,23 @@
 //! Without NVRTC it skips (exit 0) unless `DISTATTN_REQUIRE_NVRTC=1`, which makes it fail.
 //! Extra architectures: `nvrtc-check sm_89 sm_120 ...` (replaces the default list).
 
+use clap::Parser;
 use distattn_core::DType;
 use distattn_cuda::compile::{self, KernelConfig, ModuleKind};
 
+/// Compiles every kernel module with NVRTC (no GPU needed) and fails on compile errors, register
+/// spills, stack frames or serialised warpgroup MMAs. Without NVRTC it skips (exit 0) unless
+/// DISTATTN_REQUIRE_NVRTC=1; DISTATTN_CHECK_DIMS=64,128 limits the head dims.
+#[derive(Parser)]
+#[command(name = "nvrtc-check", version)]
+struct Cli {
+    /// Target architectures.
+    #[arg(default_values_t = ["sm_90a".to_string(), "sm_80".to_string()])]
+    archs: Vec<String>,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let archs: Vec<String> = if args.is_empty() { vec!["sm_90a".into(), "sm_80".into()] } else { args };
+    let archs = Cli::parse().archs;
     if !compile::nvrtc_available() {
         let require = std::env::var("DISTATTN_REQUIRE_NVRTC").map(|v| v == "1").unwrap_or(false);
         eprintln!("nvrtc-check: NVRTC library not found (LD_LIBRARY_PATH={:?})", std::env::var("LD_LIBRARY_PATH").ok());

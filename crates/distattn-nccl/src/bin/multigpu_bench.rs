@@ -1,14 +1,8 @@
 //! Multi-GPU benchmark of distattn (run on a machine with several GPUs; the exactness checks
 //! are the ignored tests of `tests/gpus.rs`).
 //!
-//! ```text
-//! distattn-multigpu-bench bench  --gpus N [--seqs 32768,131072] [--strategies zigzag,balanced,dispatch]
-//!                                [--passes fwd,fwdbwd] [--heads 32] [--kv-heads 8] [--mask causal]
-//!                                [--iters 4] [--out FILE] [--timelines FILE] [--single]
-//! distattn-multigpu-bench probe  --gpus N --seqs 262144,524288 [--strategy zigzag] [--out FILE]
-//! distattn-multigpu-bench kill-test --gpus N [--timeout-s 10] [--kill-after-s 4]
-//! distattn-multigpu-bench worker   (one rank, from RANK/WORLD_SIZE/LOCAL_RANK/NCCL_COMM_ID)
-//! ```
+//! Subcommands `bench`, `probe`, `kill-test` and `worker` (one rank of a launched run);
+//! `distattn-multigpu-bench <subcommand> --help` lists the options.
 
 use distattn_core::plan::{Pass, Plan, PlanOptions, RingBackward};
 use distattn_core::planner::build;
@@ -21,6 +15,7 @@ use distattn_nccl::{device_inputs, gpu_rank_from_env, with_gpu_ranks, GpuRank};
 use half::bf16;
 use serde_json::json;
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -28,39 +23,81 @@ type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 /// A case's forward and backward plans and its mask, or why they could not be built.
 type CasePlans = std::result::Result<(Plan, Plan, Mask), String>;
 
-struct Args(HashMap<String, String>);
+/// Multi-GPU benchmark of distattn's context-parallel strategies.
+#[derive(clap::Parser)]
+#[command(name = "distattn-multigpu-bench", version)]
+enum Cli {
+    /// Times strategies against the single-GPU kernel (JSON rows with --out).
+    Bench(BenchArgs),
+    /// The longest sequence each length of --seqs reaches: runs until the first failure.
+    Probe(ProbeArgs),
+    /// Kills one rank mid-run and checks that every other rank reports it and exits.
+    KillTest(KillTestArgs),
+    /// One rank of a launched run (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID from the launcher).
+    Worker,
+}
 
-impl Args {
-    fn parse(v: &[String]) -> Args {
-        let mut m = HashMap::new();
-        let mut i = 0;
-        while i < v.len() {
-            if let Some(k) = v[i].strip_prefix("--") {
-                if i + 1 < v.len() && !v[i + 1].starts_with("--") {
-                    m.insert(k.to_string(), v[i + 1].clone());
-                    i += 2;
-                } else {
-                    m.insert(k.to_string(), "1".into());
-                    i += 1;
-                }
-            } else {
-                i += 1;
-            }
-        }
-        Args(m)
-    }
-    fn get(&self, k: &str, d: &str) -> String {
-        self.0.get(k).cloned().unwrap_or_else(|| d.to_string())
-    }
-    fn num(&self, k: &str, d: usize) -> usize {
-        self.0.get(k).and_then(|v| v.parse().ok()).unwrap_or(d)
-    }
-    fn list(&self, k: &str, d: &str) -> Vec<String> {
-        self.get(k, d).split(',').filter(|s| !s.is_empty()).map(|s| s.to_string()).collect()
-    }
-    fn has(&self, k: &str) -> bool {
-        self.0.contains_key(k)
-    }
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// GPUs (ranks).
+    #[arg(long, default_value_t = 4)]
+    gpus: usize,
+    #[arg(long, value_delimiter = ',', default_value = "32768,131072")]
+    seqs: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "zigzag,balanced,dispatch")]
+    strategies: Vec<Strategy>,
+    /// Passes to time: fwd, fwdbwd.
+    #[arg(long, value_delimiter = ',', default_value = "fwd,fwdbwd")]
+    passes: Vec<String>,
+    #[arg(long, default_value_t = 32)]
+    heads: usize,
+    #[arg(long, default_value_t = 8)]
+    kv_heads: usize,
+    #[arg(long, default_value = "causal")]
+    mask: MaskSpec,
+    /// Timed iterations per case.
+    #[arg(long, default_value_t = 4)]
+    iters: usize,
+    /// Write the report (JSON) here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Write every run's per-step timelines (JSON) here.
+    #[arg(long)]
+    timelines: Option<PathBuf>,
+    /// Skip the single-GPU reference rows.
+    #[arg(long)]
+    no_single: bool,
+}
+
+#[derive(clap::Args)]
+struct ProbeArgs {
+    #[arg(long, default_value_t = 4)]
+    gpus: usize,
+    #[arg(long, value_delimiter = ',', default_value = "262144,524288")]
+    seqs: Vec<usize>,
+    #[arg(long, default_value = "zigzag")]
+    strategy: Strategy,
+    #[arg(long, default_value_t = 32)]
+    heads: usize,
+    #[arg(long, default_value_t = 8)]
+    kv_heads: usize,
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct KillTestArgs {
+    #[arg(long, default_value_t = 4)]
+    gpus: usize,
+    /// Seconds a surviving rank waits for the dead one.
+    #[arg(long, default_value_t = 10)]
+    timeout_s: usize,
+    /// Seconds after the start when the victim is killed.
+    #[arg(long, default_value_t = 6)]
+    kill_after_s: usize,
+    /// The rank killed.
+    #[arg(long, default_value_t = 1)]
+    victim: usize,
 }
 
 fn device_name() -> String {
@@ -192,15 +229,11 @@ struct BenchCase {
     fwdbwd: bool,
 }
 
-fn bench(a: &Args) -> Res<()> {
-    let world = a.num("gpus", 4);
-    let seqs: Vec<usize> = a.list("seqs", "32768,131072").iter().map(|s| s.parse().unwrap_or(32768)).collect();
-    let strategies: Vec<Strategy> =
-        a.list("strategies", "zigzag,balanced,dispatch").iter().map(|s| s.parse()).collect::<Result<_>>()?;
-    let passes = a.list("passes", "fwd,fwdbwd");
-    let (h, kvh, d) = (a.num("heads", 32), a.num("kv-heads", 8), 128);
-    let spec: MaskSpec = a.get("mask", "causal").parse()?;
-    let iters = a.num("iters", 4);
+fn bench(a: &BenchArgs) -> Res<()> {
+    let (world, seqs, strategies, passes) = (a.gpus, a.seqs.clone(), a.strategies.clone(), a.passes.clone());
+    let (h, kvh, d) = (a.heads, a.kv_heads, 128);
+    let spec = a.mask.clone();
+    let iters = a.iters;
     let opts = AttnOptions::default();
     let dev = device_name();
     let mut rows = Vec::new();
@@ -224,7 +257,7 @@ fn bench(a: &Args) -> Res<()> {
     };
     // Single-GPU kernel throughput (the scaling reference).
     let mut single: HashMap<(usize, bool), f64> = HashMap::new();
-    if !a.has("no-single") {
+    if !a.no_single {
         for &n in &seqs {
             let shape = AttnShape::new(1, n, n, h, kvh, d)?;
             let mask = spec.build(n, n)?;
@@ -384,10 +417,10 @@ fn bench(a: &Args) -> Res<()> {
         }
     }
     let out = json!({"device": dev, "date": today(), "commit": std::env::var("DISTATTN_COMMIT").unwrap_or_else(|_| "unknown".into()), "rows": rows});
-    if let Some(p) = a.0.get("out") {
+    if let Some(p) = &a.out {
         std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
     }
-    if let Some(p) = a.0.get("timelines") {
+    if let Some(p) = &a.timelines {
         std::fs::write(p, serde_json::to_string(&timelines)?)?;
     }
     Ok(())
@@ -404,11 +437,9 @@ fn today() -> String {
 }
 
 /// Longest sequence that runs fwd+bwd: one iteration per size, stops at the first failure.
-fn probe(a: &Args) -> Res<()> {
-    let world = a.num("gpus", 4);
-    let seqs: Vec<usize> = a.list("seqs", "262144,524288").iter().map(|s| s.parse().unwrap_or(0)).collect();
-    let st: Strategy = a.get("strategy", "zigzag").parse()?;
-    let (h, kvh, d) = (a.num("heads", 32), a.num("kv-heads", 8), 128);
+fn probe(a: &ProbeArgs) -> Res<()> {
+    let (world, seqs, st) = (a.gpus, a.seqs.clone(), a.strategy);
+    let (h, kvh, d) = (a.heads, a.kv_heads, 128);
     let opts = AttnOptions::default();
     let mut rows = Vec::new();
     for n in seqs {
@@ -442,7 +473,7 @@ fn probe(a: &Args) -> Res<()> {
             }
         }
     }
-    if let Some(p) = a.0.get("out") {
+    if let Some(p) = &a.out {
         std::fs::write(p, serde_json::to_string_pretty(&rows)?)?;
     }
     Ok(())
@@ -481,13 +512,10 @@ fn worker() -> Res<()> {
     }
 }
 
-fn kill_test(a: &Args) -> Res<bool> {
+fn kill_test(a: &KillTestArgs) -> Res<bool> {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
-    let world = a.num("gpus", 4);
-    let timeout = a.num("timeout-s", 10);
-    let kill_after = a.num("kill-after-s", 6);
-    let victim = a.num("victim", 1);
+    let (world, timeout, kill_after, victim) = (a.gpus, a.timeout_s, a.kill_after_s, a.victim);
     let exe = std::env::current_exe()?;
     let port = 29000 + (std::process::id() % 1000) as u16;
     let id = format!("127.0.0.1:{port}");
@@ -562,20 +590,11 @@ fn kill_test(a: &Args) -> Res<bool> {
 
 fn main() {
     distattn_nccl::comm::nccl_env_defaults();
-    let argv: Vec<String> = std::env::args().collect();
-    let cmd = argv.get(1).cloned().unwrap_or_default();
-    let a = Args::parse(&argv[1.min(argv.len())..]);
-    let r: Res<bool> = match cmd.as_str() {
-        "bench" => bench(&a).map(|_| true),
-        "probe" => probe(&a).map(|_| true),
-        "kill-test" => kill_test(&a),
-        "worker" => worker().map(|_| true),
-        _ => {
-            eprintln!(
-                "usage: distattn-multigpu-bench bench|probe|kill-test|worker [--gpus N] ... (see the source header)"
-            );
-            std::process::exit(2);
-        }
+    let r: Res<bool> = match <Cli as clap::Parser>::parse() {
+        Cli::Bench(a) => bench(&a).map(|_| true),
+        Cli::Probe(a) => probe(&a).map(|_| true),
+        Cli::KillTest(a) => kill_test(&a),
+        Cli::Worker => worker().map(|_| true),
     };
     match r {
         Ok(true) => {}
