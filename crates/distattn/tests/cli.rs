@@ -564,10 +564,23 @@ fn timeline_tables_and_charts_recorded_runs() {
     ] {
         assert!(chart.contains(label), "{label} not in the chart");
     }
-    // One bar per compute span and per transfer: 6 compute, 4 transfer.
+    // One bar per compute span and per transfer: 6 compute, 4 transfer; and a legend swatch
+    // per kind and shade.
     let bars =
         |colours: &[&str]| colours.iter().map(|c| chart.matches(&format!("fill=\"#{c}\"")).count()).sum::<usize>();
-    assert_eq!((bars(&["1F77B4", "78AAD7"]), bars(&["E67814", "F5B46E"])), (6, 4));
+    assert_eq!((bars(&["1F77B4", "78AAD7"]), bars(&["E67814", "F5B46E"])), (6 + 2, 4 + 2));
+    for label in ["compute, even steps", "transfer, odd steps"] {
+        assert!(chart.contains(label), "the legend lacks '{label}'");
+    }
+    // No bar reaches the right edge of the 1000-pixel chart.
+    let right_ends =
+        chart.split("<rect").skip(1).filter(|r| r.contains("fill=\"#1F77B4\"") || r.contains("fill=\"#E67814\""));
+    let attr = |r: &str, name: &str| -> f64 {
+        let v = r.split(&format!(" {name}=\"")).nth(1).unwrap();
+        v[..v.find('"').unwrap()].parse().unwrap()
+    };
+    let right = right_ends.map(|r| attr(r, "x") + attr(r, "width")).fold(0.0, f64::max);
+    assert!(right < 960.0, "a bar ends at x = {right}");
 
     one_line_error(&distattn(&["timeline", "/no/such/file.json"]), "reading /no/such/file.json");
     std::fs::write(dir.path().join("bad.json"), "{\"rows\": []}").unwrap();

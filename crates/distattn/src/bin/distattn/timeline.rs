@@ -89,22 +89,28 @@ pub fn timeline(args: TimelineArgs) -> Result<()> {
 
 const LANE_PX: u32 = 22;
 const PANEL_EXTRA_PX: u32 = 70;
+/// The title strip: the run's title, and the colour legend under it.
+const TITLE_PX: u32 = 64;
+/// Bar colours by kind, two shades alternating by step so that neighbouring steps stand apart.
+const COMPUTE: [RGBColor; 2] = [RGBColor(31, 119, 180), RGBColor(120, 170, 215)];
+const TRANSFER: [RGBColor; 2] = [RGBColor(230, 120, 20), RGBColor(245, 180, 110)];
 
 /// Draws one run: a panel per phase, a compute and a transfer lane per rank.
 fn draw(run: &TimelineRun, path: &Path) -> Result<()> {
     let phases = run.phases();
     let heights: Vec<u32> = phases.iter().map(|p| 2 * p.len() as u32 * LANE_PX + PANEL_EXTRA_PX).collect();
-    let root = SVGBackend::new(path, (1000, 40 + heights.iter().sum::<u32>())).into_drawing_area();
+    let root = SVGBackend::new(path, (1000, TITLE_PX + heights.iter().sum::<u32>())).into_drawing_area();
     let fail = |e: &dyn std::fmt::Display| anyhow::anyhow!("drawing {}: {e}", path.display());
     root.fill(&WHITE).map_err(|e| fail(&e))?;
-    let (title, mut rest) = root.split_vertically(40);
+    let (title, mut rest) = root.split_vertically(TITLE_PX);
     let gpus = phases.first().map_or(0, |p| p.len());
-    title
+    let legend = title
         .titled(
             &format!("{} · {} · {} tokens · {} · {gpus} GPUs", run.strategy, run.mask, run.seq, run.pass),
             ("sans-serif", 20),
         )
         .map_err(|e| fail(&e))?;
+    draw_legend(&legend).map_err(|e| fail(&e))?;
     for (k, phase) in phases.iter().enumerate() {
         let (area, below) = rest.split_vertically(heights[k]);
         rest = below;
@@ -116,13 +122,31 @@ fn draw(run: &TimelineRun, path: &Path) -> Result<()> {
 
 type DrawResult<T> = std::result::Result<T, DrawingAreaErrorKind<<SVGBackend<'static> as DrawingBackend>::ErrorType>>;
 
+/// A swatch and a label per bar kind and shade, in a row under the title.
+fn draw_legend(area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>) -> DrawResult<()> {
+    let entries = [
+        (COMPUTE[0], "compute, even steps"),
+        (COMPUTE[1], "compute, odd steps"),
+        (TRANSFER[0], "transfer, even steps"),
+        (TRANSFER[1], "transfer, odd steps"),
+    ];
+    let mut x = 130;
+    for (colour, label) in entries {
+        area.draw(&Rectangle::new([(x, 6), (x + 14, 18)], colour.filled()))?;
+        area.draw(&Text::new(label, (x + 20, 5), ("sans-serif", 13)))?;
+        x += 190;
+    }
+    Ok(())
+}
+
 fn draw_phase(
     area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
     name: &str,
     ranks: &[&Timeline],
 ) -> DrawResult<()> {
     let lanes = 2 * ranks.len() as u32;
-    let x_max = ranks.iter().map(|t| t.total_ms).fold(0.0, f64::max).max(1e-3);
+    // 4% of room past the last bar, so that it ends inside the frame.
+    let x_max = 1.04 * ranks.iter().map(|t| t.total_ms).fold(0.0, f64::max).max(1e-3);
     let hidden: f64 = ranks.iter().map(|t| t.overlap().hidden_ms).sum();
     let comm: f64 = ranks.iter().map(|t| t.overlap().comm_ms).sum();
     let spans_only = ranks.iter().flat_map(|t| &t.steps).any(|s| s.comm.is_some() && s.transfers.is_empty());
@@ -152,6 +176,7 @@ fn draw_phase(
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 15))
         .margin(6)
+        .margin_right(24)
         .x_label_area_size(28)
         .y_label_area_size(120)
         .build_cartesian_2d(0f64..x_max, (0..lanes).into_segmented())?;
@@ -162,12 +187,10 @@ fn draw_phase(
         .y_label_formatter(&lane_name)
         .x_desc("ms from the rank's start")
         .draw()?;
-    let compute = [RGBColor(31, 119, 180), RGBColor(120, 170, 215)];
-    let transfer = [RGBColor(230, 120, 20), RGBColor(245, 180, 110)];
     for (r, t) in ranks.iter().enumerate() {
         for s in &t.steps {
-            let bars = s.compute.map(|iv| (2 * r as u32, iv, compute)).into_iter();
-            let bars = bars.chain(s.transfer_intervals().into_iter().map(|iv| (2 * r as u32 + 1, iv, transfer)));
+            let bars = s.compute.map(|iv| (2 * r as u32, iv, COMPUTE)).into_iter();
+            let bars = bars.chain(s.transfer_intervals().into_iter().map(|iv| (2 * r as u32 + 1, iv, TRANSFER)));
             chart.draw_series(bars.map(|(lane, (a, b), shades)| {
                 let y = lanes - 1 - lane;
                 Rectangle::new(
