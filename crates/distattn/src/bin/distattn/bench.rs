@@ -268,19 +268,24 @@ impl Table {
     /// One line per forward row of `rows` (one configuration), with its backward beside it.
     fn lines(&self, rows: &[Row]) -> Vec<String> {
         let rate = |flops_per_s: f64| format!("{:.1}", flops_per_s / self.scale);
+        // Three significant digits: GPU kernels take fractions of a millisecond.
+        let ms = |t: f64| match t {
+            t if t < 1.0 => format!("{t:.3}"),
+            t if t < 10.0 => format!("{t:.2}"),
+            t => format!("{t:.1}"),
+        };
         rows.iter()
             .filter(|r| r.pass == "fwd")
             .map(|fwd| {
                 let bwd = rows.iter().find(|r| r.pass == "bwd" && r.strategy == fwd.strategy && r.world == fwd.world);
-                let (bms, brate) =
-                    bwd.map_or(("-".into(), "-".into()), |b| (format!("{:.1}", b.ms), rate(b.tflops * 1e12)));
+                let (bms, brate) = bwd.map_or(("-".into(), "-".into()), |b| (ms(b.ms), rate(b.tflops * 1e12)));
                 let mut mask = fwd.mask.clone();
                 if mask.len() > 22 {
                     mask.truncate(19);
                     mask.push_str("...");
                 }
                 let mut line = format!(
-                    "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10.1} {:>12} {:>10} {:>12}",
+                    "{:<7} {:<12} {:<5} {:<22} {:>6} {:>5} {:>4} {:>10} {:>12} {:>10} {:>12}",
                     fwd.backend,
                     if fwd.world > 1 { format!("{}x{}", fwd.strategy, fwd.world) } else { fwd.strategy.clone() },
                     fwd.dtype,
@@ -288,7 +293,7 @@ impl Table {
                     fwd.seq,
                     fwd.heads,
                     fwd.head_dim,
-                    fwd.ms,
+                    ms(fwd.ms),
                     rate(fwd.tflops * 1e12),
                     bms,
                     brate,
