@@ -54,7 +54,7 @@ impl CudaBackend {
         lse: &mut impl DevicePtrMut<f32>,
         o_f32: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
-        self.check_common(T::DTYPE, shape, mask)?;
+        let cfg = self.check_common(T::DTYPE, shape, mask)?;
         let t = ForwardPtrs {
             q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
             k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
@@ -66,27 +66,28 @@ impl CudaBackend {
             },
             lse: self.checked_mut_ptr("lse", lse, shape.lse_elems(), shape)?,
         };
-        // SAFETY: every address was checked above to hold what `shape` says, 16-byte aligned, in
-        // buffers of this context used on the compute stream.
-        unsafe { self.launch_forward(self.stream(), T::DTYPE, &t, shape, mask, opts) }
+        // SAFETY: cfg comes from check_common; every address was checked above to hold what
+        // `shape` says, 16-byte aligned, in buffers of this context used on the compute stream.
+        unsafe { self.launch_forward(self.stream(), T::DTYPE, cfg, &t, shape, mask, opts) }
     }
 
     /// Launches the forward kernel on `s`.
     ///
     /// # Safety
-    /// The addresses of `t` are, in this context, 16-byte aligned buffers of `dtype` (`o_f32`
+    /// `cfg` is what [`CudaBackend::check_common`] returned for `dtype`, `shape` and `mask` (so
+    /// the sizes fit the kernels' i32 fields). The addresses of `t` are, in this context, 16-byte aligned buffers of `dtype` (`o_f32`
     /// and `lse`: f32; `o_f32` may be 0) holding what `shape` says (q, o, o_f32: q_elems(); k, v:
     /// kv_elems(); lse: lse_elems()), not used by another stream while the kernel runs.
     pub(crate) unsafe fn launch_forward(
         &self,
         s: &CudaStream,
         dtype: DType,
+        cfg: KernelConfig,
         t: &ForwardPtrs,
         shape: &AttnShape,
         mask: &Mask,
         opts: &AttnOptions,
     ) -> Result<()> {
-        let cfg = self.check_common(dtype, shape, mask)?;
         let kern = self.kernels(dtype, shape.head_dim)?;
         let tiles = self.tiles(mask, cfg.fwd_bm(), cfg.fwd_bn, false)?;
         let p = FwdParams {
@@ -192,7 +193,7 @@ impl CudaBackend {
         dk: &mut impl DevicePtrMut<T>,
         dv: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
-        self.backward_config(T::DTYPE, shape, mask)?;
+        let cfg = self.backward_config(T::DTYPE, shape, mask)?;
         let t = DkDvPtrs {
             q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
             k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
@@ -204,14 +205,15 @@ impl CudaBackend {
             dk: self.checked_mut_ptr("dk", dk, shape.kv_elems(), shape)?,
             dv: self.checked_mut_ptr("dv", dv, shape.kv_elems(), shape)?,
         };
-        // SAFETY: every address was checked above to hold what `shape` says, 16-byte aligned, in
-        // buffers of this context used on the compute stream.
-        unsafe { self.launch_dkdv(self.stream(), T::DTYPE, &t, shape, mask, opts) }
+        // SAFETY: cfg comes from backward_config; every address was checked above to hold what
+        // `shape` says, 16-byte aligned, in buffers of this context used on the compute stream.
+        unsafe { self.launch_dkdv(self.stream(), T::DTYPE, cfg, &t, shape, mask, opts) }
     }
 
     /// Launches the dK/dV kernel (which also accumulates dQ) on `s`.
     ///
     /// # Safety
+    /// `cfg` is what [`CudaBackend::backward_config`] returned for `dtype`, `shape` and `mask`.
     /// The addresses of `t` are, in this context, 16-byte aligned buffers holding what `shape`
     /// says (q, d_o: q_elems() of `dtype`; dq_acc: q_elems() f32; k, v, dk, dv: kv_elems() of
     /// `dtype`; lse, delta: lse_elems() f32), not used by another stream while the kernel runs.
@@ -219,12 +221,12 @@ impl CudaBackend {
         &self,
         s: &CudaStream,
         dtype: DType,
+        cfg: KernelConfig,
         t: &DkDvPtrs,
         shape: &AttnShape,
         mask: &Mask,
         opts: &AttnOptions,
     ) -> Result<()> {
-        let cfg = self.backward_config(dtype, shape, mask)?;
         let scale = opts.scale_for(shape.head_dim)?;
         let kern = self.kernels(dtype, shape.head_dim)?;
         let tiles = self.tiles(mask, cfg.bwd_bm, cfg.bwd_bn(), true)?;
@@ -303,36 +305,31 @@ impl CudaBackend {
         dk: &mut impl DevicePtrMut<T>,
         dv: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
-        self.backward_config(T::DTYPE, shape, mask)?;
-        let t = BackwardPtrs {
-            o: self.checked_ptr("o", o, shape.q_elems(), shape)?,
-            dq: self.checked_mut_ptr("dq", dq, shape.q_elems(), shape)?,
-            // The workspace is filled in below; the rest are the caller's buffers.
-            dkdv: DkDvPtrs {
-                q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
-                k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
-                v: self.checked_ptr("v", v, shape.kv_elems(), shape)?,
-                d_o: self.checked_ptr("d_o", d_o, shape.q_elems(), shape)?,
-                lse: self.checked_ptr("lse", lse, shape.lse_elems(), shape)?,
-                delta: 0,
-                dq_acc: 0,
-                dk: self.checked_mut_ptr("dk", dk, shape.kv_elems(), shape)?,
-                dv: self.checked_mut_ptr("dv", dv, shape.kv_elems(), shape)?,
-            },
-        };
+        let cfg = self.backward_config(T::DTYPE, shape, mask)?;
         let s = self.stream();
         // SAFETY: the row delta, launched on `s` by launch_backward, writes all lse_elems() values
         // before the dK/dV kernel, later on `s`, reads them; nothing else sees the buffer.
         let delta = unsafe { s.alloc::<f32>(shape.lse_elems()) }.map_err(driver_err("allocating delta"))?;
         let dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).map_err(driver_err("allocating the dQ accumulator"))?;
         let t = BackwardPtrs {
-            dkdv: DkDvPtrs { delta: delta.device_ptr(s).0, dq_acc: dq_acc.device_ptr(s).0, ..t.dkdv },
-            ..t
+            o: self.checked_ptr("o", o, shape.q_elems(), shape)?,
+            dq: self.checked_mut_ptr("dq", dq, shape.q_elems(), shape)?,
+            dkdv: DkDvPtrs {
+                q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
+                k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
+                v: self.checked_ptr("v", v, shape.kv_elems(), shape)?,
+                d_o: self.checked_ptr("d_o", d_o, shape.q_elems(), shape)?,
+                lse: self.checked_ptr("lse", lse, shape.lse_elems(), shape)?,
+                delta: delta.device_ptr(s).0,
+                dq_acc: dq_acc.device_ptr(s).0,
+                dk: self.checked_mut_ptr("dk", dk, shape.kv_elems(), shape)?,
+                dv: self.checked_mut_ptr("dv", dv, shape.kv_elems(), shape)?,
+            },
         };
         // SAFETY: the caller's addresses were checked above; delta and dq_acc were allocated
         // above (lse_elems() and q_elems() f32, dq_acc zeroed), all in this context and used on
-        // `s` only.
-        unsafe { self.launch_backward(s, T::DTYPE, &t, shape, mask, opts) }
+        // `s` only; cfg comes from backward_config.
+        unsafe { self.launch_backward(s, T::DTYPE, cfg, &t, shape, mask, opts) }
         // The workspace buffers are freed in stream order (async free) when they drop here.
     }
 
@@ -340,26 +337,26 @@ impl CudaBackend {
     /// f32) and dQ's conversion to `dtype`.
     ///
     /// # Safety
-    /// The addresses of `t.dkdv` are as [`CudaBackend::launch_dkdv`] requires, with `dq_acc`
-    /// zeroed; `t.o` and `t.dq` are 16-byte aligned buffers of q_elems() of `dtype`; none is used
+    /// `cfg` and the addresses of `t.dkdv` are as [`CudaBackend::launch_dkdv`] requires, with
+    /// `dq_acc` zeroed; `t.o` and `t.dq` are 16-byte aligned buffers of q_elems() of `dtype`; none is used
     /// by another stream while the kernels run.
     pub(crate) unsafe fn launch_backward(
         &self,
         s: &CudaStream,
         dtype: DType,
+        cfg: KernelConfig,
         t: &BackwardPtrs,
         shape: &AttnShape,
         mask: &Mask,
         opts: &AttnOptions,
     ) -> Result<()> {
-        self.backward_config(dtype, shape, mask)?;
         let aux = self.aux(dtype)?;
         let d = &t.dkdv;
         // SAFETY: o and d_o hold q_elems() values of `dtype` and delta lse_elems() f32, 16-byte
         // aligned (this function's contract); the kernel runs on `s` like the ones after it.
         unsafe { aux.row_delta(s, t.o, dtype, d.d_o, d.delta, shape) }?;
         // SAFETY: this function's contract is launch_dkdv's for `t.dkdv`.
-        unsafe { self.launch_dkdv(s, dtype, d, shape, mask, opts) }?;
+        unsafe { self.launch_dkdv(s, dtype, cfg, d, shape, mask, opts) }?;
         // SAFETY: dq_acc holds q_elems() f32 and dq q_elems() of `dtype`, 16-byte aligned; the
         // conversion runs on `s` after the dK/dV kernel that accumulated into dq_acc.
         unsafe { aux.convert_f32(s, d.dq_acc, t.dq, shape.q_elems()) }

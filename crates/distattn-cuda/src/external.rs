@@ -85,7 +85,7 @@ impl CudaBackend {
         opts: &AttnOptions,
     ) -> Result<()> {
         let dtype = attention_dtype(dtype)?;
-        self.check_common(dtype, shape, mask)?;
+        let cfg = self.check_common(dtype, shape, mask)?;
         let p = ForwardPtrs {
             q: aligned("q", t.q)?,
             k: aligned("k", t.k)?,
@@ -95,8 +95,9 @@ impl CudaBackend {
             lse: aligned("lse", t.lse)?,
         };
         self.check_stream(stream)?;
-        // SAFETY: the caller's contract covers sizes and use; alignment was checked above.
-        unsafe { self.launch_forward(stream, dtype, &p, shape, mask, opts) }
+        // SAFETY: the caller's contract covers sizes and use; alignment was checked above, and
+        // cfg comes from check_common.
+        unsafe { self.launch_forward(stream, dtype, cfg, &p, shape, mask, opts) }
     }
 
     /// Enqueues the backward pass (row delta, dK/dV with dQ accumulation, dQ conversion) on
@@ -115,7 +116,7 @@ impl CudaBackend {
         opts: &AttnOptions,
     ) -> Result<()> {
         let dtype = attention_dtype(dtype)?;
-        self.backward_config(dtype, shape, mask)?;
+        let cfg = self.backward_config(dtype, shape, mask)?;
         let p = BackwardPtrs {
             dkdv: DkDvPtrs {
                 q: aligned("q", t.q)?,
@@ -133,8 +134,8 @@ impl CudaBackend {
         };
         self.check_stream(stream)?;
         // SAFETY: the caller's contract covers sizes, dq_acc's zeroing and use; alignment was
-        // checked above.
-        unsafe { self.launch_backward(stream, dtype, &p, shape, mask, opts) }
+        // checked above, and cfg comes from backward_config.
+        unsafe { self.launch_backward(stream, dtype, cfg, &p, shape, mask, opts) }
     }
 
     fn check_stream(&self, stream: &CudaStream) -> Result<()> {
