@@ -32,30 +32,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import distattn
 
 
-def timed(fn, min_seconds=1.0, warmup=3, min_reps=10):
-    """Median milliseconds of `fn()` (CUDA events around each call)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times, start = [], time.perf_counter()
-    while len(times) < min_reps or time.perf_counter() - start < min_seconds:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def timed_back_to_back(fn, min_seconds=1.0, batch=10):
-    """Median milliseconds per call of `batch` calls issued back to back (CUDA events around
-    the batch): the time a training loop sees once launch latency hides behind the GPU."""
+def timed(fn, min_seconds=1.0, batch=1):
+    """Median milliseconds per call of `fn()`: CUDA events around each call (batch=1) or around
+    `batch` calls issued back to back, the time a training loop sees once launch latency hides
+    behind the GPU; after 3 warm-up calls, at least 10 single calls / 3 batches and
+    `min_seconds` (the timing of `distattn-cuda-bench --sustain`)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    min_reps = 10 if batch == 1 else 3
     times, start = [], time.perf_counter()
-    while len(times) < 3 or time.perf_counter() - start < min_seconds:
+    while len(times) < min_reps or time.perf_counter() - start < min_seconds:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(batch):
@@ -123,8 +110,8 @@ def case(b, n, h, hkv, d, causal, quick, only):
     for name, (fwd, inputs, grad) in impls.items():
         fwd_bwd = lambda fwd=fwd, inputs=inputs, grad=grad: torch.autograd.grad(fwd(), inputs, grad)  # noqa: E731
         with torch.no_grad():
-            fwd_times = timed(fwd, secs), timed_back_to_back(fwd, secs), host_us(fwd)
-        fwd_bwd_times = timed(fwd_bwd, secs), timed_back_to_back(fwd_bwd, secs), host_us(fwd_bwd)
+            fwd_times = timed(fwd, secs), timed(fwd, secs, batch=10), host_us(fwd)
+        fwd_bwd_times = timed(fwd_bwd, secs), timed(fwd_bwd, secs, batch=10), host_us(fwd_bwd)
         for pas, (ms, b2b, us), flop in (("fwd", fwd_times, fwd_flop), ("fwd+bwd", fwd_bwd_times, 3.5 * fwd_flop)):
             rows.append(dict(impl=name, pass_=pas, batch=b, seq=n, heads=h, kv_heads=hkv, head_dim=d,
                              causal=causal, ms=ms, ms_back_to_back=b2b, tflops=flop / ms / 1e9, host_us=us))

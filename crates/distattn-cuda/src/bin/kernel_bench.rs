@@ -59,46 +59,51 @@ struct BenchRow {
     ms_back_to_back: Option<f64>,
 }
 
-/// Median time of runs of `f` (CUDA events around each): after one warm-up, `reps` runs; or,
-/// when `sustain` is positive, after three warm-ups, at least `reps` runs and `sustain` seconds.
-fn time_ms(be: &CudaBackend, reps: usize, sustain: f64, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
-    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    for _ in 0..if sustain > 0.0 { 3 } else { 1 } {
-        f()?;
-    }
-    be.synchronize()?;
-    let start = std::time::Instant::now();
-    let mut ts = Vec::new();
-    while ts.len() < reps || start.elapsed().as_secs_f64() < sustain {
-        let a = be.stream().record_event(flags)?;
-        f()?;
-        let b = be.stream().record_event(flags)?;
-        b.synchronize()?;
-        ts.push(a.elapsed_ms(&b)? as f64);
-    }
-    ts.sort_by(|a, b| a.total_cmp(b));
-    Ok(ts[ts.len() / 2])
+/// How a row is timed: warm-up calls, then at least `reps` samples and `sustain` seconds; a
+/// sample is CUDA events around `batch` calls issued back to back, per call.
+#[derive(Clone, Copy)]
+struct Timing {
+    warmups: usize,
+    reps: usize,
+    sustain: f64,
+    batch: usize,
 }
 
-/// Median milliseconds per call of batches of 10 calls issued back to back (CUDA events around
-/// each batch), repeated for at least `sustain` seconds after three warm-up calls.
-fn time_back_to_back(be: &CudaBackend, sustain: f64, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
-    const BATCH: usize = 10;
+impl Timing {
+    /// One warm-up, then the median of `reps` single calls.
+    fn quick(reps: usize) -> Timing {
+        Timing { warmups: 1, reps, sustain: 0.0, batch: 1 }
+    }
+
+    /// Three warm-ups, then at least `sustain` seconds of single calls (or of batches of 10
+    /// issued back to back): the two timings of bench/python_bench.py.
+    fn sustained(sustain: f64, back_to_back: bool) -> Timing {
+        Timing {
+            warmups: 3,
+            reps: if back_to_back { 3 } else { 10 },
+            sustain,
+            batch: if back_to_back { 10 } else { 1 },
+        }
+    }
+}
+
+/// Median milliseconds per call of `f`, timed as `t` says.
+fn time_ms(be: &CudaBackend, t: Timing, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    for _ in 0..3 {
+    for _ in 0..t.warmups {
         f()?;
     }
     be.synchronize()?;
     let start = std::time::Instant::now();
     let mut ts = Vec::new();
-    while ts.len() < 3 || start.elapsed().as_secs_f64() < sustain {
+    while ts.len() < t.reps || start.elapsed().as_secs_f64() < t.sustain {
         let a = be.stream().record_event(flags)?;
-        for _ in 0..BATCH {
+        for _ in 0..t.batch {
             f()?;
         }
         let b = be.stream().record_event(flags)?;
         b.synchronize()?;
-        ts.push(a.elapsed_ms(&b)? as f64 / BATCH as f64);
+        ts.push(a.elapsed_ms(&b)? as f64 / t.batch as f64);
     }
     ts.sort_by(|a, b| a.total_cmp(b));
     Ok(ts[ts.len() / 2])
@@ -134,12 +139,14 @@ fn bench(be: &CudaBackend, out: &str, dims: &[usize], quick: bool, seqs: Option<
                 let fwd_flops = 4.0 * (batch * heads) as f64 * mask.area() as f64 * d as f64;
                 let reps = if seq >= 65536 { 3 } else { 10 };
                 let mut fwd = || Ok(be.forward(&q, &k, &v, &shape, &mask, &opts, &mut o, &mut lse, None)?);
-                let tf = time_ms(be, reps, sustain, &mut fwd)?;
-                let fwd_b2b = if sustain > 0.0 { Some(time_back_to_back(be, sustain, &mut fwd)?) } else { None };
+                let per_call = if sustain > 0.0 { Timing::sustained(sustain, false) } else { Timing::quick(reps) };
+                let back_to_back = (sustain > 0.0).then(|| Timing::sustained(sustain, true));
+                let tf = time_ms(be, per_call, &mut fwd)?;
+                let fwd_b2b = back_to_back.map(|t| time_ms(be, t, &mut fwd)).transpose()?;
                 let mut bwd =
                     || Ok(be.backward(&q, &k, &v, &o, &lse, &d_o, &shape, &mask, &opts, &mut dq, &mut dk, &mut dv)?);
-                let tb = time_ms(be, reps, sustain, &mut bwd)?;
-                let bwd_b2b = if sustain > 0.0 { Some(time_back_to_back(be, sustain, &mut bwd)?) } else { None };
+                let tb = time_ms(be, per_call, &mut bwd)?;
+                let bwd_b2b = back_to_back.map(|t| time_ms(be, t, &mut bwd)).transpose()?;
                 for (pass, t, b2b, fl) in [("fwd", tf, fwd_b2b, fwd_flops), ("bwd", tb, bwd_b2b, 2.5 * fwd_flops)] {
                     let tflops = fl / (t * 1e-3) / 1e12;
                     println!("distattn {pass} causal={causal} b={batch} n={seq} h={heads} d={d}: {t:.3} ms {tflops:.1} TFLOP/s");
