@@ -156,17 +156,10 @@ class _EagerAttention(torch.autograd.Function):
         return _gradients(ctx, d_o, _backward_impl)
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: str,
-    softmax_scale: Optional[float],
-    cu_seqlens_q: Optional[Tensor],
-    cu_seqlens_k: Optional[Tensor],
-) -> Tuple[Tensor, Tensor]:
-    """O and LSE, differentiable in q, k, v: the custom op when torch.compile traces the
-    call, the same computation without the dispatcher when it runs eagerly."""
+def attention(*inputs) -> Tuple[Tensor, Tensor]:
+    """O and LSE of `forward`'s inputs, differentiable in q, k, v: the custom op when
+    torch.compile traces the call, the same computation without the dispatcher when it runs
+    eagerly."""
     if torch.compiler.is_compiling():
-        return forward(q, k, v, mask, softmax_scale, cu_seqlens_q, cu_seqlens_k)
-    return _EagerAttention.apply(q, k, v, mask, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+        return forward(*inputs)
+    return _EagerAttention.apply(*inputs)

@@ -10,7 +10,7 @@
 
 mod problem;
 
-use distattn::{AttnOptions, DType, Error};
+use distattn::{DType, Error};
 use problem::{Problem, Seqlens, TensorDesc};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -62,7 +62,7 @@ fn forward(
 ) -> PyResult<()> {
     let mask = mask.to_string();
     guarded(py, move || {
-        let p = Problem::new(&q, &k, &v, &mask, seqlens.as_ref(), options(softmax_scale)?)?;
+        let p = Problem::new(&q, &k, &v, &mask, seqlens.as_ref(), softmax_scale)?;
         p.expect("o", &o, &p.q_dims(), p.dtype)?;
         p.expect("lse", &lse, &p.lse_dims(), DType::F32)?;
         p.forward(&q, &k, &v, &o, &lse, stream)
@@ -95,7 +95,7 @@ fn backward(
 ) -> PyResult<()> {
     let mask = mask.to_string();
     guarded(py, move || {
-        let p = Problem::new(&q, &k, &v, &mask, seqlens.as_ref(), options(softmax_scale)?)?;
+        let p = Problem::new(&q, &k, &v, &mask, seqlens.as_ref(), softmax_scale)?;
         let (q_dims, kv_dims) = (p.q_dims(), p.kv_dims());
         for (name, t, dims) in [("o", &o, &q_dims), ("d_o", &d_o, &q_dims), ("dq", &dq, &q_dims)] {
             p.expect(name, t, dims, p.dtype)?;
@@ -114,11 +114,6 @@ fn backward(
         };
         p.backward([&q, &k, &v, &o, &lse, &d_o], [&dq, &dk, &dv], workspace, stream)
     })
-}
-
-/// The softmax scale, checked as the library checks it (positive and finite).
-fn options(softmax_scale: Option<f64>) -> distattn::Result<AttnOptions> {
-    Ok(AttnOptions { scale: softmax_scale.map(|s| s as f32) })
 }
 
 /// Whether a CUDA driver and GPU can be used by the kernels.

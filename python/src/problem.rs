@@ -66,7 +66,7 @@ impl Problem {
         v: &TensorDesc,
         spec: &str,
         seqlens: Option<&Seqlens>,
-        opts: AttnOptions,
+        softmax_scale: Option<f64>,
     ) -> Result<Problem> {
         let dtype = dtype_of("q", q)?;
         for (name, t) in [("k", k), ("v", v)] {
@@ -107,7 +107,8 @@ impl Problem {
             });
         }
         let shape = AttnShape::new(b, nq, nk, h, hkv, d)?;
-        opts.scale_for(d)?;
+        let opts = AttnOptions { scale: softmax_scale.map(|s| s as f32) };
+        opts.scale_for(d)?; // positive and finite, as the library checks it
         let mask = cached_mask(spec, nq, nk, seqlens, b)?;
         Ok(Problem { dtype, device: q.4, shape, mask, opts })
     }
