@@ -39,6 +39,11 @@ fn save(dir: &Path, name: &str, shape: &[usize], seed: u32, dtype: DType) -> Pat
     path
 }
 
+/// [`save`] of an f32 tensor, as the path string the CLI takes.
+fn saved(dir: &Path, name: &str, shape: &[usize], seed: u32) -> String {
+    save(dir, name, shape, seed, DType::F32).to_str().unwrap().to_string()
+}
+
 fn one_line_error(out: &Output, needle: &str) {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
@@ -112,8 +117,8 @@ fn output_naming_an_input_or_another_output_is_refused_before_writing() {
     let dir = tempfile::tempdir().unwrap();
     let p = |p: &PathBuf| p.to_str().unwrap().to_string();
     let q = save(dir.path(), "q.npy", &[1, 16, 2, 16], 1, DType::F32);
-    let k = p(&save(dir.path(), "k.npy", &[1, 16, 2, 16], 2, DType::F32));
-    let v = p(&save(dir.path(), "v.npy", &[1, 16, 2, 16], 3, DType::F32));
+    let k = saved(dir.path(), "k.npy", &[1, 16, 2, 16], 2);
+    let v = saved(dir.path(), "v.npy", &[1, 16, 2, 16], 3);
     let g = save(dir.path(), "g.npy", &[1, 16, 2, 16], 4, DType::F32);
     let (q_bytes, g_bytes) = (std::fs::read(&q).unwrap(), std::fs::read(&g).unwrap());
     let before = file_names(dir.path());
@@ -162,9 +167,8 @@ fn output_naming_an_input_or_another_output_is_refused_before_writing() {
 #[cfg(target_os = "linux")]
 fn unwritable_output_directory_is_refused_before_computing() {
     let dir = tempfile::tempdir().unwrap();
-    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
-    let q = p(&save(dir.path(), "q.npy", &[1, 16, 2, 16], 1, DType::F32));
-    let k = p(&save(dir.path(), "k.npy", &[1, 16, 2, 16], 2, DType::F32));
+    let q = saved(dir.path(), "q.npy", &[1, 16, 2, 16], 1);
+    let k = saved(dir.path(), "k.npy", &[1, 16, 2, 16], 2);
     // /proc takes no new files, even from root (a chmod'ed directory would not stop root).
     let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &k, "--out", "/proc/o.npy"]);
     // One line: the error, and no "forward: ..." line before it.
@@ -179,8 +183,8 @@ fn full_disk_leaves_the_old_output_intact() {
     let dir = tempfile::tempdir().unwrap();
     let p = |p: &PathBuf| p.to_str().unwrap().to_string();
     // O is 64 * 4 * 32 f32 = 32 KiB, eight times the limit below.
-    let q = p(&save(dir.path(), "q.npy", &[1, 64, 4, 32], 1, DType::F32));
-    let k = p(&save(dir.path(), "k.npy", &[1, 64, 2, 32], 2, DType::F32));
+    let q = saved(dir.path(), "q.npy", &[1, 64, 4, 32], 1);
+    let k = saved(dir.path(), "k.npy", &[1, 64, 2, 32], 2);
     let o = dir.path().join("o.npy");
     let old = b"the previous o.npy".to_vec();
     std::fs::write(&o, &old).unwrap();
@@ -217,9 +221,9 @@ fn full_disk_leaves_the_old_output_intact() {
 fn gradients_without_destination_are_summarized_not_written() {
     let dir = tempfile::tempdir().unwrap();
     let p = |p: &PathBuf| p.to_str().unwrap().to_string();
-    let q = p(&save(dir.path(), "q.npy", &[1, 16, 2, 16], 1, DType::F32));
-    let k = p(&save(dir.path(), "k.npy", &[1, 16, 2, 16], 2, DType::F32));
-    let g = p(&save(dir.path(), "g.npy", &[1, 16, 2, 16], 4, DType::F32));
+    let q = saved(dir.path(), "q.npy", &[1, 16, 2, 16], 1);
+    let k = saved(dir.path(), "k.npy", &[1, 16, 2, 16], 2);
+    let g = saved(dir.path(), "g.npy", &[1, 16, 2, 16], 4);
     let o = p(&dir.path().join("o.npy"));
     // Run in a directory of its own: nothing may appear there (the old default was ./dq.npy).
     let cwd = tempfile::tempdir().unwrap();
@@ -246,11 +250,11 @@ fn gradients_without_destination_are_summarized_not_written() {
 fn bad_input_is_one_line_error() {
     let dir = tempfile::tempdir().unwrap();
     let p = |p: &PathBuf| p.to_str().unwrap().to_string();
-    let q = p(&save(dir.path(), "q.npy", &[1, 16, 4, 32], 1, DType::F32));
-    let k = p(&save(dir.path(), "k.npy", &[1, 16, 4, 32], 2, DType::F32));
-    let v = p(&save(dir.path(), "v.npy", &[1, 16, 4, 32], 3, DType::F32));
-    let k3 = p(&save(dir.path(), "k3.npy", &[1, 16, 3, 32], 2, DType::F32));
-    let kd = p(&save(dir.path(), "kd.npy", &[1, 16, 4, 16], 2, DType::F32));
+    let q = saved(dir.path(), "q.npy", &[1, 16, 4, 32], 1);
+    let k = saved(dir.path(), "k.npy", &[1, 16, 4, 32], 2);
+    let v = saved(dir.path(), "v.npy", &[1, 16, 4, 32], 3);
+    let k3 = saved(dir.path(), "k3.npy", &[1, 16, 3, 32], 2);
+    let kd = saved(dir.path(), "kd.npy", &[1, 16, 4, 16], 2);
     let vb = p(&save(dir.path(), "vb.npy", &[1, 16, 4, 32], 3, DType::BF16));
     one_line_error(&distattn(&["run", "--q", &q, "--k", &kd, "--v", &kd]), "shape mismatch");
     one_line_error(&distattn(&["run", "--q", &q, "--k", &k3, "--v", &k3]), "multiple of key/value heads");
@@ -315,7 +319,7 @@ fn check_finite_sees_the_values_after_the_dtype_cast() {
     let dir = tempfile::tempdir().unwrap();
     let p = |p: &PathBuf| p.to_str().unwrap().to_string();
     let shape = [1, 8, 4, 32];
-    let k = p(&save(dir.path(), "k.npy", &shape, 2, DType::F32));
+    let k = saved(dir.path(), "k.npy", &shape, 2);
     // 70000 is finite in f32 but beyond f16's largest value (65504).
     let mut vals = vec![0.5f32; 8 * 4 * 32];
     vals[(5 * 4 + 2) * 32 + 17] = 70000.0;
@@ -364,9 +368,9 @@ fn help_explains_options() {
 fn run_on_ranks_matches_single_call_and_failed_rank_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let p = |p: &PathBuf| p.to_str().unwrap().to_string();
-    let q = p(&save(dir.path(), "q.npy", &[1, 45, 4, 16], 1, DType::F32));
-    let k = p(&save(dir.path(), "k.npy", &[1, 45, 2, 16], 2, DType::F32));
-    let v = p(&save(dir.path(), "v.npy", &[1, 45, 2, 16], 3, DType::F32));
+    let q = saved(dir.path(), "q.npy", &[1, 45, 4, 16], 1);
+    let k = saved(dir.path(), "k.npy", &[1, 45, 2, 16], 2);
+    let v = saved(dir.path(), "v.npy", &[1, 45, 2, 16], 3);
     let single = dir.path().join("o1.npy");
     let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &v, "--mask", "causal", "--out", &p(&single)]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
