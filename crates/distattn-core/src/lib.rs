@@ -8,6 +8,7 @@
 //! returns. Nothing here touches hardware: the interpreter (crate `distattn-exec`) and the
 //! backends (CPU, CUDA) build on these types.
 
+pub mod decode;
 pub mod dtype;
 pub mod error;
 pub mod mask;
