@@ -12,6 +12,7 @@
 //! log). Rows that no key reaches have O = 0, LSE = −inf and dQ = 0.
 
 mod backend;
+pub mod decode;
 pub mod flash;
 pub mod merge;
 

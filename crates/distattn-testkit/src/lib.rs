@@ -6,10 +6,13 @@
 //!   (`DISTATTN_SEED=<n>`), never zeros;
 //! * [`compare`]: relative errors against the f64 reference, with −inf (rows that see no key)
 //!   required to match exactly and NaN always failing;
+//! * [`decode`]: random ragged batches in a shuffled paged KV cache, and decode attention's
+//!   f64 reference over them;
 //! * [`plans`]: every strategy's plans run on a caller's ranks against the reference (the
 //!   GPU tests of the CUDA and NCCL crates).
 
 pub mod compare;
+pub mod decode;
 pub mod plans;
 pub mod random;
 pub mod reference;
