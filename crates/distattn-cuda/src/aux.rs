@@ -1,6 +1,7 @@
 //! The auxiliary kernels (`kernels/aux.cu`), one module per element type: the backward's row
 //! delta D = rowsum(dO ∘ O) (O in the element type or f32) and dQ conversion, piece copies and
-//! adds, the LSE merge of partial results by token pieces, and a deterministic random fill.
+//! adds, the LSE merge of partial results by token pieces, a deterministic random fill, and the
+//! decode step's plan and KV cache append (launched by [`crate::decode`]).
 //!
 //! The launchers take raw device addresses and counts (the callers own the buffers: device
 //! slices here, typed buffers of the multi-GPU executor), so they are `unsafe`: each says what
@@ -74,6 +75,8 @@ pub struct AuxKernels {
     add_elem: CudaFunction,
     merge_pieces: CudaFunction,
     rand_fill: CudaFunction,
+    pub(crate) decode_plan: CudaFunction,
+    pub(crate) append_kv: CudaFunction,
 }
 
 /// One block of 256 threads per `per_block` items.
@@ -102,6 +105,8 @@ impl AuxKernels {
             add_elem: f("add_elem")?,
             merge_pieces: f("merge_pieces")?,
             rand_fill: f("rand_fill")?,
+            decode_plan: f("decode_plan")?,
+            append_kv: f("append_kv")?,
             _module: module,
         })
     }

@@ -31,6 +31,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = &[
     ("sm90/primitives.cuh", include_str!("kernels/sm90/primitives.cuh")),
     ("sm90/forward.cu", include_str!("kernels/sm90/forward.cu")),
     ("sm90/backward.cu", include_str!("kernels/sm90/backward.cu")),
+    ("decode.cu", include_str!("kernels/decode.cu")),
 ];
 
 pub(crate) fn backend_err(reason: impl Into<String>) -> Error {
@@ -59,6 +60,10 @@ pub struct KernelConfig {
     /// Forward on warpgroup MMAs, warp-specialized with TMA loads (`flash_fwd_ws`; sm_90a,
     /// d 64/128): a producer warp and 2 consumer warpgroups x 64 rows, 128-key tiles.
     pub fwd_wg: bool,
+    /// Warps of the decode kernel (`flash_decode`), 16 keys of each K/V tile each.
+    pub dec_warps: usize,
+    /// K/V tile stages of the decode kernel: as many as fit the arch's shared memory, 2 to 6.
+    pub dec_stages: usize,
 }
 
 /// Tuning overrides from `DISTATTN_KCFG` ("key=value,..." with numeric values, e.g.
@@ -104,7 +109,10 @@ impl KernelConfig {
             bwd_v2: false,
             bwd_wg: false,
             fwd_wg: false,
+            dec_warps: if head_dim > 128 { 4 } else { 8 },
+            dec_stages: 2,
         };
+        c.dec_stages = c.decode_stages_within(160 * 1024);
         let o = kcfg_overrides();
         for (key, field) in [
             ("fwd_warps", &mut c.fwd_warps),
@@ -112,6 +120,7 @@ impl KernelConfig {
             ("fwd_bn", &mut c.fwd_bn),
             ("bwd_warps", &mut c.bwd_warps),
             ("bwd_bm", &mut c.bwd_bm),
+            ("dec_warps", &mut c.dec_warps),
         ] {
             if let Some(&v) = o.get(key) {
                 *field = v;
@@ -138,6 +147,14 @@ impl KernelConfig {
             self.bwd_v2 = true;
             self.bwd_bm = 64;
             self.bwd_warps = 8;
+        }
+        self.dec_stages = self.decode_stages_within(match major {
+            90.. => 220 * 1024,
+            80 => 160 * 1024,
+            _ => 96 * 1024,
+        });
+        if let Some(&n) = o.get("dec_stages") {
+            self.dec_stages = n;
         }
         let wgmma = arch == "sm_90a" && matches!(self.head_dim, 64 | 128);
         self.bwd_wg = wgmma && self.bwd_v2 && !off("bwd_wg");
@@ -214,6 +231,35 @@ impl KernelConfig {
             + staged * self.bwd_bn() * (self.bwd_bm + 8) * 2
             + 4 * self.bwd_bm * 4
     }
+    /// Keys per K/V tile of the decode kernel.
+    pub fn decode_bn(&self) -> usize {
+        16 * self.dec_warps
+    }
+    /// Threads per block of the decode kernel.
+    pub fn decode_threads(&self) -> usize {
+        32 * self.dec_warps
+    }
+    /// Bytes of one decode stage (a K and a V tile) and of the decode's query block.
+    fn decode_stage_bytes(&self) -> (usize, usize) {
+        (2 * self.decode_bn() * self.lds() * 2, 16 * self.lds() * 2)
+    }
+    fn decode_stages_within(&self, budget: usize) -> usize {
+        let (stage, q) = self.decode_stage_bytes();
+        (budget.saturating_sub(q) / stage).clamp(2, 6)
+    }
+    /// Dynamic shared memory of the decode kernel, bytes.
+    pub fn decode_smem(&self) -> usize {
+        let (stage, q) = self.decode_stage_bytes();
+        q + self.dec_stages * stage
+    }
+    /// The most blocks a decode launch may have: a merge keeps a weight per (piece, row) and a
+    /// slot per piece beside the warps' states in the stages' memory, and a segment has at most
+    /// one piece per block.
+    pub fn decode_max_blocks(&self) -> usize {
+        let (stage, _) = self.decode_stage_bytes();
+        let states = self.dec_warps * 16 * self.head_dim * 4 + 2 * self.dec_warps * 16 * 4;
+        ((self.dec_stages * stage - states) / (16 * 4 + 4)).saturating_sub(1).min(1024)
+    }
     /// The `-D` options of this variant.
     pub fn defines(&self) -> Vec<String> {
         vec![
@@ -227,6 +273,8 @@ impl KernelConfig {
             format!("-DBWD_V2={}", self.bwd_v2 as u8),
             format!("-DBWD_WG={}", self.bwd_wg as u8),
             format!("-DFWD_WG={}", self.fwd_wg as u8),
+            format!("-DDEC_WARPS={}", self.dec_warps),
+            format!("-DDEC_STAGES={}", self.dec_stages),
         ]
     }
     /// Every variant the library may compile.

@@ -18,6 +18,7 @@ pub(crate) struct Kernels {
     _module: Arc<CudaModule>,
     pub fwd: CudaFunction,
     pub dkdv: Option<CudaFunction>,
+    pub decode: CudaFunction,
 }
 
 /// A tile plan uploaded to the device, complete there before it is handed out: kernels on any
@@ -146,6 +147,16 @@ impl CudaBackend {
         &self.arch
     }
 
+    /// Largest dynamic shared memory a block may opt into, bytes.
+    pub fn max_smem(&self) -> usize {
+        self.max_smem
+    }
+
+    /// A device attribute.
+    pub(crate) fn attribute(&self, a: sys::CUdevice_attribute) -> Result<i32> {
+        self.ctx.attribute(a).map_err(driver_err("device attribute"))
+    }
+
     pub fn compute_capability(&self) -> (i32, i32) {
         self.cc
     }
@@ -176,6 +187,7 @@ impl CudaBackend {
             cfg,
             fwd: f(cfg.fwd_kernel())?,
             dkdv: if cfg.has_backward() { Some(f(cfg.dkdv_kernel())?) } else { None },
+            decode: f("flash_decode")?,
             _module: module.clone(),
         };
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
@@ -190,6 +202,11 @@ impl CudaBackend {
         k.fwd.set_attribute(attr, cfg.fwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
         if let Some(d) = &k.dkdv {
             d.set_attribute(attr, cfg.bwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
+        }
+        // (A GPU without room for the decode kernel's stages still runs the others; decode
+        // launches check.)
+        if cfg.decode_smem() <= self.max_smem {
+            k.decode.set_attribute(attr, cfg.decode_smem() as i32).map_err(driver_err("raising the smem limit"))?;
         }
         let k = Arc::new(k);
         map.insert((dtype, head_dim), k.clone());

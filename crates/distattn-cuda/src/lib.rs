@@ -24,6 +24,7 @@ pub mod aux;
 pub mod backend;
 pub mod buffer;
 pub mod compile;
+pub mod decode;
 pub mod device;
 pub mod external;
 pub mod host;

@@ -119,6 +119,48 @@ kernel_params! {
         hd0: i32,
         d: i32,
     }
+
+    /// The decode kernel's (`flash_decode`).
+    struct DecodeParams {
+        q: u64,
+        k: u64,
+        v: u64,
+        o: u64,
+        lse: u64,
+        page_table: u64,
+        seqlens: u64,
+        cu_tiles: u64,
+        part_o: u64,
+        part_lse: u64,
+        counters: u64,
+        batch: i32,
+        q_rows: i32,
+        heads: i32,
+        kv_heads: i32,
+        page_size: i32,
+        max_pages: i32,
+        segs_per_request: i32,
+        seqlen_add: i32,
+        causal: i32,
+        page_shift: i32,
+        scale_log2: f32,
+        pad_: i32,
+    }
+
+    /// The KV append's (`append_kv`).
+    struct AppendParams {
+        k_new: u64,
+        v_new: u64,
+        k_cache: u64,
+        v_cache: u64,
+        page_table: u64,
+        seqlens: u64,
+        chunks: i64,
+        new_tokens: i32,
+        row_chunks: i32,
+        page_size: i32,
+        max_pages: i32,
+    }
 }
 
 /// Every struct the kernels take by value, as laid out on the host: the parameter structs and

@@ -146,3 +146,47 @@ extern "C" __global__ void rand_fill(elem_t* dst, i64 n, unsigned long long seed
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         dst[i] = from_f32((hash_unit(seed * 0x9e3779b97f4a7c15ULL + i) * 2.f - 1.f) * a);
 }
+
+// ---------------------------------------------------------------- decode: plan and append
+
+// cu_tiles[b] = sum over requests before b of max(1, ceil(len / tile)), len = seqlens + add
+// clamped to [0, cap]: the split of one decode step, computed on the device from the device's
+// lengths (no host round trip) once per step for every layer. One block of 256 threads.
+extern "C" __global__ void __launch_bounds__(256) decode_plan(const int* seqlens, int add, int batch, int cap,
+                                                              int tile, i64* cu_tiles) {
+    __shared__ i64 part[256];
+    const int tid = threadIdx.x, per = (batch + 255) / 256, b0 = tid * per, b1 = min(batch, b0 + per);
+    auto tiles = [&](int b) {
+        i64 len = (i64)seqlens[b] + add;
+        len = len < 0 ? 0 : len > cap ? cap : len;
+        const i64 n = (len + tile - 1) / tile;
+        return n > 0 ? n : (i64)1;
+    };
+    i64 sum = 0;
+    for (int b = b0; b < b1; ++b) sum += tiles(b);
+    part[tid] = sum;
+    __syncthreads();
+    for (int s = 1; s < 256; s <<= 1) { // inclusive scan (Hillis-Steele)
+        const i64 x = tid >= s ? part[tid - s] : 0;
+        __syncthreads();
+        part[tid] += x;
+        __syncthreads();
+    }
+    i64 run = part[tid] - sum;
+    if (tid == 0) cu_tiles[0] = 0;
+    for (int b = b0; b < b1; ++b) cu_tiles[b + 1] = (run += tiles(b));
+}
+
+// One thread per 16-byte chunk of the new K (and V) rows.
+extern "C" __global__ void __launch_bounds__(256) append_kv(const AppendParams p) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= p.chunks) return;
+    const i64 token = i / p.row_chunks; // b * new_tokens + j
+    const int ch = (int)(i % p.row_chunks), b = (int)(token / p.new_tokens), j = (int)(token % p.new_tokens);
+    const int pos = p.seqlens[b] + j;
+    if (pos < 0 || pos >= p.max_pages * p.page_size) return; // past the request's pages: dropped
+    const int page = p.page_table[(i64)b * p.max_pages + pos / p.page_size];
+    const i64 dst = ((i64)page * p.page_size + pos % p.page_size) * p.row_chunks + ch;
+    ((uint4*)p.k_cache)[dst] = ((const uint4*)p.k_new)[i];
+    ((uint4*)p.v_cache)[dst] = ((const uint4*)p.v_new)[i];
+}

@@ -1,4 +1,6 @@
-// distattn CUDA kernels: flash attention forward and backward (dK/dV + dQ accumulation). The
+// distattn CUDA kernels: flash attention forward and backward (dK/dV + dQ accumulation), and
+// decode over a paged KV cache (decode.cu: the step's split plan and the cache appends are in
+// aux.cu). The
 // backward's row delta and dQ conversion and the LSE merge of partial results are in the
 // auxiliary kernels' module (aux.cu).
 //
@@ -6,7 +8,7 @@
 // files it includes (NVRTC in-memory headers, named by their path under src/kernels). The host
 // passes the compile-time parameters as defines:
 //   DA_BF16 (1 for bf16, 0 for f16), HEAD_DIM, FWD_WARPS, FWD_MR, FWD_BN, BWD_WARPS, BWD_BM,
-//   BWD_V2, BWD_WG, FWD_WG.
+//   BWD_V2, BWD_WG, FWD_WG, DEC_STAGES.
 // The portable kernels (`mma.sync`, sm_80+) come first, then the Hopper ones (`wgmma`, compiled
 // only for sm_90a).
 #include "common.cuh"
@@ -15,3 +17,4 @@
 #include "sm80/backward.cu"
 #include "sm90/backward.cu"
 #include "sm90/forward.cu"
+#include "decode.cu"

@@ -79,3 +79,30 @@ struct MergeParams {
     i64 total; i64 ns; i64 nd;
     int n_pieces; int batch; int nh; int hs; int hd; int hs0; int hd0; int d;
 };
+
+// ---- decode (decode.cu, and the plan and append kernels of aux.cu)
+
+// One decode step: Q/O [batch, q_rows, heads, D], LSE [batch, heads, q_rows] (f32, natural log);
+// K/V caches [pages, page_size, kv_heads, D] with page_table [batch, max_pages]; request b has
+// seqlens[b] + seqlen_add keys (clamped to its pages); cu_tiles [batch + 1] are the prefix sums of
+// its tiles (decode_plan); part_o [2 * blocks, 16, D] and part_lse [2 * blocks, 16] hold cut
+// segments' partials (blocks = the grid); counters [batch * segs_per_request] start at zero and end there.
+struct DecodeParams {
+    const elem_t* q; const elem_t* k; const elem_t* v; elem_t* o; float* lse;
+    const int* page_table; const int* seqlens; const i64* cu_tiles;
+    float* part_o; float* part_lse; int* counters;
+    int batch, q_rows, heads, kv_heads, page_size, max_pages, segs_per_request, seqlen_add;
+    int causal;
+    int page_shift; // log2(page_size) for a power of two, else -1
+    float scale_log2;
+    int pad_;
+};
+
+// Appends new_tokens tokens per request (k_new/v_new [batch, new_tokens, kv_heads, head_dim])
+// at positions seqlens[b].. of the paged caches; `chunks` = 16-byte chunks of k_new.
+struct AppendParams {
+    const elem_t* k_new; const elem_t* v_new; elem_t* k_cache; elem_t* v_cache;
+    const int* page_table; const int* seqlens;
+    i64 chunks;
+    int new_tokens, row_chunks, page_size, max_pages;
+};

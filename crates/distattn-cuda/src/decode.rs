@@ -1,0 +1,402 @@
+//! Decode attention on the GPU (see `distattn_core::decode`): a step is planned once on the
+//! device from the device's lengths (`decode_plan`: tiles per request, prefix-summed) and every
+//! layer's `flash_decode` launch reads that plan; `append_kv` writes new tokens into the paged
+//! caches in place. The grid is fixed by the GPU (every SM busy, whatever the batch), so nothing
+//! on the host depends on the lengths: a step needs no host round trip and its launches can be
+//! captured in a CUDA graph once the kernels are loaded.
+//!
+//! The raw launchers take device addresses (the caller owns every buffer: PyTorch's tensors in
+//! the Python package); [`DecodeBuffers`] holds a step's tensors on the GPU, and
+//! [`CudaBackend::decode_host`] runs a step on host slices.
+
+use crate::compile::{backend_err, KernelConfig};
+use crate::device::CudaBackend;
+use crate::params::{AppendParams, DecodeParams};
+use crate::{driver_err, CudaElement};
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use distattn_core::decode::{DecodeOptions, DecodeShape, PagedCache, PagedLayout, DECODE_BLOCK_ROWS};
+use distattn_core::{DType, Error, Forward, Result};
+
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+
+/// Device addresses of a decode step's tensors: Q and O `[batch, q_rows, heads, d]` (bf16 or
+/// f16), LSE `[batch, heads, q_rows]` f32, the K and V caches `[pages, page_size, kv_heads, d]`,
+/// the page table `[batch, max_pages]` and lengths `[batch]` (i32).
+#[derive(Debug, Clone, Copy)]
+pub struct DecodePtrs {
+    pub q: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub page_table: u64,
+    pub seqlens: u64,
+}
+
+/// Device addresses of a step's workspace, sized by [`CudaBackend::decode_workspace`]:
+/// `cu_tiles` (i64, written by the plan), `part_o` and `part_lse` (f32, any contents),
+/// `counters` (i32, **zero** before the first step; every step leaves them zero).
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeWorkspacePtrs {
+    pub cu_tiles: u64,
+    pub part_o: u64,
+    pub part_lse: u64,
+    pub counters: u64,
+}
+
+/// Element counts of a step's workspace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeWorkspace {
+    pub cu_tiles: usize,
+    pub part_o: usize,
+    pub part_lse: usize,
+    pub counters: usize,
+    /// Blocks of each decode launch.
+    pub blocks: usize,
+}
+
+/// What a step attends to: each request has `seqlens[b] + seqlen_add` keys (its cached tokens
+/// and the step's new ones), in at most `max_pages` pages of `layout`.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeStep {
+    pub shape: DecodeShape,
+    pub layout: PagedLayout,
+    pub max_pages: usize,
+    pub seqlen_add: usize,
+    pub opts: DecodeOptions,
+}
+
+fn i32_of(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::invalid(what, format!("{v} does not fit the kernels' 32-bit indices")))
+}
+
+impl CudaBackend {
+    /// The decode kernel's configuration for a dtype and head dim, checked against this GPU.
+    fn decode_config(&self, dtype: DType, head_dim: usize) -> Result<KernelConfig> {
+        let cfg = self.kernels(dtype, head_dim)?.cfg;
+        if cfg.decode_smem() > self.max_smem() {
+            return Err(backend_err(format!(
+                "decode at head dim {head_dim} needs {} bytes of shared memory, the GPU allows {}",
+                cfg.decode_smem(),
+                self.max_smem()
+            )));
+        }
+        Ok(cfg)
+    }
+
+    /// Blocks of a decode launch: as many as the SMs hold at once (one to a few per SM), fixed
+    /// for the GPU.
+    pub fn decode_blocks(&self, dtype: DType, head_dim: usize) -> Result<usize> {
+        let cfg = self.decode_config(dtype, head_dim)?;
+        let sms = self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+        let per_sm_smem =
+            self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)? as usize;
+        let per_sm = (per_sm_smem / (cfg.decode_smem() + 1024)).clamp(1, 4);
+        Ok((sms * per_sm).min(cfg.decode_max_blocks()))
+    }
+
+    /// The workspace a step of `shape` needs.
+    pub fn decode_workspace(&self, dtype: DType, shape: &DecodeShape) -> Result<DecodeWorkspace> {
+        let blocks = self.decode_blocks(dtype, shape.head_dim)?;
+        Ok(DecodeWorkspace {
+            cu_tiles: shape.batch + 1,
+            part_o: 2 * blocks * DECODE_BLOCK_ROWS * shape.head_dim,
+            part_lse: 2 * blocks * DECODE_BLOCK_ROWS,
+            counters: shape.batch * shape.segments_per_request(),
+            blocks,
+        })
+    }
+
+    /// Enqueues the step's plan: `cu_tiles` from the lengths at `seqlens` (+ `seqlen_add`,
+    /// clamped to `capacity`), in tiles of the decode kernel of `dtype` and `head_dim`. One plan
+    /// serves every layer of the step (of that dtype and head dim).
+    ///
+    /// # Safety
+    /// `seqlens` holds `batch` i32 and `cu_tiles` `batch + 1` i64 of this context, not written
+    /// by other work meanwhile; `stream` is a stream of this context.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn decode_plan_raw(
+        &self,
+        stream: &CudaStream,
+        dtype: DType,
+        head_dim: usize,
+        seqlens: u64,
+        seqlen_add: usize,
+        batch: usize,
+        capacity: usize,
+        cu_tiles: u64,
+    ) -> Result<()> {
+        let aux = self.aux(dtype)?;
+        let (add, batch, cap, tile) = (
+            i32_of("new tokens", seqlen_add)?,
+            i32_of("batch", batch)?,
+            i32_of("cache capacity", capacity)?,
+            self.decode_config(dtype, head_dim)?.decode_bn() as i32,
+        );
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut launch = stream.launch_builder(&aux.decode_plan);
+        launch.arg(&seqlens).arg(&add).arg(&batch).arg(&cap).arg(&tile).arg(&cu_tiles);
+        // SAFETY: decode_plan(const int*, int, int, int, int, i64*) gets exactly these arguments;
+        // the addresses hold batch and batch + 1 elements (this function's contract).
+        unsafe { launch.launch(cfg) }.map(|_| ()).map_err(driver_err("launching decode_plan"))
+    }
+
+    /// Enqueues decode attention for one layer of a planned step.
+    ///
+    /// # Safety
+    /// Every address is device memory of this context holding what [`DecodePtrs`] and
+    /// [`DecodeWorkspacePtrs`] list for `step` (Q, O and the caches 16-byte aligned, the
+    /// workspace of [`CudaBackend::decode_workspace`] with `cu_tiles` planned for these lengths
+    /// and the counters zero), every page-table entry a request's length reaches a page of the
+    /// cache, nothing written by other work while the kernel runs; `stream` is of this context.
+    pub unsafe fn decode_raw(
+        &self,
+        stream: &CudaStream,
+        dtype: DType,
+        t: &DecodePtrs,
+        ws: &DecodeWorkspacePtrs,
+        step: &DecodeStep,
+    ) -> Result<()> {
+        let s = &step.shape;
+        let cfg = self.decode_config(dtype, s.head_dim)?;
+        let kern = self.kernels(dtype, s.head_dim)?;
+        let blocks = self.decode_blocks(dtype, s.head_dim)?;
+        for (name, p) in [("q", t.q), ("k cache", t.k_cache), ("v cache", t.v_cache), ("o", t.o)] {
+            if p == 0 || !p.is_multiple_of(16) {
+                return Err(Error::invalid(name, format!("device address {p:#x} is null or not 16-byte aligned")));
+            }
+        }
+        if step.layout.kv_heads != s.kv_heads || step.layout.head_dim != s.head_dim {
+            return Err(Error::ShapeMismatch {
+                tensor: "KV cache".into(),
+                expected: format!("{} KV heads of dim {}", s.kv_heads, s.head_dim),
+                got: format!("{} KV heads of dim {}", step.layout.kv_heads, step.layout.head_dim),
+            });
+        }
+        let p = DecodeParams {
+            q: t.q,
+            k: t.k_cache,
+            v: t.v_cache,
+            o: t.o,
+            lse: t.lse,
+            page_table: t.page_table,
+            seqlens: t.seqlens,
+            cu_tiles: ws.cu_tiles,
+            part_o: ws.part_o,
+            part_lse: ws.part_lse,
+            counters: ws.counters,
+            batch: i32_of("batch", s.batch)?,
+            q_rows: s.q_rows as i32,
+            heads: i32_of("heads", s.heads)?,
+            kv_heads: s.kv_heads as i32,
+            page_size: i32_of("page size", step.layout.page_size)?,
+            max_pages: i32_of("pages per request", step.max_pages)?,
+            segs_per_request: i32_of("segments", s.segments_per_request())?,
+            seqlen_add: i32_of("new tokens", step.seqlen_add)?,
+            causal: step.opts.causal as i32,
+            page_shift: if step.layout.page_size.is_power_of_two() {
+                step.layout.page_size.trailing_zeros() as i32
+            } else {
+                -1
+            },
+            scale_log2: step.opts.attn.scale_for(s.head_dim)? * LOG2E,
+            pad_: 0,
+        };
+        i32_of("cache capacity", step.max_pages * step.layout.page_size)?;
+        let launch_cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (cfg.decode_threads() as u32, 1, 1),
+            shared_mem_bytes: cfg.decode_smem() as u32,
+        };
+        let mut launch = stream.launch_builder(&kern.decode);
+        launch.arg(&p);
+        // SAFETY: flash_decode takes DecodeParams by value (layout asserted against params.cuh
+        // at every compile); its addresses hold what the step says (this function's contract),
+        // the grid has at most decode_max_blocks blocks (the merge's shared memory) and the
+        // workspace was sized for that many.
+        unsafe { launch.launch(launch_cfg) }.map(|_| ()).map_err(driver_err("launching flash_decode"))
+    }
+
+    /// Enqueues the append of `new_tokens` tokens per request (`k_new`, `v_new` `[batch,
+    /// new_tokens, kv_heads, d]`, contiguous) at positions `seqlens[b]..` of the caches; tokens
+    /// past a request's `max_pages` pages are dropped.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::decode_raw`] for the caches, page table and lengths; `k_new` and `v_new`
+    /// hold `batch × new_tokens × kv_heads × d` elements, 16-byte aligned.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn append_kv_raw(
+        &self,
+        stream: &CudaStream,
+        dtype: DType,
+        t: &DecodePtrs,
+        k_new: u64,
+        v_new: u64,
+        batch: usize,
+        new_tokens: usize,
+        layout: &PagedLayout,
+        max_pages: usize,
+    ) -> Result<()> {
+        let aux = self.aux(dtype)?;
+        for (name, p) in [("k", k_new), ("v", v_new), ("k cache", t.k_cache), ("v cache", t.v_cache)] {
+            if p == 0 || !p.is_multiple_of(16) {
+                return Err(Error::invalid(name, format!("device address {p:#x} is null or not 16-byte aligned")));
+            }
+        }
+        let row_chunks = layout.kv_heads * layout.head_dim / 8;
+        let chunks = batch * new_tokens * row_chunks;
+        if chunks == 0 {
+            return Ok(());
+        }
+        let p = AppendParams {
+            k_new,
+            v_new,
+            k_cache: t.k_cache,
+            v_cache: t.v_cache,
+            page_table: t.page_table,
+            seqlens: t.seqlens,
+            chunks: chunks as i64,
+            new_tokens: i32_of("new tokens", new_tokens)?,
+            row_chunks: i32_of("KV row", row_chunks)?,
+            page_size: i32_of("page size", layout.page_size)?,
+            max_pages: i32_of("pages per request", max_pages)?,
+        };
+        let cfg =
+            LaunchConfig { grid_dim: (chunks.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut launch = stream.launch_builder(&aux.append_kv);
+        launch.arg(&p);
+        // SAFETY: append_kv takes AppendParams by value (layout asserted at every compile); the
+        // grid covers `chunks` threads, each copying one 16-byte chunk within the buffers the
+        // contract describes.
+        unsafe { launch.launch(cfg) }.map(|_| ()).map_err(driver_err("launching append_kv"))
+    }
+
+    /// One decode step on host slices (uploaded, run on the compute stream, downloaded): O in
+    /// f32 and LSE, as `distattn_cpu::decode::decode` returns them.
+    pub fn decode_host<T: CudaElement>(
+        &self,
+        q: &[T],
+        cache: &PagedCache<'_, T>,
+        shape: &DecodeShape,
+        opts: &DecodeOptions,
+    ) -> Result<Forward> {
+        let step = DecodeBuffers::upload(self, q, cache, shape, opts)?;
+        step.plan(self)?;
+        step.run(self)?;
+        let down = driver_err("downloading decode results");
+        let st = self.stream();
+        let o: Vec<T> = st.clone_dtoh(&step.o).map_err(&down)?;
+        let lse = st.clone_dtoh(&step.lse).map_err(&down)?;
+        self.synchronize()?;
+        Ok(Forward { o: o.iter().map(|x| x.to_f32()).collect(), lse })
+    }
+}
+
+/// A decode step's tensors on this GPU, uploaded from host slices and checked: planned once
+/// ([`DecodeBuffers::plan`]), then run as often as there are layers ([`DecodeBuffers::run`]).
+pub struct DecodeBuffers<T: CudaElement> {
+    q: CudaSlice<T>,
+    k_cache: CudaSlice<T>,
+    v_cache: CudaSlice<T>,
+    page_table: CudaSlice<i32>,
+    seqlens: CudaSlice<i32>,
+    /// O `[batch, q_rows, heads, d]`, poisoned with NaN until a run writes it.
+    pub o: CudaSlice<T>,
+    /// LSE `[batch, heads, q_rows]`, natural log, NaN until a run writes it.
+    pub lse: CudaSlice<f32>,
+    cu_tiles: CudaSlice<i64>,
+    part_o: CudaSlice<f32>,
+    part_lse: CudaSlice<f32>,
+    counters: CudaSlice<i32>,
+    step: DecodeStep,
+}
+
+impl<T: CudaElement> DecodeBuffers<T> {
+    /// Checks the step (lengths within their pages, every page they reach in the cache) and
+    /// uploads it to `gpu`'s compute stream.
+    pub fn upload(
+        gpu: &CudaBackend,
+        q: &[T],
+        cache: &PagedCache<'_, T>,
+        shape: &DecodeShape,
+        opts: &DecodeOptions,
+    ) -> Result<Self> {
+        shape.check_q("q", q.len())?;
+        cache.check(shape)?;
+        let lens: Vec<i32> = cache.lengths.iter().map(|&l| i32_of("cache length", l)).collect::<Result<_>>()?;
+        let st = gpu.stream();
+        let up = driver_err("uploading decode inputs");
+        let alloc = driver_err("allocating the decode workspace");
+        let w = gpu.decode_workspace(T::DTYPE, shape)?;
+        Ok(DecodeBuffers {
+            q: st.clone_htod(q).map_err(&up)?,
+            k_cache: st.clone_htod(cache.k).map_err(&up)?,
+            v_cache: st.clone_htod(cache.v).map_err(&up)?,
+            page_table: st.clone_htod(cache.page_table).map_err(&up)?,
+            seqlens: st.clone_htod(&lens).map_err(&up)?,
+            o: st.clone_htod(&vec![T::from_f32(f32::NAN); shape.q_elems()]).map_err(&up)?,
+            lse: st.clone_htod(&vec![f32::NAN; shape.lse_elems()]).map_err(&up)?,
+            cu_tiles: st.alloc_zeros::<i64>(w.cu_tiles).map_err(&alloc)?,
+            part_o: st.alloc_zeros::<f32>(w.part_o).map_err(&alloc)?,
+            part_lse: st.alloc_zeros::<f32>(w.part_lse).map_err(&alloc)?,
+            counters: st.alloc_zeros::<i32>(w.counters).map_err(&alloc)?,
+            step: DecodeStep {
+                shape: *shape,
+                layout: cache.layout,
+                max_pages: cache.max_pages(),
+                seqlen_add: 0,
+                opts: *opts,
+            },
+        })
+    }
+
+    fn ptrs(&self, st: &CudaStream) -> (DecodePtrs, DecodeWorkspacePtrs) {
+        (
+            DecodePtrs {
+                q: self.q.device_ptr(st).0,
+                k_cache: self.k_cache.device_ptr(st).0,
+                v_cache: self.v_cache.device_ptr(st).0,
+                o: self.o.device_ptr(st).0,
+                lse: self.lse.device_ptr(st).0,
+                page_table: self.page_table.device_ptr(st).0,
+                seqlens: self.seqlens.device_ptr(st).0,
+            },
+            DecodeWorkspacePtrs {
+                cu_tiles: self.cu_tiles.device_ptr(st).0,
+                part_o: self.part_o.device_ptr(st).0,
+                part_lse: self.part_lse.device_ptr(st).0,
+                counters: self.counters.device_ptr(st).0,
+            },
+        )
+    }
+
+    /// Enqueues the step's plan on the compute stream.
+    pub fn plan(&self, gpu: &CudaBackend) -> Result<()> {
+        let st = gpu.stream();
+        let (t, ws) = self.ptrs(st);
+        let s = &self.step;
+        // SAFETY: the buffers were allocated on this stream for this step (upload), cu_tiles
+        // holds batch + 1 entries.
+        unsafe {
+            gpu.decode_plan_raw(
+                st,
+                T::DTYPE,
+                s.shape.head_dim,
+                t.seqlens,
+                0,
+                s.shape.batch,
+                s.max_pages * s.layout.page_size,
+                ws.cu_tiles,
+            )
+        }
+    }
+
+    /// Enqueues decode attention of the planned step on the compute stream (one layer's).
+    pub fn run(&self, gpu: &CudaBackend) -> Result<()> {
+        let st = gpu.stream();
+        let (t, ws) = self.ptrs(st);
+        // SAFETY: as in `plan`, with the workspace sized by decode_workspace, the counters
+        // zeroed at upload (every run leaves them zero), the table checked by check_cache.
+        unsafe { gpu.decode_raw(st, T::DTYPE, &t, &ws, &self.step) }
+    }
+}
