@@ -29,6 +29,7 @@
 mod attention;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod decode;
 pub mod tensor;
 
 pub use attention::{Attention, Execution, Ranks};

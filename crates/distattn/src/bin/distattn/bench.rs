@@ -78,6 +78,18 @@ pub struct BenchArgs {
     /// Strategies timed when --world or --gpus > 1.
     #[arg(long, value_delimiter = ',', default_values_t = ["ring".parse::<Strategy>().unwrap(), "zigzag".parse().unwrap(), "balanced".parse().unwrap(), "ulysses".parse().unwrap(), "allgather".parse().unwrap(), "dispatch".parse().unwrap()])]
     strategies: Vec<Strategy>,
+    /// Time decode attention over a paged KV cache instead: --seqs are the context lengths
+    /// (every request of the batch that long; CPU default 4096,32768, CUDA 32768,131072),
+    /// --heads/--kv-heads default to 32/8, causal, one step planned and run layer after layer,
+    /// with the K/V bytes read per second.
+    #[arg(long, conflicts_with_all = ["world", "gpus", "timelines", "forward_only"])]
+    decode: bool,
+    /// With --decode: query rows per request (1 to 16).
+    #[arg(long, default_value_t = 1, requires = "decode")]
+    q_rows: usize,
+    /// With --decode: tokens per page of the KV cache.
+    #[arg(long, default_value_t = 16, requires = "decode")]
+    page_size: usize,
 }
 
 /// One measured row, in the format shared by every distattn benchmark.
@@ -199,7 +211,7 @@ fn check(seed: u64, exec: &Execution) -> Result<String> {
     ))
 }
 
-fn cpu_name() -> String {
+pub(crate) fn cpu_name() -> String {
     let model = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
@@ -415,6 +427,30 @@ fn time_exec(
 }
 
 pub fn bench(mut args: BenchArgs) -> Result<()> {
+    if args.decode {
+        let gpu = args.backend != BackendArg::Cpu && distattn_cuda::cuda_available();
+        if args.seqs.is_empty() {
+            args.seqs = if gpu { vec![32768, 131072] } else { vec![4096, 32768] };
+        }
+        if args.dtypes.is_empty() {
+            args.dtypes = vec![DType::BF16];
+        }
+        let heads = args.heads.unwrap_or(32);
+        return crate::decode_bench::run(crate::decode_bench::DecodeBench {
+            lengths: args.seqs,
+            batch: args.batch,
+            q_rows: args.q_rows,
+            heads,
+            kv_heads: args.kv_heads.unwrap_or(if heads.is_multiple_of(8) { heads / 4 } else { heads }),
+            head_dims: args.head_dims,
+            dtypes: args.dtypes,
+            page_size: args.page_size,
+            backend: args.backend,
+            repeats: args.repeats,
+            json: args.json,
+            seed: args.seed,
+        });
+    }
     let gpus = args.gpus.unwrap_or(0);
     if args.gpus == Some(0) {
         bail!("--gpus must be at least 1");
