@@ -1,6 +1,7 @@
 """distattn: exact, memory-efficient attention for PyTorch, on CPU and CUDA tensors.
 
-Drop-in for flash-attn's functions (``flash_attn_func``, ``flash_attn_varlen_func``) and
+Drop-in for flash-attn's functions (``flash_attn_func``, ``flash_attn_varlen_func``,
+``flash_attn_with_kvcache`` for decoding over a paged or contiguous KV cache) and
 ``attention`` for any mask distattn has (documents, prefix-LM, shared question, block masks,
 …). Every function is differentiable in q, k and v, and is a ``torch.library`` custom op
 (``torch.ops.distattn.forward`` / ``backward``) that ``torch.compile(fullgraph=True)`` traces.
@@ -9,9 +10,16 @@ the tensors' GPU and torch's current stream. The LSE is in natural log.
 """
 
 from . import _native
-from .interface import attention, flash_attn_func, flash_attn_varlen_func
+from .interface import attention, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 __version__ = _native.__version__
 cuda_available = _native.cuda_available
 
-__all__ = ["attention", "flash_attn_func", "flash_attn_varlen_func", "cuda_available", "__version__"]
+__all__ = [
+    "attention",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "cuda_available",
+    "__version__",
+]

@@ -16,7 +16,13 @@ from torch import Tensor
 
 from . import _native
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
 
 
 def _desc(t: Tensor):
@@ -163,3 +169,74 @@ def attention(*inputs) -> Tuple[Tensor, Tensor]:
     if torch.compiler.is_compiling():
         return forward(*inputs)
     return _EagerAttention.apply(*inputs)
+
+
+# ---------------------------------------------------------------- decode over a KV cache
+
+# Workspace sizes per (device, dtype, q shape, cache shape, batch, max pages): asked of the
+# native module once, so a decode step costs no extra host round trip.
+_decode_ws_sizes = {}
+
+
+def _decode_workspace(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor):
+    key = (q.device, q.dtype, tuple(q.shape), tuple(k_cache.shape), tuple(page_table.shape))
+    sizes = _decode_ws_sizes.get(key)
+    if sizes is None:
+        sizes = _native.decode_workspace(
+            _desc(q), _desc(k_cache), _desc(v_cache), _desc(page_table), _desc(cache_seqlens)
+        )
+        _decode_ws_sizes[key] = sizes
+    n_cu, n_po, n_pl, n_c = sizes
+    dev = q.device
+    return (
+        torch.empty(n_cu, dtype=torch.int64, device=dev),
+        torch.empty(n_po, dtype=torch.float32, device=dev),
+        torch.empty(n_pl, dtype=torch.float32, device=dev),
+        # The merge's counts start at zero (the kernel leaves them at zero).
+        torch.zeros(n_c, dtype=torch.int32, device=dev),
+    )
+
+
+def _decode_impl(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    cache_seqlens: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    softmax_scale: Optional[float],
+    causal: bool,
+) -> Tuple[Tensor, Tensor]:
+    q = _dense(q)
+    k, v = (None if t is None else _dense(t) for t in (k, v))
+    b, s, h, _ = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    ws = None
+    if q.is_cuda:
+        ws = tuple(_desc(t) for t in _decode_workspace(q, k_cache, v_cache, page_table, cache_seqlens))
+    _native.decode(
+        _desc(q), _desc(k_cache), _desc(v_cache), _desc(page_table), _desc(cache_seqlens),
+        None if k is None else _desc(k), None if v is None else _desc(v),
+        _desc(o), _desc(lse), ws, softmax_scale, causal, _stream(q),
+    )  # fmt: skip
+    return o, lse
+
+
+# The caches are written in place when new K/V are given.
+decode = torch.library.custom_op("distattn::decode", _decode_impl, mutates_args=("k_cache", "v_cache"))
+
+
+@decode.register_fake
+def _(q, k_cache, v_cache, page_table, cache_seqlens, k, v, softmax_scale, causal):
+    b, s, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+def decode_call(*inputs) -> Tuple[Tensor, Tensor]:
+    """`decode` of these inputs: the custom op when torch.compile traces the call, its
+    implementation without the dispatcher (tens of microseconds of host time) when eager."""
+    if torch.compiler.is_compiling():
+        return decode(*inputs)
+    return _decode_impl(*inputs)

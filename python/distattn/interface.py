@@ -143,3 +143,93 @@ def flash_attn_varlen_func(
     q4, k4, v4 = (t.contiguous().unsqueeze(0) for t in (q, k, v))
     o, lse = _ops.attention(q4, k4, v4, mask, scale, cu_seqlens_q, cu_seqlens_k)
     return _result(o.squeeze(0), lse.squeeze(0), return_lse)
+
+
+_contiguous_tables = {}
+
+
+def _contiguous_table(batch: int, device) -> Tensor:
+    """The page table of a contiguous cache, ``[[0], [1], ...]``, made once per device."""
+    t = _contiguous_tables.get((batch, device))
+    if t is None:
+        t = _contiguous_tables[(batch, device)] = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
+    return t
+
+
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor] = None,
+    v: Optional[Tensor] = None,
+    cache_seqlens: Union[None, int, Tensor] = None,
+    page_table: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = True,
+    return_lse: bool = False,
+    *,
+    block_table: Optional[Tensor] = None,
+) -> Out:
+    """Decode attention over a KV cache, as flash-attn's function of that name.
+
+    ``q`` is ``[batch, seqlen_q, heads, head_dim]`` with 1 to 16 query rows per request (plain
+    decode, speculative or chunked steps). The cache is contiguous, ``k_cache`` / ``v_cache``
+    ``[batch_cache >= batch, seqlen_cache, kv_heads, head_dim]`` (request ``b`` in row ``b``),
+    or paged, ``[num_pages, page_size, kv_heads, head_dim]`` with ``page_table`` (flash-attn 2's
+    ``block_table``) int32 ``[batch, max_pages]``. ``cache_seqlens`` (int or int32
+    ``[batch]``; default: the whole cache) counts each request's cached tokens. New ``k`` /
+    ``v`` ``[batch, seqlen_new, kv_heads, head_dim]`` are written into the caches in place at
+    positions ``cache_seqlens[b]...`` before attending; ``cache_seqlens`` is not changed (add
+    ``seqlen_new`` to it for the next step). With ``causal``, query row ``i`` sits at position
+    ``cache_seqlens[b] + seqlen_new - seqlen_q + i`` and sees the keys up to it.
+
+    On a GPU the requests' work is split evenly over every SM (one request of 1M tokens or a
+    ragged batch of 64 alike), without reading the lengths on the host: the call can be
+    captured in a CUDA graph. There the lengths and the page table are read on the GPU and not
+    checked: lengths past a page-table row are clamped to it, and every entry a length reaches
+    must name a page of the cache (as in flash-attn); on the CPU both are checked. Returns O like ``q`` and, with ``return_lse``, the float32 LSE
+    ``[batch, heads, seqlen_q]`` in natural log (-inf for a row that sees no key, with O = 0).
+
+    >>> import torch, distattn
+    >>> k_cache = torch.randn(2, 64, 2, 32)  # 2 requests, room for 64 tokens, 2 KV heads
+    >>> v_cache = torch.randn(2, 64, 2, 32)
+    >>> q = torch.randn(2, 1, 8, 32)  # one new token per request, 8 query heads
+    >>> k_new, v_new = torch.randn(2, 1, 2, 32), torch.randn(2, 1, 2, 32)
+    >>> lens = torch.tensor([10, 40], dtype=torch.int32)
+    >>> o = distattn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens)
+    >>> o.shape
+    torch.Size([2, 1, 8, 32])
+    >>> bool(torch.equal(k_cache[1, 40], k_new[1, 0]))  # appended in place
+    True
+    """
+    if block_table is not None:
+        if page_table is not None:
+            raise ValueError("give page_table or block_table (its flash-attn 2 name), not both")
+        page_table = block_table
+    _check(4, "[batch, seqlen, heads, head_dim]", q=q, k_cache=k_cache, v_cache=v_cache)
+    if (k is None) != (v is None):
+        raise ValueError("give both k and v (the new tokens), or neither")
+    if k is not None:
+        _check(4, "[batch, seqlen_new, kv_heads, head_dim]", k=k, v=v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    b, dev = q.shape[0], q.device
+    if page_table is None:
+        if k_cache.shape[0] < b:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} requests, q has {b}")
+        page_table = _contiguous_table(b, dev)
+    elif not isinstance(page_table, Tensor) or page_table.dim() != 2:
+        raise ValueError("page_table must be an int32 tensor [batch, max_pages]")
+    capacity = page_table.shape[1] * k_cache.shape[1]
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("appending k and v needs cache_seqlens (where each request's new tokens go)")
+        cache_seqlens = capacity
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
+    if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype.is_floating_point:
+        raise TypeError("cache_seqlens must be an int or an integer tensor [batch]")
+    page_table = page_table.to(dtype=torch.int32).contiguous()
+    cache_seqlens = cache_seqlens.to(dtype=torch.int32).contiguous()
+    o, lse = _ops.decode_call(q, k_cache, v_cache, page_table, cache_seqlens, k, v, _check_scale(softmax_scale), causal)
+    return _result(o, lse, return_lse)

@@ -8,9 +8,11 @@
 //! waiting. Errors become `ValueError` (bad input), `TypeError` (dtypes) or `RuntimeError`
 //! (the device); a panic becomes a `RuntimeError` and never unwinds into Python.
 
+mod kvcache;
 mod problem;
 
 use distattn::{DType, Error};
+use kvcache::DecodeCall;
 use problem::{Problem, Seqlens, TensorDesc};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -66,6 +68,61 @@ fn forward(
         p.expect("o", &o, &p.q_dims(), p.dtype)?;
         p.expect("lse", &lse, &p.lse_dims(), DType::F32)?;
         p.forward(&q, &k, &v, &o, &lse, stream)
+    })
+}
+
+/// Element counts of a GPU decode's workspace: `(cu_tiles int64, part_o float32, part_lse
+/// float32, counters int32 zeroed)`, for the call's tensors.
+#[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, page_table, cache_seqlens))]
+fn decode_workspace(
+    py: Python<'_>,
+    q: TensorDesc,
+    k_cache: TensorDesc,
+    v_cache: TensorDesc,
+    page_table: TensorDesc,
+    cache_seqlens: TensorDesc,
+) -> PyResult<(usize, usize, usize, usize)> {
+    let mut sizes = (0, 0, 0, 0);
+    guarded(py, || {
+        let call = DecodeCall::new(&q, &k_cache, &v_cache, &page_table, &cache_seqlens, None, None, false)?;
+        sizes = call.workspace()?;
+        Ok(())
+    })?;
+    Ok(sizes)
+}
+
+/// Decode over a KV cache: appends `k`/`v` (if given) at `cache_seqlens` in the caches, then
+/// writes O (like Q) and LSE (`[b, h, s]` f32, natural log); on a GPU with `workspace`
+/// (see `decode_workspace`).
+#[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, page_table, cache_seqlens, k, v, o, lse, workspace, softmax_scale, causal, stream))]
+#[allow(clippy::too_many_arguments)] // one descriptor per tensor the kernels touch
+fn decode(
+    py: Python<'_>,
+    q: TensorDesc,
+    k_cache: TensorDesc,
+    v_cache: TensorDesc,
+    page_table: TensorDesc,
+    cache_seqlens: TensorDesc,
+    k: Option<TensorDesc>,
+    v: Option<TensorDesc>,
+    o: TensorDesc,
+    lse: TensorDesc,
+    workspace: Option<(TensorDesc, TensorDesc, TensorDesc, TensorDesc)>,
+    softmax_scale: Option<f64>,
+    causal: bool,
+    stream: u64,
+) -> PyResult<()> {
+    guarded(py, move || {
+        let new_kv = match (&k, &v) {
+            (Some(k), Some(v)) => Some((k, v)),
+            (None, None) => None,
+            _ => return Err(Error::invalid("k, v", "give both new K and new V, or neither")),
+        };
+        let call = DecodeCall::new(&q, &k_cache, &v_cache, &page_table, &cache_seqlens, new_kv, softmax_scale, causal)?;
+        let ws = workspace.as_ref().map(|(a, b, c, d)| [a, b, c, d]);
+        call.run(&o, &lse, ws, stream)
     })
 }
 
@@ -125,6 +182,8 @@ fn cuda_available() -> bool {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_workspace, m)?)?;
+    m.add_function(wrap_pyfunction!(decode, m)?)?;
     m.add_function(wrap_pyfunction!(backward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -304,7 +304,7 @@ fn dims4(t: &TensorDesc) -> [usize; 4] {
 }
 
 /// Fails unless the strides are row-major for the shape (size-1 dimensions may have any).
-fn contiguous(name: &str, t: &TensorDesc) -> Result<()> {
+pub(crate) fn contiguous(name: &str, t: &TensorDesc) -> Result<()> {
     if t.1.len() != t.2.len() {
         return Err(Error::invalid(name, "shape and strides differ in length"));
     }
@@ -327,7 +327,7 @@ fn elems(t: &TensorDesc) -> usize {
 /// # Safety
 /// `t` describes a live, contiguous host tensor of `T` that nothing writes while the slice
 /// lives.
-unsafe fn host<'a, T>(t: &TensorDesc) -> &'a [T] {
+pub(crate) unsafe fn host<'a, T>(t: &TensorDesc) -> &'a [T] {
     // SAFETY: the caller's contract; torch aligns every element to its type.
     unsafe { std::slice::from_raw_parts(t.0 as *const T, elems(t)) }
 }
@@ -336,13 +336,13 @@ unsafe fn host<'a, T>(t: &TensorDesc) -> &'a [T] {
 ///
 /// # Safety
 /// As [`host`], and nothing else reads or writes it while the slice lives.
-unsafe fn host_mut<'a, T>(t: &TensorDesc) -> &'a mut [T] {
+pub(crate) unsafe fn host_mut<'a, T>(t: &TensorDesc) -> &'a mut [T] {
     // SAFETY: the caller's contract.
     unsafe { std::slice::from_raw_parts_mut(t.0 as *mut T, elems(t)) }
 }
 
 /// The CUDA backend of GPU `ordinal`, opened once per process (kernels and tile plans cached).
-fn gpu(ordinal: i64) -> Result<Arc<CudaBackend>> {
+pub(crate) fn gpu(ordinal: i64) -> Result<Arc<CudaBackend>> {
     static GPUS: OnceLock<Mutex<HashMap<i64, Arc<CudaBackend>>>> = OnceLock::new();
     let mut gpus =
         GPUS.get_or_init(Default::default).lock().map_err(|_| Error::Internal("the GPU table was poisoned".into()))?;
