@@ -13,7 +13,7 @@ use crate::compile::{backend_err, KernelConfig};
 use crate::device::CudaBackend;
 use crate::params::{AppendParams, DecodeParams};
 use crate::{driver_err, CudaElement};
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use distattn_core::decode::{DecodeOptions, DecodeShape, PagedCache, PagedLayout, DECODE_BLOCK_ROWS};
 use distattn_core::{DType, Error, Forward, Result};
 
@@ -34,8 +34,8 @@ pub struct DecodePtrs {
 }
 
 /// Device addresses of a step's workspace, sized by [`CudaBackend::decode_workspace`]:
-/// `cu_tiles` (i64, written by the plan), `part_o` and `part_lse` (f32, any contents),
-/// `counters` (i32, **zero** before the first step; every step leaves them zero).
+/// `cu_tiles` (i64) and `counters` (i32), written by the plan; `part_o` and `part_lse` (f32),
+/// any contents.
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeWorkspacePtrs {
     pub cu_tiles: u64,
@@ -88,11 +88,8 @@ impl CudaBackend {
     /// for the GPU.
     pub fn decode_blocks(&self, dtype: DType, head_dim: usize) -> Result<usize> {
         let cfg = self.decode_config(dtype, head_dim)?;
-        let sms = self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
-        let per_sm_smem =
-            self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)? as usize;
-        let per_sm = (per_sm_smem / (cfg.decode_smem() + 1024)).clamp(1, 4);
-        Ok((sms * per_sm).min(cfg.decode_max_blocks()))
+        let per_sm = (self.smem_per_sm() / (cfg.decode_smem() + 1024)).clamp(1, 4);
+        Ok((self.sm_count() * per_sm).min(cfg.decode_max_blocks()))
     }
 
     /// The workspace a step of `shape` needs.
@@ -102,42 +99,54 @@ impl CudaBackend {
             cu_tiles: shape.batch + 1,
             part_o: 2 * blocks * DECODE_BLOCK_ROWS * shape.head_dim,
             part_lse: 2 * blocks * DECODE_BLOCK_ROWS,
-            counters: shape.batch * shape.segments_per_request(),
+            // A count per segment, and per group of 16 pieces (flash_decode's two-level merge).
+            counters: shape.batch * shape.segments_per_request() * (1 + blocks.div_ceil(16)),
             blocks,
         })
     }
 
-    /// Enqueues the step's plan: `cu_tiles` from the lengths at `seqlens` (+ `seqlen_add`,
-    /// clamped to `capacity`), in tiles of the decode kernel of `dtype` and `head_dim`. One plan
-    /// serves every layer of the step (of that dtype and head dim).
+    /// Enqueues the step's plan into `ws`: `cu_tiles` from the lengths at `seqlens` (+
+    /// `seqlen_add`, clamped to `capacity`), in tiles of the decode kernel of `dtype` and
+    /// `head_dim`, and the merge counters zeroed. One plan serves every layer of the step (of
+    /// that dtype and head dim).
     ///
     /// # Safety
-    /// `seqlens` holds `batch` i32 and `cu_tiles` `batch + 1` i64 of this context, not written
-    /// by other work meanwhile; `stream` is a stream of this context.
+    /// `seqlens` holds `batch` i32, and `ws` is a workspace of [`CudaBackend::decode_workspace`]
+    /// for `shape`, of this context, not used by other work meanwhile; `stream` is of this
+    /// context.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn decode_plan_raw(
         &self,
         stream: &CudaStream,
         dtype: DType,
-        head_dim: usize,
+        shape: &DecodeShape,
         seqlens: u64,
         seqlen_add: usize,
-        batch: usize,
         capacity: usize,
-        cu_tiles: u64,
+        ws: &DecodeWorkspacePtrs,
     ) -> Result<()> {
         let aux = self.aux(dtype)?;
         let (add, batch, cap, tile) = (
             i32_of("new tokens", seqlen_add)?,
-            i32_of("batch", batch)?,
+            i32_of("batch", shape.batch)?,
             i32_of("cache capacity", capacity)?,
-            self.decode_config(dtype, head_dim)?.decode_bn() as i32,
+            self.decode_config(dtype, shape.head_dim)?.decode_bn() as i32,
         );
+        let n_counters = self.decode_workspace(dtype, shape)?.counters as i64;
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut launch = stream.launch_builder(&aux.decode_plan);
-        launch.arg(&seqlens).arg(&add).arg(&batch).arg(&cap).arg(&tile).arg(&cu_tiles);
-        // SAFETY: decode_plan(const int*, int, int, int, int, i64*) gets exactly these arguments;
-        // the addresses hold batch and batch + 1 elements (this function's contract).
+        launch
+            .arg(&seqlens)
+            .arg(&add)
+            .arg(&batch)
+            .arg(&cap)
+            .arg(&tile)
+            .arg(&ws.cu_tiles)
+            .arg(&ws.counters)
+            .arg(&n_counters);
+        // SAFETY: decode_plan(const int*, int, int, int, int, i64*, int*, i64) gets exactly these
+        // arguments; the addresses hold batch, batch + 1 and n_counters elements (this
+        // function's contract).
         unsafe { launch.launch(cfg) }.map(|_| ()).map_err(driver_err("launching decode_plan"))
     }
 
@@ -146,8 +155,8 @@ impl CudaBackend {
     /// # Safety
     /// Every address is device memory of this context holding what [`DecodePtrs`] and
     /// [`DecodeWorkspacePtrs`] list for `step` (Q, O and the caches 16-byte aligned, the
-    /// workspace of [`CudaBackend::decode_workspace`] with `cu_tiles` planned for these lengths
-    /// and the counters zero), every page-table entry a request's length reaches a page of the
+    /// workspace of [`CudaBackend::decode_workspace`] planned for these lengths by
+    /// [`CudaBackend::decode_plan_raw`]), every page-table entry a request's length reaches a page of the
     /// cache, nothing written by other work while the kernel runs; `stream` is of this context.
     pub unsafe fn decode_raw(
         &self,
@@ -375,28 +384,17 @@ impl<T: CudaElement> DecodeBuffers<T> {
         let st = gpu.stream();
         let (t, ws) = self.ptrs(st);
         let s = &self.step;
-        // SAFETY: the buffers were allocated on this stream for this step (upload), cu_tiles
-        // holds batch + 1 entries.
-        unsafe {
-            gpu.decode_plan_raw(
-                st,
-                T::DTYPE,
-                s.shape.head_dim,
-                t.seqlens,
-                0,
-                s.shape.batch,
-                s.max_pages * s.layout.page_size,
-                ws.cu_tiles,
-            )
-        }
+        // SAFETY: the buffers were allocated on this stream for this step (upload), the
+        // workspace by decode_workspace.
+        unsafe { gpu.decode_plan_raw(st, T::DTYPE, &s.shape, t.seqlens, 0, s.max_pages * s.layout.page_size, &ws) }
     }
 
     /// Enqueues decode attention of the planned step on the compute stream (one layer's).
     pub fn run(&self, gpu: &CudaBackend) -> Result<()> {
         let st = gpu.stream();
         let (t, ws) = self.ptrs(st);
-        // SAFETY: as in `plan`, with the workspace sized by decode_workspace, the counters
-        // zeroed at upload (every run leaves them zero), the table checked by check_cache.
+        // SAFETY: as in `plan` (which the caller ran first: the workspace is planned), the table
+        // checked by check_cache.
         unsafe { gpu.decode_raw(st, T::DTYPE, &t, &ws, &self.step) }
     }
 }

@@ -47,6 +47,9 @@ pub struct CudaBackend {
     arch: String,
     cc: (i32, i32),
     max_smem: usize,
+    /// SMs, and shared memory per SM (bytes): what sizes the decode grid.
+    sms: usize,
+    smem_per_sm: usize,
     modules: Mutex<HashMap<(DType, usize), Arc<Kernels>>>,
     aux: Mutex<HashMap<DType, Arc<AuxKernels>>>,
     tiles: Mutex<HashMap<TilesKey, Arc<DeviceTiles>>>,
@@ -100,6 +103,9 @@ impl CudaBackend {
         let max_smem = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(driver_err("shared memory limit"))? as usize;
+        let attr = |a| ctx.attribute(a).map(|v| v.max(0) as usize).map_err(driver_err("device attributes"));
+        let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let smem_per_sm = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
         if cc.0 < 8 {
             return Err(backend_err(format!(
                 "compute capability {}.{} found; the kernels need 8.0 or newer",
@@ -113,6 +119,8 @@ impl CudaBackend {
             arch: compile::arch_for(cc),
             cc,
             max_smem,
+            sms,
+            smem_per_sm,
             modules: Mutex::new(HashMap::new()),
             aux: Mutex::new(HashMap::new()),
             tiles: Mutex::new(HashMap::new()),
@@ -152,9 +160,14 @@ impl CudaBackend {
         self.max_smem
     }
 
-    /// A device attribute.
-    pub(crate) fn attribute(&self, a: sys::CUdevice_attribute) -> Result<i32> {
-        self.ctx.attribute(a).map_err(driver_err("device attribute"))
+    /// SMs of the GPU.
+    pub fn sm_count(&self) -> usize {
+        self.sms
+    }
+
+    /// Shared memory per SM, bytes.
+    pub fn smem_per_sm(&self) -> usize {
+        self.smem_per_sm
     }
 
     pub fn compute_capability(&self) -> (i32, i32) {

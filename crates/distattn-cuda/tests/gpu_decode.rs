@@ -145,12 +145,11 @@ fn append_then_decode_in_one_step() {
             gpu.decode_plan_raw(
                 st,
                 distattn_core::DType::BF16,
-                shape.head_dim,
+                &shape,
                 ptrs.seqlens,
                 shape.q_rows,
-                shape.batch,
                 max_pages * 16,
-                ws.cu_tiles,
+                &ws,
             )
             .unwrap();
             gpu.decode_raw(st, distattn_core::DType::BF16, &ptrs, &ws, &step).unwrap();

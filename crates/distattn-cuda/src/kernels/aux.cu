@@ -151,10 +151,12 @@ extern "C" __global__ void rand_fill(elem_t* dst, i64 n, unsigned long long seed
 
 // cu_tiles[b] = sum over requests before b of max(1, ceil(len / tile)), len = seqlens + add
 // clamped to [0, cap]: the split of one decode step, computed on the device from the device's
-// lengths (no host round trip) once per step for every layer. One block of 256 threads.
+// lengths (no host round trip) once per step for every layer; and the decode's merge counters
+// zeroed. One block of 256 threads.
 extern "C" __global__ void __launch_bounds__(256) decode_plan(const int* seqlens, int add, int batch, int cap,
-                                                              int tile, i64* cu_tiles) {
+                                                              int tile, i64* cu_tiles, int* counters, i64 n_counters) {
     __shared__ i64 part[256];
+    for (i64 i = threadIdx.x; i < n_counters; i += 256) counters[i] = 0;
     const int tid = threadIdx.x, per = (batch + 255) / 256, b0 = tid * per, b1 = min(batch, b0 + per);
     auto tiles = [&](int b) {
         i64 len = (i64)seqlens[b] + add;

@@ -7,8 +7,8 @@
 // block c of W takes tiles [c*T/W, (c+1)*T/W). A block walks its segments: a segment it holds
 // whole is written to O and LSE directly; a cut segment leaves a normalised partial (O, LSE) in
 // slot 2c (the block's first segment) or 2c+1 (its last), and the block that completes the
-// segment's set of pieces (an atomic count per segment) merges them by LSE and resets the count,
-// so one launch does all and the counts are zero again for the next.
+// segment's set of pieces (an atomic count per segment; in two levels past DEC_GROUP pieces)
+// merges them by LSE and resets the count: one launch does all, and no block waits for another.
 //
 // Inside a block the DEC_WARPS warps split each K/V tile's keys (16 each), each with its own
 // online softmax over the block's 16 rows; the warps' states are merged at the end of the piece.
@@ -124,6 +124,95 @@ __device__ __forceinline__ void dec_load_kv(const DecodeParams& p, elem_t* Ks, e
             const size_t off = ok ? dec_key_off(p, table, key, row_stride, page_stride) + (size_t)kvh * D + ch * 8 : 0;
             cp_async16(Ks + r * LDS + ch * 8, p.k + off, ok ? 16 : 0);
             cp_async16(Vs + r * LDS + ch * 8, p.v + off, ok ? 16 : 0);
+        }
+    }
+}
+
+// Where a merge writes: the rows of segment (request b, KV head kvh, block from row r0).
+struct DecMergeAt { int b, kvh, r0, G, rows; };
+
+// At most this many blocks' pieces are merged by one block (see flash_decode's end).
+#define DEC_GROUP 16
+__device__ __forceinline__ int dec_max_groups() { return (gridDim.x + DEC_GROUP - 1) / DEC_GROUP; }
+
+// Merges the n partials of slots[0..n) (shared memory) by LSE, with weights in Wr: into the
+// step's O and LSE (out_slot < 0) or into partial slot out_slot (which may be slots[0]: every
+// value is read before it is written, by the same thread).
+__device__ __forceinline__ void dec_merge(const DecodeParams& p, const int* slots, int n, float* Wr, int out_slot,
+                                          const DecMergeAt& at) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, rows = at.rows;
+    for (int e = tid; e < n * rows; e += DEC_NT) {
+        const int k = e / rows, r = e % rows;
+        Wr[k * DEC_ROWS + r] = ldcg(p.part_lse + slots[k] * DEC_ROWS + r);
+    }
+    __syncthreads();
+    // A warp per row: the merged LSE and each partial's weight exp(lse_k - LSE).
+    for (int r = warp; r < rows; r += DEC_NT / 32) {
+        float M = NEG_INF;
+        for (int k = lane; k < n; k += 32) M = fmax_nan(M, Wr[k * DEC_ROWS + r]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmax_nan(M, __shfl_xor_sync(0xffffffff, M, o));
+        const float mu = M == NEG_INF ? 0.f : M;
+        float L = 0.f;
+        for (int k = lane; k < n; k += 32) {
+            const float w = fast_exp2((Wr[k * DEC_ROWS + r] - mu) * LOG2E);
+            Wr[k * DEC_ROWS + r] = w;
+            L += w;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffff, L, o);
+        const float inv = L != 0.f ? 1.f / L : 0.f;
+        for (int k = lane; k < n; k += 32) Wr[k * DEC_ROWS + r] *= inv;
+        if (lane == 0) {
+            const float lse = L != 0.f ? M + __logf(L) : NEG_INF;
+            if (out_slot >= 0) {
+                p.part_lse[out_slot * DEC_ROWS + r] = lse;
+            } else {
+                const int gr = at.r0 + r, qi = gr / at.G, h = at.kvh * at.G + gr % at.G;
+                p.lse[((size_t)at.b * p.heads + h) * p.q_rows + qi] = lse;
+            }
+        }
+    }
+    __syncthreads();
+    // O: 4 columns per item, T threads (adjacent lanes) per item splitting the partials, 16
+    // loads in flight each (a merge is bound by the latency of L2 reads).
+    constexpr int C4 = D / 4;
+    const int items = rows * C4;
+    const int T = items * 4 <= DEC_NT ? 4 : items * 2 <= DEC_NT ? 2 : 1;
+    for (int e0 = 0; e0 < items * T; e0 += DEC_NT) {
+        const int e = e0 + tid, item = e / T, sub = e % T;
+        const int r = item / C4, col = 4 * (item % C4);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (item < items) {
+            for (int k0 = sub; k0 < n; k0 += 16 * T) {
+                float4 x[16];
+#pragma unroll
+                for (int u = 0; u < 16; ++u) {
+                    const int k = k0 + u * T;
+                    x[u] = k < n ? ldcg4(p.part_o + ((size_t)slots[k] * DEC_ROWS + r) * D + col) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+                for (int u = 0; u < 16; ++u) {
+                    const int k = k0 + u * T;
+                    const float w = k < n ? Wr[k * DEC_ROWS + r] : 0.f;
+                    acc.x += w * x[u].x; acc.y += w * x[u].y; acc.z += w * x[u].z; acc.w += w * x[u].w;
+                }
+            }
+        }
+        for (int o = 1; o < T; o <<= 1) { // the item's T partial sums (T divides 32)
+            acc.x += __shfl_xor_sync(0xffffffff, acc.x, o);
+            acc.y += __shfl_xor_sync(0xffffffff, acc.y, o);
+            acc.z += __shfl_xor_sync(0xffffffff, acc.z, o);
+            acc.w += __shfl_xor_sync(0xffffffff, acc.w, o);
+        }
+        if (item < items && sub == 0) {
+            if (out_slot >= 0) {
+                *(float4*)(p.part_o + ((size_t)out_slot * DEC_ROWS + r) * D + col) = acc;
+            } else {
+                const int gr = at.r0 + r, qi = gr / at.G, h = at.kvh * at.G + gr % at.G;
+                elem_t* dst = p.o + (((size_t)at.b * p.q_rows + qi) * p.heads + h) * D + col;
+                *(uint2*)dst = make_uint2(pack2(acc.x, acc.y), pack2(acc.z, acc.w));
+            }
         }
     }
 }
@@ -328,85 +417,44 @@ extern "C" __global__ void __launch_bounds__(DEC_NT, 1) flash_decode(const Decod
         }
 
         if (!whole) {
-            // Publish the piece; the block that brings the segment's count to its number of
-            // pieces merges them.
+            // Publish the piece. Up to DEC_GROUP pieces, the block that completes the segment's
+            // count merges them; more, in two levels: the block that completes a group of
+            // DEC_GROUP pieces merges it into the group's first slot, and the block that
+            // completes the groups merges those (a single block would read every piece).
             __threadfence();
             __syncthreads();
             const int c0 = dec_worker_of(seg_start, total, workers), c1 = dec_worker_of(seg_end - 1, total, workers);
-            const int pieces = c1 - c0 + 1;
-            if (tid == 0) s_last = atomicAdd(p.counters + seg, 1) == pieces - 1;
-            __syncthreads();
-            if (s_last) {
-                __threadfence();
-                // The pieces' slots, then every (piece, row) LSE, in parallel.
-                int* slots = (int*)(Wr + pieces * DEC_ROWS);
-                for (int k = tid; k < pieces; k += DEC_NT) slots[k] = dec_slot(k, c0, seg_start, total, workers);
+            const int pieces = c1 - c0 + 1, groups = (pieces + DEC_GROUP - 1) / DEC_GROUP;
+            int* slots = (int*)(Wr + (pieces < DEC_GROUP ? pieces : DEC_GROUP) * DEC_ROWS + groups * DEC_ROWS);
+            const DecMergeAt at{b, kvh, r0, G, rows};
+            bool final_level = groups == 1;
+            if (!final_level) {
+                const int g = (c - c0) / DEC_GROUP, n = min(DEC_GROUP, pieces - g * DEC_GROUP);
+                int* gcount = p.counters + (size_t)p.batch * p.segs_per_request + (size_t)seg * dec_max_groups() + g;
+                if (tid == 0) s_last = atomicAdd(gcount, 1) == n - 1;
                 __syncthreads();
-                for (int e = tid; e < pieces * rows; e += DEC_NT) {
-                    const int k = e / rows, r = e % rows;
-                    Wr[k * DEC_ROWS + r] = ldcg(p.part_lse + slots[k] * DEC_ROWS + r);
+                if (s_last) {
+                    __threadfence();
+                    for (int k = tid; k < n; k += DEC_NT) slots[k] = dec_slot(g * DEC_GROUP + k, c0, seg_start, total, workers);
+                    __syncthreads();
+                    dec_merge(p, slots, n, Wr, slots[0], at);
+                    if (tid == 0) *gcount = 0;
+                    __threadfence();
+                    __syncthreads();
+                    final_level = true;
                 }
+            }
+            if (final_level) {
+                if (tid == 0) s_last = atomicAdd(p.counters + seg, 1) == (groups == 1 ? pieces : groups) - 1;
                 __syncthreads();
-                // A warp per row: the merged LSE and each piece's weight exp(lse_k - LSE).
-                for (int r = warp; r < rows; r += DEC_NT / 32) {
-                    float M = NEG_INF;
-                    for (int k = lane; k < pieces; k += 32) M = fmax_nan(M, Wr[k * DEC_ROWS + r]);
-#pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) M = fmax_nan(M, __shfl_xor_sync(0xffffffff, M, o));
-                    const float mu = M == NEG_INF ? 0.f : M;
-                    float L = 0.f;
-                    for (int k = lane; k < pieces; k += 32) {
-                        const float w = fast_exp2((Wr[k * DEC_ROWS + r] - mu) * LOG2E);
-                        Wr[k * DEC_ROWS + r] = w;
-                        L += w;
-                    }
-#pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffff, L, o);
-                    const float inv = L != 0.f ? 1.f / L : 0.f;
-                    for (int k = lane; k < pieces; k += 32) Wr[k * DEC_ROWS + r] *= inv;
-                    const int gr = r0 + r, qi = gr / G, h = kvh * G + gr % G;
-                    if (lane == 0) p.lse[((size_t)b * p.heads + h) * p.q_rows + qi] = L != 0.f ? M + __logf(L) : NEG_INF;
+                if (s_last) {
+                    __threadfence();
+                    const int n = groups == 1 ? pieces : groups, step = groups == 1 ? 1 : DEC_GROUP;
+                    for (int k = tid; k < n; k += DEC_NT) slots[k] = dec_slot(k * step, c0, seg_start, total, workers);
+                    __syncthreads();
+                    dec_merge(p, slots, n, Wr, -1, at);
+                    if (tid == 0) p.counters[seg] = 0;
                 }
-                __syncthreads();
-                // O: 4 columns per item, T threads (adjacent lanes) per item splitting the pieces,
-                // 16 loads in flight each (the merge is bound by the latency of L2 reads).
-                constexpr int C4 = D / 4;
-                const int items = rows * C4;
-                const int T = items * 4 <= DEC_NT ? 4 : items * 2 <= DEC_NT ? 2 : 1;
-                for (int e0 = 0; e0 < items * T; e0 += DEC_NT) {
-                    const int e = e0 + tid, item = e / T, sub = e % T;
-                    const int r = item / C4, col = 4 * (item % C4);
-                    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-                    if (item < items) {
-                        for (int k0 = sub; k0 < pieces; k0 += 16 * T) {
-                            float4 x[16];
-#pragma unroll
-                            for (int u = 0; u < 16; ++u) {
-                                const int k = k0 + u * T;
-                                x[u] = k < pieces ? ldcg4(p.part_o + ((size_t)slots[k] * DEC_ROWS + r) * D + col)
-                                                  : make_float4(0.f, 0.f, 0.f, 0.f);
-                            }
-#pragma unroll
-                            for (int u = 0; u < 16; ++u) {
-                                const int k = k0 + u * T;
-                                const float w = k < pieces ? Wr[k * DEC_ROWS + r] : 0.f;
-                                acc.x += w * x[u].x; acc.y += w * x[u].y; acc.z += w * x[u].z; acc.w += w * x[u].w;
-                            }
-                        }
-                    }
-                    for (int o = 1; o < T; o <<= 1) { // the item's T partial sums (T divides 32)
-                        acc.x += __shfl_xor_sync(0xffffffff, acc.x, o);
-                        acc.y += __shfl_xor_sync(0xffffffff, acc.y, o);
-                        acc.z += __shfl_xor_sync(0xffffffff, acc.z, o);
-                        acc.w += __shfl_xor_sync(0xffffffff, acc.w, o);
-                    }
-                    if (item < items && sub == 0) {
-                        const int gr = r0 + r, qi = gr / G, h = kvh * G + gr % G;
-                        elem_t* dst = p.o + (((size_t)b * p.q_rows + qi) * p.heads + h) * D + col;
-                        *(uint2*)dst = make_uint2(pack2(acc.x, acc.y), pack2(acc.z, acc.w));
-                    }
-                }
-                if (tid == 0) p.counters[seg] = 0;
             }
         }
         __syncthreads();
