@@ -10,7 +10,14 @@ the tensors' GPU and torch's current stream. The LSE is in natural log.
 """
 
 from . import _native
-from .interface import attention, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .interface import (
+    KVCachePlan,
+    attention,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    plan_kvcache,
+)
 
 __version__ = _native.__version__
 cuda_available = _native.cuda_available
@@ -20,6 +27,8 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
+    "plan_kvcache",
+    "KVCachePlan",
     "cuda_available",
     "__version__",
 ]

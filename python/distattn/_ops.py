@@ -192,9 +192,28 @@ def _decode_workspace(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: T
         torch.empty(n_cu, dtype=torch.int64, device=dev),
         torch.empty(n_po, dtype=torch.float32, device=dev),
         torch.empty(n_pl, dtype=torch.float32, device=dev),
-        # The merge's counts start at zero (the kernel leaves them at zero).
-        torch.zeros(n_c, dtype=torch.int32, device=dev),
+        torch.empty(n_c, dtype=torch.int32, device=dev),  # (zeroed by the step's plan)
     )
+
+
+def _decode_run(q, k_cache, v_cache, page_table, cache_seqlens, k, v, softmax_scale, causal, planned_ws):
+    """One decode call; on a GPU with the workspace of a plan made for this step (`planned_ws`,
+    the plan not launched again) or a fresh one (planned here)."""
+    q = _dense(q)
+    k, v = (None if t is None else _dense(t) for t in (k, v))
+    b, s, h, _ = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    ws = None
+    if q.is_cuda:
+        ws = planned_ws if planned_ws is not None else _decode_workspace(q, k_cache, v_cache, page_table, cache_seqlens)
+        ws = tuple(_desc(t) for t in ws)
+    _native.decode(
+        _desc(q), _desc(k_cache), _desc(v_cache), _desc(page_table), _desc(cache_seqlens),
+        None if k is None else _desc(k), None if v is None else _desc(v),
+        _desc(o), _desc(lse), ws, planned_ws is not None, softmax_scale, causal, _stream(q),
+    )  # fmt: skip
+    return o, lse
 
 
 def _decode_impl(
@@ -208,20 +227,17 @@ def _decode_impl(
     softmax_scale: Optional[float],
     causal: bool,
 ) -> Tuple[Tensor, Tensor]:
-    q = _dense(q)
-    k, v = (None if t is None else _dense(t) for t in (k, v))
-    b, s, h, _ = q.shape
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
-    ws = None
-    if q.is_cuda:
-        ws = tuple(_desc(t) for t in _decode_workspace(q, k_cache, v_cache, page_table, cache_seqlens))
-    _native.decode(
+    return _decode_run(q, k_cache, v_cache, page_table, cache_seqlens, k, v, softmax_scale, causal, None)
+
+
+def plan_decode(q, k_cache, v_cache, page_table, cache_seqlens, seqlen_new):
+    """A GPU workspace with the step's plan enqueued on torch's current stream."""
+    ws = _decode_workspace(q, k_cache, v_cache, page_table, cache_seqlens)
+    _native.decode_plan(
         _desc(q), _desc(k_cache), _desc(v_cache), _desc(page_table), _desc(cache_seqlens),
-        None if k is None else _desc(k), None if v is None else _desc(v),
-        _desc(o), _desc(lse), ws, softmax_scale, causal, _stream(q),
+        seqlen_new, tuple(_desc(t) for t in ws), _stream(q),
     )  # fmt: skip
-    return o, lse
+    return ws
 
 
 # The caches are written in place when new K/V are given.

@@ -145,6 +145,39 @@ def flash_attn_varlen_func(
     return _result(o.squeeze(0), lse.squeeze(0), return_lse)
 
 
+def _kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, block_table):
+    """The inputs of a decode call checked, with a contiguous cache's page table and default
+    lengths filled in, the table and lengths as contiguous int32."""
+    if block_table is not None:
+        if page_table is not None:
+            raise ValueError("give page_table or block_table (its flash-attn 2 name), not both")
+        page_table = block_table
+    _check(4, "[batch, seqlen, heads, head_dim]", q=q, k_cache=k_cache, v_cache=v_cache)
+    if (k is None) != (v is None):
+        raise ValueError("give both k and v (the new tokens), or neither")
+    if k is not None:
+        _check(4, "[batch, seqlen_new, kv_heads, head_dim]", k=k, v=v)
+    b, dev = q.shape[0], q.device
+    if page_table is None:
+        if k_cache.shape[0] < b:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} requests, q has {b}")
+        page_table = _contiguous_table(b, dev)
+    elif not isinstance(page_table, Tensor) or page_table.dim() != 2:
+        raise ValueError("page_table must be an int32 tensor [batch, max_pages]")
+    capacity = page_table.shape[1] * k_cache.shape[1]
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("appending k and v needs cache_seqlens (where each request's new tokens go)")
+        cache_seqlens = capacity
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
+    if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype.is_floating_point:
+        raise TypeError("cache_seqlens must be an int or an integer tensor [batch]")
+    page_table = page_table.to(dtype=torch.int32).contiguous()
+    cache_seqlens = cache_seqlens.to(dtype=torch.int32).contiguous()
+    return q, k_cache, v_cache, k, v, page_table, cache_seqlens
+
+
 _contiguous_tables = {}
 
 
@@ -169,6 +202,7 @@ def flash_attn_with_kvcache(
     return_lse: bool = False,
     *,
     block_table: Optional[Tensor] = None,
+    plan: Optional["KVCachePlan"] = None,
 ) -> Out:
     """Decode attention over a KV cache, as flash-attn's function of that name.
 
@@ -185,7 +219,9 @@ def flash_attn_with_kvcache(
 
     On a GPU the requests' work is split evenly over every SM (one request of 1M tokens or a
     ragged batch of 64 alike), without reading the lengths on the host: the call can be
-    captured in a CUDA graph. There the lengths and the page table are read on the GPU and not
+    captured in a CUDA graph. Each call plans its split (one small kernel); ``plan`` (from
+    :func:`plan_kvcache`) reuses one step's plan in every layer of that step instead. There the
+    lengths and the page table are read on the GPU and not
     checked: lengths past a page-table row are clamped to it, and every entry a length reaches
     must name a page of the cache (as in flash-attn); on the CPU both are checked. Returns O like ``q`` and, with ``return_lse``, the float32 LSE
     ``[batch, heads, seqlen_q]`` in natural log (-inf for a row that sees no key, with O = 0).
@@ -202,34 +238,70 @@ def flash_attn_with_kvcache(
     >>> bool(torch.equal(k_cache[1, 40], k_new[1, 0]))  # appended in place
     True
     """
-    if block_table is not None:
-        if page_table is not None:
-            raise ValueError("give page_table or block_table (its flash-attn 2 name), not both")
-        page_table = block_table
-    _check(4, "[batch, seqlen, heads, head_dim]", q=q, k_cache=k_cache, v_cache=v_cache)
-    if (k is None) != (v is None):
-        raise ValueError("give both k and v (the new tokens), or neither")
-    if k is not None:
-        _check(4, "[batch, seqlen_new, kv_heads, head_dim]", k=k, v=v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    b, dev = q.shape[0], q.device
-    if page_table is None:
-        if k_cache.shape[0] < b:
-            raise ValueError(f"k_cache holds {k_cache.shape[0]} requests, q has {b}")
-        page_table = _contiguous_table(b, dev)
-    elif not isinstance(page_table, Tensor) or page_table.dim() != 2:
-        raise ValueError("page_table must be an int32 tensor [batch, max_pages]")
-    capacity = page_table.shape[1] * k_cache.shape[1]
-    if cache_seqlens is None:
-        if k is not None:
-            raise ValueError("appending k and v needs cache_seqlens (where each request's new tokens go)")
-        cache_seqlens = capacity
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
-    if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype.is_floating_point:
-        raise TypeError("cache_seqlens must be an int or an integer tensor [batch]")
-    page_table = page_table.to(dtype=torch.int32).contiguous()
-    cache_seqlens = cache_seqlens.to(dtype=torch.int32).contiguous()
+    q, k_cache, v_cache, k, v, page_table, cache_seqlens = _kvcache_inputs(
+        q, k_cache, v_cache, k, v, cache_seqlens, page_table, block_table
+    )
+    if plan is not None:
+        plan._check(q, k_cache, page_table, 0 if k is None else k.shape[1])
+        if torch.compiler.is_compiling():
+            raise RuntimeError("plan= is for eager calls and CUDA graphs; under torch.compile leave it out")
+        scale = _check_scale(softmax_scale)
+        o, lse = _ops._decode_run(q, k_cache, v_cache, page_table, cache_seqlens, k, v, scale, causal, plan.workspace)
+        return _result(o, lse, return_lse)
     o, lse = _ops.decode_call(q, k_cache, v_cache, page_table, cache_seqlens, k, v, _check_scale(softmax_scale), causal)
     return _result(o, lse, return_lse)
+
+
+class KVCachePlan:
+    """The split of one decode step over the GPU, made by :func:`plan_kvcache` and reused by
+    every layer's :func:`flash_attn_with_kvcache` call of that step (same shapes, lengths and
+    number of new tokens)."""
+
+    __slots__ = ("workspace", "_key")
+
+    def __init__(self, workspace, key):
+        self.workspace, self._key = workspace, key
+
+    def _check(self, q, k_cache, page_table, seqlen_new):
+        key = _plan_key(q, k_cache, page_table, seqlen_new)
+        if key != self._key:
+            raise ValueError(f"the plan was made for {self._key}, this call is {key}")
+
+
+def _plan_key(q, k_cache, page_table, seqlen_new):
+    return (str(q.device), str(q.dtype), tuple(q.shape), tuple(k_cache.shape), tuple(page_table.shape), seqlen_new)
+
+
+def plan_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Union[None, int, Tensor] = None,
+    page_table: Optional[Tensor] = None,
+    seqlen_new: int = 0,
+    *,
+    block_table: Optional[Tensor] = None,
+) -> Optional[KVCachePlan]:
+    """Plans one decode step on the GPU, once for all its layers: the split of the requests'
+    tiles over the SMs, computed from ``cache_seqlens`` (+ ``seqlen_new``, the new tokens each
+    layer's call appends) on torch's current stream. Pass the result as ``plan=`` to every
+    :func:`flash_attn_with_kvcache` of the step, whose calls then only launch the decode (and
+    append). The arguments are a layer's, as that function takes them; change the lengths and
+    make a new plan for the next step. On the CPU there is nothing to plan: returns None.
+
+    >>> import torch, distattn
+    >>> q, kc, vc = torch.randn(1, 1, 8, 64), torch.randn(1, 100, 2, 64), torch.randn(1, 100, 2, 64)
+    >>> plan = distattn.plan_kvcache(q, kc, vc, cache_seqlens=100)  # None on the CPU
+    >>> o = distattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=100, plan=plan)
+    """
+    if not isinstance(seqlen_new, int) or isinstance(seqlen_new, bool) or seqlen_new < 0:
+        raise ValueError(f"seqlen_new must be a non-negative int, got {seqlen_new!r}")
+    q, k_cache, v_cache, _, _, page_table, cache_seqlens = _kvcache_inputs(
+        q, k_cache, v_cache, None, None, cache_seqlens, page_table, block_table
+    )
+    if not q.is_cuda:
+        return None
+    ws = _ops.plan_decode(q, k_cache, v_cache, page_table, cache_seqlens, seqlen_new)
+    return KVCachePlan(ws, _plan_key(q, k_cache, page_table, seqlen_new))

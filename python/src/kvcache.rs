@@ -133,18 +133,51 @@ impl<'a> DecodeCall<'a> {
     }
 
     /// Workspace element counts on this call's GPU: (cu_tiles i64, part_o f32, part_lse f32,
-    /// counters i32, zeroed).
+    /// counters i32), any contents (the plan writes cu_tiles and zeroes the counters).
     pub fn workspace(&self) -> Result<(usize, usize, usize, usize)> {
         let w = gpu(self.device)?.decode_workspace(self.dtype, &self.shape)?;
         Ok((w.cu_tiles, w.part_o, w.part_lse, w.counters))
     }
 
-    /// Appends the new K/V (if any) and attends, into `o` and `lse`.
+    /// Checks a GPU workspace against this call's sizes and gives its addresses.
+    fn workspace_ptrs(&self, ws: [&TensorDesc; 4]) -> Result<DecodeWorkspacePtrs> {
+        let (n_cu, n_po, n_pl, n_c) = self.workspace()?;
+        for (name, t, n, dt) in [
+            ("cu_tiles", ws[0], n_cu, "int64"),
+            ("part_o", ws[1], n_po, "float32"),
+            ("part_lse", ws[2], n_pl, "float32"),
+            ("counters", ws[3], n_c, "int32"),
+        ] {
+            same(name, t, &[n], ("required", dt), self.device)?;
+        }
+        Ok(DecodeWorkspacePtrs { cu_tiles: ws[0].0, part_o: ws[1].0, part_lse: ws[2].0, counters: ws[3].0 })
+    }
+
+    /// Enqueues the step's plan (lengths + `seqlen_new`) into a GPU workspace.
+    pub fn plan(&self, seqlen_new: usize, workspace: [&TensorDesc; 4], stream: u64) -> Result<()> {
+        if self.device < 0 {
+            return Err(Error::invalid("plan", "a plan is made on a GPU; CPU calls plan themselves"));
+        }
+        let ws = self.workspace_ptrs(workspace)?;
+        let gpu = gpu(self.device)?;
+        let cap = self.max_pages * self.layout.page_size;
+        // SAFETY: the descriptors were checked against this call (shapes, dtypes, device,
+        // contiguity; the workspace sized by decode_workspace); `stream` is torch's current
+        // stream of this GPU.
+        unsafe {
+            let s = gpu.borrow_stream(stream);
+            gpu.decode_plan_raw(&s, self.dtype, &self.shape, self.seqlens.0, seqlen_new, cap, &ws)
+        }
+    }
+
+    /// Appends the new K/V (if any) and attends, into `o` and `lse`; on a GPU, in `workspace`,
+    /// planned first unless `planned` (a plan of this step already there).
     pub fn run(
         &self,
         o: &TensorDesc,
         lse: &TensorDesc,
         workspace: Option<[&TensorDesc; 4]>,
+        planned: bool,
         stream: u64,
     ) -> Result<()> {
         let (od, ld) = self.out_dims();
@@ -157,17 +190,11 @@ impl<'a> DecodeCall<'a> {
                 DType::F16 => self.cpu::<f16>(o, lse),
             };
         }
-        let [cu, part_o, part_lse, counters] =
-            workspace.ok_or_else(|| Error::invalid("workspace", "a GPU decode needs its workspace"))?;
-        let (n_cu, n_po, n_pl, n_c) = self.workspace()?;
-        for (name, t, n, dt) in [
-            ("cu_tiles", cu, n_cu, "int64"),
-            ("part_o", part_o, n_po, "float32"),
-            ("part_lse", part_lse, n_pl, "float32"),
-            ("counters", counters, n_c, "int32"),
-        ] {
-            same(name, t, &[n], ("required", dt), self.device)?;
+        let workspace = workspace.ok_or_else(|| Error::invalid("workspace", "a GPU decode needs its workspace"))?;
+        if !planned {
+            self.plan(self.new_tokens, workspace, stream)?;
         }
+        let ws = self.workspace_ptrs(workspace)?;
         let gpu = gpu(self.device)?;
         let ptrs = DecodePtrs {
             q: self.q.0,
@@ -178,7 +205,6 @@ impl<'a> DecodeCall<'a> {
             page_table: self.page_table.0,
             seqlens: self.seqlens.0,
         };
-        let ws = DecodeWorkspacePtrs { cu_tiles: cu.0, part_o: part_o.0, part_lse: part_lse.0, counters: counters.0 };
         let step = DecodeStep {
             shape: self.shape,
             layout: self.layout,
@@ -187,10 +213,11 @@ impl<'a> DecodeCall<'a> {
             opts: self.opts,
         };
         // SAFETY: every descriptor was checked against this call (shapes, dtypes, device,
-        // contiguity; the workspace sized by decode_workspace, counters zeroed by the Python
-        // layer): each address is torch's memory on this GPU, and `stream` is torch's current
-        // stream there. Page-table entries and lengths live on the GPU and are the caller's to
-        // keep in range (documented: lengths are clamped to the table's pages).
+        // contiguity; the workspace sized by decode_workspace and planned before the decode, for
+        // these lengths and new tokens: the Python layer's contract for `planned`): each address
+        // is torch's memory on this GPU, and `stream` is torch's current stream there. The page
+        // table and lengths live on the GPU and are the caller's to keep in range (documented:
+        // lengths are clamped to the table's row).
         unsafe {
             let s = gpu.borrow_stream(stream);
             if let Some((k, v)) = self.new_kv {
@@ -206,17 +233,6 @@ impl<'a> DecodeCall<'a> {
                     self.max_pages,
                 )?;
             }
-            let cap = self.max_pages * self.layout.page_size;
-            gpu.decode_plan_raw(
-                &s,
-                self.dtype,
-                self.shape.head_dim,
-                ptrs.seqlens,
-                self.new_tokens,
-                self.shape.batch,
-                cap,
-                ws.cu_tiles,
-            )?;
             gpu.decode_raw(&s, self.dtype, &ptrs, &ws, &step)
         }
     }

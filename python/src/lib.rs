@@ -72,7 +72,7 @@ fn forward(
 }
 
 /// Element counts of a GPU decode's workspace: `(cu_tiles int64, part_o float32, part_lse
-/// float32, counters int32 zeroed)`, for the call's tensors.
+/// float32, counters int32)`, for the call's tensors; any contents.
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, v_cache, page_table, cache_seqlens))]
 fn decode_workspace(
@@ -96,7 +96,7 @@ fn decode_workspace(
 /// writes O (like Q) and LSE (`[b, h, s]` f32, natural log); on a GPU with `workspace`
 /// (see `decode_workspace`).
 #[pyfunction]
-#[pyo3(signature = (q, k_cache, v_cache, page_table, cache_seqlens, k, v, o, lse, workspace, softmax_scale, causal, stream))]
+#[pyo3(signature = (q, k_cache, v_cache, page_table, cache_seqlens, k, v, o, lse, workspace, planned, softmax_scale, causal, stream))]
 #[allow(clippy::too_many_arguments)] // one descriptor per tensor the kernels touch
 fn decode(
     py: Python<'_>,
@@ -110,6 +110,7 @@ fn decode(
     o: TensorDesc,
     lse: TensorDesc,
     workspace: Option<(TensorDesc, TensorDesc, TensorDesc, TensorDesc)>,
+    planned: bool,
     softmax_scale: Option<f64>,
     causal: bool,
     stream: u64,
@@ -122,7 +123,30 @@ fn decode(
         };
         let call = DecodeCall::new(&q, &k_cache, &v_cache, &page_table, &cache_seqlens, new_kv, softmax_scale, causal)?;
         let ws = workspace.as_ref().map(|(a, b, c, d)| [a, b, c, d]);
-        call.run(&o, &lse, ws, stream)
+        call.run(&o, &lse, ws, planned, stream)
+    })
+}
+
+/// Enqueues a GPU decode step's plan into `workspace` (see `decode_workspace`), for calls whose
+/// new tokens number `seqlen_new`.
+#[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, page_table, cache_seqlens, seqlen_new, workspace, stream))]
+#[allow(clippy::too_many_arguments)] // one descriptor per tensor the plan reads or writes
+fn decode_plan(
+    py: Python<'_>,
+    q: TensorDesc,
+    k_cache: TensorDesc,
+    v_cache: TensorDesc,
+    page_table: TensorDesc,
+    cache_seqlens: TensorDesc,
+    seqlen_new: usize,
+    workspace: (TensorDesc, TensorDesc, TensorDesc, TensorDesc),
+    stream: u64,
+) -> PyResult<()> {
+    guarded(py, move || {
+        let call = DecodeCall::new(&q, &k_cache, &v_cache, &page_table, &cache_seqlens, None, None, false)?;
+        let (a, b, c, d) = &workspace;
+        call.plan(seqlen_new, [a, b, c, d], stream)
     })
 }
 
@@ -184,6 +208,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward, m)?)?;
     m.add_function(wrap_pyfunction!(decode_workspace, m)?)?;
     m.add_function(wrap_pyfunction!(decode, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_plan, m)?)?;
     m.add_function(wrap_pyfunction!(backward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -169,3 +169,29 @@ def test_cuda_graph_capture_of_a_step():
     seqlens.copy_(torch.tensor([2000, 16, 1, 12], dtype=torch.int32))
     graph.replay()
     assert torch.equal(out, f()) and not torch.equal(out, eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_plan_for_every_layer():
+    gen = torch.Generator().manual_seed(BASE_SEED)
+    lengths = [3000, 10, 700, 1]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    layers = [paged_case(gen, 4, 2, 32, 8, 128, 16, lengths, 2, torch.bfloat16, "cuda") for _ in range(3)]
+    table = layers[0][5]
+    plan = distattn.plan_kvcache(layers[0][0], layers[0][1], layers[0][2], seqlens, table, seqlen_new=2)
+    for q, kc, vc, knew, vnew, _ in layers:
+        kc2, vc2 = kc.clone(), vc.clone()
+        planned = distattn.flash_attn_with_kvcache(q, kc, vc, knew, vnew, seqlens, table, plan=plan, return_lse=True)
+        fresh = distattn.flash_attn_with_kvcache(q, kc2, vc2, knew, vnew, seqlens, table, return_lse=True)
+        assert torch.equal(planned[0], fresh[0]) and torch.equal(planned[1], fresh[1])
+        assert torch.equal(kc, kc2)
+    with pytest.raises(ValueError, match="plan was made for"):
+        q, kc, vc = layers[0][:3]
+        distattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, plan=plan)  # no new k/v
+
+
+def test_plan_on_the_cpu_is_none():
+    q, kc, vc = torch.randn(1, 1, 4, 32), torch.randn(1, 50, 2, 32), torch.randn(1, 50, 2, 32)
+    assert distattn.plan_kvcache(q, kc, vc, cache_seqlens=50) is None
+    with pytest.raises(ValueError, match="seqlen_new"):
+        distattn.plan_kvcache(q, kc, vc, cache_seqlens=50, seqlen_new=-1)
