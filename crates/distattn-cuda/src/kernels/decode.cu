@@ -49,6 +49,14 @@ __device__ __forceinline__ void dec_segment(const DecodeParams& p, i64 t, int& s
     start = p.cu_tiles[lo] * S + j * n;
 }
 
+// old = *p; *p += v, a release of this thread's (and, after a barrier, its block's) writes and an
+// acquire of those released by the earlier adds, at GPU scope.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
 // Block c's first tile, and the block whose share holds tile t, of `workers` shares of `total`.
 __device__ __forceinline__ i64 dec_share(i64 c, i64 total, i64 workers) { return c * total / workers; }
 __device__ __forceinline__ int dec_worker_of(i64 t, i64 total, i64 workers) { return (int)(((t + 1) * workers - 1) / total); }
@@ -72,7 +80,7 @@ __device__ __forceinline__ int dec_slot(int k, int c0, i64 seg_start, i64 total,
 }
 
 // Reads of other blocks' partials: from L2 (never a stale L1 line); volatile, so that they stay
-// after the fence and barrier that order them after the other blocks' writes (a few are issued
+// after the count and barrier that order them after the other blocks' writes (a few are issued
 // before their first use, to overlap).
 __device__ __forceinline__ float ldcg(const float* p) {
     float x;
@@ -420,8 +428,9 @@ extern "C" __global__ void __launch_bounds__(DEC_NT, 1) flash_decode(const Decod
             // Publish the piece. Up to DEC_GROUP pieces, the block that completes the segment's
             // count merges them; more, in two levels: the block that completes a group of
             // DEC_GROUP pieces merges it into the group's first slot, and the block that
-            // completes the groups merges those (a single block would read every piece).
-            __threadfence();
+            // completes the groups merges those (a single block would read every piece). One
+            // thread per block counts, with release and acquire at GPU scope after a barrier:
+            // that orders the block's writes before, and the other blocks' after, the count.
             __syncthreads();
             const int c0 = dec_worker_of(seg_start, total, workers), c1 = dec_worker_of(seg_end - 1, total, workers);
             const int pieces = c1 - c0 + 1, groups = (pieces + DEC_GROUP - 1) / DEC_GROUP;
@@ -431,24 +440,21 @@ extern "C" __global__ void __launch_bounds__(DEC_NT, 1) flash_decode(const Decod
             if (!final_level) {
                 const int g = (c - c0) / DEC_GROUP, n = min(DEC_GROUP, pieces - g * DEC_GROUP);
                 int* gcount = p.counters + (size_t)p.batch * p.segs_per_request + (size_t)seg * dec_max_groups() + g;
-                if (tid == 0) s_last = atomicAdd(gcount, 1) == n - 1;
+                if (tid == 0) s_last = atomic_add_acq_rel(gcount, 1) == n - 1;
                 __syncthreads();
                 if (s_last) {
-                    __threadfence();
                     for (int k = tid; k < n; k += DEC_NT) slots[k] = dec_slot(g * DEC_GROUP + k, c0, seg_start, total, workers);
                     __syncthreads();
                     dec_merge(p, slots, n, Wr, slots[0], at);
                     if (tid == 0) *gcount = 0;
-                    __threadfence();
                     __syncthreads();
                     final_level = true;
                 }
             }
             if (final_level) {
-                if (tid == 0) s_last = atomicAdd(p.counters + seg, 1) == (groups == 1 ? pieces : groups) - 1;
+                if (tid == 0) s_last = atomic_add_acq_rel(p.counters + seg, 1) == (groups == 1 ? pieces : groups) - 1;
                 __syncthreads();
                 if (s_last) {
-                    __threadfence();
                     const int n = groups == 1 ? pieces : groups, step = groups == 1 ? 1 : DEC_GROUP;
                     for (int k = tid; k < n; k += DEC_NT) slots[k] = dec_slot(k * step, c0, seg_start, total, workers);
                     __syncthreads();
