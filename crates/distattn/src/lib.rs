@@ -30,9 +30,12 @@ mod attention;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod decode;
+mod rank;
 pub mod tensor;
 
 pub use attention::{Attention, Execution, Ranks};
 pub use distattn_core::*;
-pub use distattn_exec::{FailureKind, InjectedFailure};
+pub use distattn_cpu::CpuBackend;
+pub use distattn_exec::{run_ranks, Backend, Communicator, FailureKind, InjectedFailure, ThreadComm};
+pub use rank::RankAttention;
 pub use tensor::HostTensor;

@@ -1,0 +1,257 @@
+//! One rank of a context-parallel call, in a process that holds only its own shards — what a
+//! training framework runs, with one process per GPU started by `torchrun` or Slurm.
+//!
+//! [`RankAttention`] is the problem of the whole sequence (shape, mask, strategy, world) seen
+//! from one rank: which tokens it holds ([`RankAttention::tokens`]: its Q, K and V shards are
+//! those rows of the whole tensors, in ascending order), and `forward` / `backward` running this
+//! rank's program of the strategy's plan through the one interpreter, on any backend and
+//! communicator, with the caller's buffers as inputs.
+
+use distattn_core::plan::{Pass, Plan, Tensor, TokenSet};
+use distattn_core::planner::build;
+use distattn_core::schedule::Lane;
+use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, PlanOptions, Result, Strategy};
+use distattn_exec::{execute, Backend, Communicator, ExecOptions, PreparedRank};
+use std::sync::{Arc, Mutex};
+
+/// The whole problem of a context-parallel call, seen from rank `rank` of `world`.
+///
+/// ```
+/// use distattn::{AttnShape, Mask, RankAttention, Strategy};
+///
+/// // 1000 tokens over 4 ranks by the zig-zag ring: rank 1 holds chunks 1 and 6 of 8.
+/// let shape = AttnShape::new(1, 1000, 1000, 8, 2, 64)?;
+/// let rank = RankAttention::new(shape, Mask::causal(1000, 1000)?, Strategy::Zigzag, 4, 1)?;
+/// assert_eq!(rank.tokens().to_runs(), vec![125..250, 750..875]);
+/// assert_eq!(rank.local_shape().q_len, 250);
+/// # Ok::<(), distattn::Error>(())
+/// ```
+pub struct RankAttention {
+    shape: AttnShape,
+    mask: Mask,
+    opts: AttnOptions,
+    strategy: Strategy,
+    plan_opts: PlanOptions,
+    world: usize,
+    rank: usize,
+    /// Every rank's tokens (the strategy's layout).
+    layout: Vec<TokenSet>,
+    /// Prepared programs by (pass, dtype), built on first use.
+    programs: Mutex<Vec<Arc<PreparedRank>>>,
+}
+
+impl RankAttention {
+    /// Rank `rank` of `world` running `strategy` on the self-attention problem `shape` (whole
+    /// sequence; `q_len == k_len`) under `mask`, softmax scale `1/sqrt(head_dim)`.
+    pub fn new(shape: AttnShape, mask: Mask, strategy: Strategy, world: usize, rank: usize) -> Result<Self> {
+        Self::with_options(shape, mask, strategy, world, rank, PlanOptions::default())
+    }
+
+    /// As [`RankAttention::new`], with planner options.
+    pub fn with_options(
+        shape: AttnShape,
+        mask: Mask,
+        strategy: Strategy,
+        world: usize,
+        rank: usize,
+        plan_opts: PlanOptions,
+    ) -> Result<Self> {
+        if shape.q_len != shape.k_len {
+            return Err(Error::invalid(
+                "shape",
+                format!(
+                    "context parallelism shards one sequence: q_len ({}) must equal k_len ({})",
+                    shape.q_len, shape.k_len
+                ),
+            ));
+        }
+        if rank >= world {
+            return Err(Error::invalid("rank", format!("{rank} is not a rank of a world of {world}")));
+        }
+        let plan = build(strategy, world, &shape, &mask, DType::F32, &plan_opts.with_pass(Pass::Forward))?;
+        if let Some(r) = (0..world).find(|&r| plan.layout.q[r] != plan.layout.k[r]) {
+            return Err(Error::invalid(
+                "strategy",
+                format!("{strategy} places rank {r}'s queries and keys on different tokens; a shard must hold both"),
+            ));
+        }
+        let layout = plan.layout.q.clone();
+        Ok(RankAttention {
+            shape,
+            mask,
+            opts: AttnOptions::default(),
+            strategy,
+            plan_opts,
+            world,
+            rank,
+            layout,
+            programs: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Sets the softmax scale (`None`: `1/sqrt(head_dim)`); it must be positive and finite.
+    pub fn scale(mut self, scale: Option<f32>) -> Result<Self> {
+        AttnOptions { scale }.scale_for(self.shape.head_dim)?;
+        self.opts.scale = scale;
+        Ok(self)
+    }
+
+    /// The global positions of this rank's tokens, ascending: its shards of Q, K, V (and of O,
+    /// dO and the gradients) are these rows of the whole tensors, in this order.
+    pub fn tokens(&self) -> &TokenSet {
+        &self.layout[self.rank]
+    }
+
+    /// Every rank's tokens, in rank order (what gathering the shards back needs).
+    pub fn layout(&self) -> &[TokenSet] {
+        &self.layout
+    }
+
+    /// The shape of this rank's shards: the whole shape with `tokens().len()` rows.
+    pub fn local_shape(&self) -> AttnShape {
+        let n = self.tokens().len();
+        AttnShape { q_len: n, k_len: n, ..self.shape }
+    }
+
+    pub fn shape(&self) -> &AttnShape {
+        &self.shape
+    }
+
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// This rank's program of `pass` for inputs of `dtype`, planned and prepared once.
+    pub fn program(&self, pass: Pass, dtype: DType) -> Result<Arc<PreparedRank>> {
+        let mut programs =
+            self.programs.lock().map_err(|_| Error::Internal("the program table was poisoned".into()))?;
+        if let Some(p) = programs.iter().find(|p| p.pass == pass && p.dtype == dtype) {
+            return Ok(p.clone());
+        }
+        let plan = build(self.strategy, self.world, &self.shape, &self.mask, dtype, &self.plan_opts.with_pass(pass))?;
+        self.check_shards(&plan)?;
+        let prog = Arc::new(distattn_exec::prepare(&plan, self.rank, &self.mask)?);
+        programs.push(prog.clone());
+        Ok(prog)
+    }
+
+    /// Every input and output of this rank is a whole shard: its own tokens, every head.
+    fn check_shards(&self, plan: &Plan) -> Result<()> {
+        let prog = &plan.ranks[self.rank];
+        for &(tensor, id) in prog.inputs.iter().chain(&prog.outputs) {
+            let d = &prog.bufs[id];
+            let heads = if tensor.is_kv() { self.shape.kv_heads } else { self.shape.heads };
+            if d.tokens != *self.tokens() || d.heads != (0..heads) {
+                return Err(Error::InvalidPlan(format!(
+                    "{} on rank {}: {tensor:?} is not the rank's shard (tokens {:?}, heads {:?})",
+                    self.strategy, self.rank, d.tokens, d.heads
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// O (f32, `[b, n_local, h, d]`) and LSE (f32, `[b, h, n_local]`, natural log) of this
+    /// rank's queries against the whole sequence, from its shards of Q, K, V (of `dtype`,
+    /// written on the backend's compute lane). Every rank of the world calls it together.
+    pub fn forward<B, C>(
+        &self,
+        backend: &B,
+        comm: &C,
+        dtype: DType,
+        q: B::Buf,
+        k: B::Buf,
+        v: B::Buf,
+    ) -> Result<[B::Buf; 2]>
+    where
+        B: Backend,
+        C: Communicator<Buf = B::CommBuf>,
+    {
+        let prog = self.program(Pass::Forward, dtype)?;
+        let outs = self.run(&prog, backend, comm, [(Tensor::Q, q), (Tensor::K, k), (Tensor::V, v)])?;
+        let [o, lse] = take_outputs(&prog, outs, [Tensor::O, Tensor::Lse])?;
+        Ok([o, lse])
+    }
+
+    /// dQ, dK, dV (f32, like this rank's shards) from its shards of Q, K, V and dO (of
+    /// `dtype`), the forward's LSE and D = rowsum(dO ∘ O) of its rows (f32, `[b, h, n_local]`).
+    /// Every rank of the world calls it together.
+    #[allow(clippy::too_many_arguments)] // one buffer per tensor of a backward pass
+    pub fn backward<B, C>(
+        &self,
+        backend: &B,
+        comm: &C,
+        dtype: DType,
+        q: B::Buf,
+        k: B::Buf,
+        v: B::Buf,
+        d_o: B::Buf,
+        lse: B::Buf,
+        delta: B::Buf,
+    ) -> Result<[B::Buf; 3]>
+    where
+        B: Backend,
+        C: Communicator<Buf = B::CommBuf>,
+    {
+        let prog = self.program(Pass::Backward, dtype)?;
+        let given = [
+            (Tensor::Q, q),
+            (Tensor::K, k),
+            (Tensor::V, v),
+            (Tensor::DO, d_o),
+            (Tensor::Lse, lse),
+            (Tensor::Delta, delta),
+        ];
+        let outs = self.run(&prog, backend, comm, given)?;
+        take_outputs(&prog, outs, [Tensor::DQ, Tensor::DK, Tensor::DV])
+    }
+
+    fn run<B, C, const N: usize>(
+        &self,
+        prog: &PreparedRank,
+        backend: &B,
+        comm: &C,
+        given: [(Tensor, B::Buf); N],
+    ) -> Result<Vec<B::Buf>>
+    where
+        B: Backend,
+        C: Communicator<Buf = B::CommBuf>,
+    {
+        let mut given: Vec<Option<(Tensor, B::Buf)>> = given.into_iter().map(Some).collect();
+        let mut inputs = Vec::with_capacity(prog.inputs.len());
+        for &(tensor, _) in &prog.inputs {
+            let slot = given.iter_mut().find(|g| g.as_ref().is_some_and(|(t, _)| *t == tensor));
+            let (_, buf) = slot.and_then(Option::take).ok_or_else(|| {
+                Error::InvalidPlan(format!(
+                    "{} takes {tensor:?} as an input more than once or unexpectedly",
+                    self.strategy
+                ))
+            })?;
+            inputs.push(buf);
+        }
+        // Inputs this rank's program does not read (a rank with nothing to compute).
+        for (_, buf) in given.into_iter().flatten() {
+            backend.free(Lane::Compute, buf);
+        }
+        Ok(execute(prog, backend, comm, &self.opts, inputs, &ExecOptions::default())?.outputs)
+    }
+}
+
+/// The outputs of `prog` in the order of `want`.
+fn take_outputs<Buf, const N: usize>(prog: &PreparedRank, outs: Vec<Buf>, want: [Tensor; N]) -> Result<[Buf; N]> {
+    let mut outs: Vec<Option<(Tensor, Buf)>> = prog.outputs.iter().map(|&(t, _)| t).zip(outs).map(Some).collect();
+    let mut taken = Vec::with_capacity(N);
+    for t in want {
+        let slot = outs.iter_mut().find(|o| o.as_ref().is_some_and(|(x, _)| *x == t)).and_then(Option::take);
+        taken.push(slot.ok_or_else(|| Error::InvalidPlan(format!("the program returns no {t:?}")))?.1);
+    }
+    taken.try_into().map_err(|_| Error::Internal("output count".into()))
+}

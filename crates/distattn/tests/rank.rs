@@ -1,0 +1,147 @@
+//! One rank per thread holding only its shards, as a training process does: every strategy's
+//! forward and backward through `RankAttention`, from the rank's own rows of Q, K, V and dO,
+//! equal the f64 reference on the whole sequence (uneven lengths, GQA).
+
+use distattn::plan::{Pass, TokenSet};
+use distattn::{
+    run_ranks, AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, Mask, RankAttention, Strategy,
+    ThreadComm,
+};
+use distattn_testkit::{cast, reference, rel_err, seeded_rng, uniform};
+use std::time::Duration;
+
+/// Rows `tokens` of a `[b, n, heads, d]` tensor, in order.
+fn rows(x: &[f32], shape: &AttnShape, heads: usize, tokens: &TokenSet) -> Vec<f32> {
+    let row = heads * shape.head_dim;
+    let mut out = Vec::new();
+    for b in 0..shape.batch {
+        for r in tokens.to_runs() {
+            out.extend_from_slice(&x[(b * shape.q_len + r.start) * row..(b * shape.q_len + r.end) * row]);
+        }
+    }
+    out
+}
+
+/// Writes rows `tokens` of a `[b, n, heads, d]` tensor.
+fn put_rows(part: &[f32], shape: &AttnShape, heads: usize, tokens: &TokenSet, full: &mut [f32]) {
+    let row = heads * shape.head_dim;
+    let mut at = 0;
+    for b in 0..shape.batch {
+        for r in tokens.to_runs() {
+            let n = r.len() * row;
+            full[(b * shape.q_len + r.start) * row..][..n].copy_from_slice(&part[at..at + n]);
+            at += n;
+        }
+    }
+}
+
+/// Entries `tokens` of a `[b, h, n]` statistic.
+fn stat_rows(x: &[f32], shape: &AttnShape, tokens: &TokenSet) -> Vec<f32> {
+    let mut out = Vec::new();
+    for bh in 0..shape.batch * shape.heads {
+        for r in tokens.to_runs() {
+            out.extend_from_slice(&x[bh * shape.q_len + r.start..bh * shape.q_len + r.end]);
+        }
+    }
+    out
+}
+
+#[test]
+fn every_strategy_from_local_shards_matches_f64() {
+    let (mut rng, seed) = seeded_rng("rank_attention");
+    let shape = AttnShape::new(2, 203, 203, 4, 2, 16).unwrap();
+    let mask = Mask::causal(203, 203).unwrap();
+    let [q, k, v, d_o] = [shape.q_elems(), shape.kv_elems(), shape.kv_elems(), shape.q_elems()]
+        .map(|n| cast::<f32>(&uniform(&mut rng, n, -1.0, 1.0)));
+    let opts = Default::default();
+    let want = reference::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+    let want_g = reference::backward(&q, &k, &v, &d_o, &shape, &mask, &opts).unwrap();
+    let o_full: Vec<f32> = want.o.iter().map(|&x| x as f32).collect();
+    let lse_full: Vec<f32> = want.lse.iter().map(|&x| x as f32).collect();
+    for world in [2, 3, 4] {
+        for strategy in Strategy::ALL {
+            if matches!(strategy, Strategy::Ulysses | Strategy::Hybrid { .. }) && !2usize.is_multiple_of(world) {
+                continue; // 2 KV heads split over at most 2 ranks
+            }
+            let case = format!("{strategy} on {world} ranks (seed {seed})");
+            let results = run_ranks(world, Duration::from_secs(30), |comm: &ThreadComm| {
+                let me = RankAttention::new(shape, mask.clone(), strategy, world, comm.rank())?;
+                let t = me.tokens().clone();
+                let (h, hkv) = (shape.heads, shape.kv_heads);
+                let cpu = CpuBackend;
+                let up = |x: Vec<f32>| cpu.upload(&x);
+                let [o, lse] = me.forward(
+                    &cpu,
+                    comm,
+                    DType::F32,
+                    up(rows(&q, &shape, h, &t))?,
+                    up(rows(&k, &shape, hkv, &t))?,
+                    up(rows(&v, &shape, hkv, &t))?,
+                )?;
+                // D = rowsum(dO ∘ O) of this rank's rows, from the f64 O.
+                let (o_loc, do_loc) = (rows(&o_full, &shape, h, &t), rows(&d_o, &shape, h, &t));
+                let n = t.len();
+                let mut delta = vec![0f32; shape.batch * h * n];
+                for b in 0..shape.batch {
+                    for i in 0..n {
+                        for hh in 0..h {
+                            let at = ((b * n + i) * h + hh) * shape.head_dim;
+                            delta[(b * h + hh) * n + i] =
+                                (0..shape.head_dim).map(|x| o_loc[at + x] * do_loc[at + x]).sum();
+                        }
+                    }
+                }
+                let grads = me.backward(
+                    &cpu,
+                    comm,
+                    DType::F32,
+                    up(rows(&q, &shape, h, &t))?,
+                    up(rows(&k, &shape, hkv, &t))?,
+                    up(rows(&v, &shape, hkv, &t))?,
+                    up(do_loc)?,
+                    up(stat_rows(&lse_full, &shape, &t))?,
+                    up(delta)?,
+                )?;
+                let f32s = |b: &HostData| cpu.download_f32(b);
+                Ok((t, f32s(&o)?, f32s(&lse)?, grads.iter().map(f32s).collect::<Result<Vec<_>, Error>>()?))
+            })
+            .unwrap_or_else(|e| panic!("{case}: {e}"));
+            let mut o = vec![0f32; shape.q_elems()];
+            let mut lse_err = 0f64;
+            let (mut dq, mut dk, mut dv) =
+                (vec![0f32; shape.q_elems()], vec![0f32; shape.kv_elems()], vec![0f32; shape.kv_elems()]);
+            let mut covered = 0;
+            for (t, o_r, lse_r, g) in &results {
+                covered += t.len();
+                put_rows(o_r, &shape, shape.heads, t, &mut o);
+                for (a, b) in lse_r.iter().zip(stat_rows(&lse_full, &shape, t)) {
+                    lse_err = lse_err.max((a - b).abs() as f64);
+                }
+                put_rows(&g[0], &shape, shape.heads, t, &mut dq);
+                put_rows(&g[1], &shape, shape.kv_heads, t, &mut dk);
+                put_rows(&g[2], &shape, shape.kv_heads, t, &mut dv);
+            }
+            assert_eq!(covered, shape.q_len, "{case}: the ranks' tokens are not a partition");
+            assert!(rel_err(&o, &want.o) < 1e-5, "{case}: O error {}", rel_err(&o, &want.o));
+            assert!(lse_err < 1e-4, "{case}: LSE error {lse_err}");
+            for (name, got, r) in [("dq", &dq, &want_g.dq), ("dk", &dk, &want_g.dk), ("dv", &dv, &want_g.dv)] {
+                let e = rel_err(got, r);
+                assert!(e < 1e-4, "{case}: {name} error {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_ranks_and_shapes_are_errors() {
+    let shape = AttnShape::new(1, 64, 64, 2, 2, 8).unwrap();
+    let mask = Mask::causal(64, 64).unwrap();
+    let e = RankAttention::new(shape, mask.clone(), Strategy::Zigzag, 4, 4).err().unwrap();
+    assert!(e.to_string().contains("rank"), "{e}");
+    let cross = AttnShape::new(1, 64, 32, 2, 2, 8).unwrap();
+    let e = RankAttention::new(cross, Mask::full(64, 32).unwrap(), Strategy::Ring, 2, 0).err().unwrap();
+    assert!(e.to_string().contains("q_len"), "{e}");
+    // Ulysses needs the heads divisible by the world.
+    let me = RankAttention::new(shape, mask, Strategy::Ulysses, 4, 0);
+    assert!(me.and_then(|m| m.program(Pass::Forward, DType::BF16)).is_err());
+}
