@@ -146,27 +146,46 @@ def _gradients(ctx, d_o, backward_fn):
 forward.register_autograd(lambda ctx, d_o, _d_lse: _gradients(ctx, d_o, backward), setup_context=_setup_context)
 
 
-class _EagerAttention(torch.autograd.Function):
-    """The ops' autograd without the dispatcher: the same implementations, saved tensors and
-    gradient formula, for eager calls, where going through the custom ops' registered
-    autograd costs about 100 us per call on a slow host."""
+def eager_autograd(forward_impl, setup_context, gradients, backward_impl):
+    """An op's autograd without the dispatcher: the same implementations, saved tensors and
+    gradient formula as the registered autograd, for eager calls, where going through a
+    custom op's registered autograd costs about 100 us per call on a slow host."""
 
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _forward_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = forward_impl(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
 
-    @staticmethod
-    def backward(ctx, d_o, _d_lse):
-        return _gradients(ctx, d_o, _backward_impl)
+        @staticmethod
+        def backward(ctx, d_o, _d_lse):
+            return gradients(ctx, d_o, backward_impl)
+
+    return Eager
+
+
+_EagerAttention = eager_autograd(_forward_impl, _setup_context, _gradients, _backward_impl)
+
+
+try:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+except ImportError:  # an older torch: always through the dispatcher
+    _get_current_dispatch_mode = lambda: True  # noqa: E731
+
+
+def through_dispatcher() -> bool:
+    """Whether a call must go through the custom ops: when torch.compile traces it, or when a
+    dispatch mode watches the ops (selective activation checkpointing, which saves the
+    attention ops' outputs; op counters). Otherwise the same computation runs without the
+    dispatcher, whose autograd costs about 100 us of host time per call."""
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
 def attention(*inputs) -> Tuple[Tensor, Tensor]:
-    """O and LSE of `forward`'s inputs, differentiable in q, k, v: the custom op when
-    torch.compile traces the call, the same computation without the dispatcher when it runs
-    eagerly."""
-    if torch.compiler.is_compiling():
+    """O and LSE of `forward`'s inputs, differentiable in q, k, v: the custom op or, when
+    nothing needs the dispatcher, the same computation without it."""
+    if through_dispatcher():
         return forward(*inputs)
     return _EagerAttention.apply(*inputs)
 

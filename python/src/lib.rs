@@ -8,6 +8,7 @@
 //! waiting. Errors become `ValueError` (bad input), `TypeError` (dtypes) or `RuntimeError`
 //! (the device); a panic becomes a `RuntimeError` and never unwinds into Python.
 
+mod context_parallel;
 mod kvcache;
 mod problem;
 
@@ -211,6 +212,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_plan, m)?)?;
     m.add_function(wrap_pyfunction!(backward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(context_parallel::nccl_unique_id, m)?)?;
+    m.add_function(wrap_pyfunction!(context_parallel::cp_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(context_parallel::strategy_name, m)?)?;
+    m.add_class::<context_parallel::CpRank>()?;
+    m.add_class::<context_parallel::CpTransport>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

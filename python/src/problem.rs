@@ -25,11 +25,11 @@ pub struct Problem {
     opts: AttnOptions,
 }
 
-fn dtype_of(name: &str, t: &TensorDesc) -> Result<DType> {
+pub(crate) fn dtype_of(name: &str, t: &TensorDesc) -> Result<DType> {
     t.3.parse().map_err(|_| Error::UnsupportedDType(format!("{} for {name}", t.3)))
 }
 
-fn where_is(device: i64) -> String {
+pub(crate) fn where_is(device: i64) -> String {
     if device < 0 {
         "cpu".into()
     } else {
@@ -262,7 +262,13 @@ impl Problem {
 /// The mask of `spec` over `nq × nk` tokens, or inside each packed sequence of `seqlens`,
 /// built once per distinct call: training runs the same shapes every step, and building a
 /// mask is linear in the sequence length.
-fn cached_mask(spec: &str, nq: usize, nk: usize, seqlens: Option<&Seqlens>, batch: usize) -> Result<Arc<Mask>> {
+pub(crate) fn cached_mask(
+    spec: &str,
+    nq: usize,
+    nk: usize,
+    seqlens: Option<&Seqlens>,
+    batch: usize,
+) -> Result<Arc<Mask>> {
     type Key = (String, usize, usize, Option<Seqlens>);
     static MASKS: OnceLock<Mutex<HashMap<Key, Arc<Mask>>>> = OnceLock::new();
     let masks = MASKS.get_or_init(Default::default);

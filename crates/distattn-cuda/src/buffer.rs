@@ -51,6 +51,38 @@ impl GpuBuf {
         Ok(GpuBuf { mem, dtype: T::DTYPE, len: data.len() })
     }
 
+    /// A buffer holding a copy of the `len` elements of `dtype` at device address `src`, copied
+    /// in the order of `stream` (memory another library owns: a PyTorch tensor).
+    ///
+    /// # Safety
+    /// `src` is device memory of `stream`'s context holding `len` elements of `dtype`, not
+    /// written by other work until the copy has run on `stream`.
+    pub unsafe fn copy_of(stream: &Arc<CudaStream>, dtype: DType, src: u64, len: usize) -> Result<GpuBuf> {
+        let b = Self::alloc(stream, dtype, len)?;
+        if len > 0 {
+            // SAFETY: `b` holds `len` elements of `dtype`; the caller's contract covers `src`.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(b.ptr(stream), src, b.bytes(), stream.cu_stream()) }
+                .result()
+                .map_err(driver_err("copying a tensor into a buffer"))?;
+        }
+        Ok(b)
+    }
+
+    /// Copies the buffer's elements to device address `dst`, in the order of `stream`.
+    ///
+    /// # Safety
+    /// `dst` is device memory of `stream`'s context with room for [`GpuBuf::bytes`] bytes, not
+    /// read or written by other work until the copy has run on `stream`.
+    pub unsafe fn copy_to(&self, stream: &Arc<CudaStream>, dst: u64) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the buffer holds `bytes()` bytes; the caller's contract covers `dst`.
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, self.ptr(stream), self.bytes(), stream.cu_stream()) }
+            .result()
+            .map_err(driver_err("copying a buffer into a tensor"))
+    }
+
     pub fn dtype(&self) -> DType {
         self.dtype
     }

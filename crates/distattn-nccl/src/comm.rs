@@ -47,6 +47,30 @@ impl GroupState {
 #[derive(Clone, Copy)]
 pub struct UniqueId(pub nsys::ncclUniqueId);
 
+impl UniqueId {
+    /// The id's bytes, to send to the other ranks over another channel (a PyTorch process
+    /// group, a file, a key-value store).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        self.0.internal.iter().map(|&c| c as u8).collect()
+    }
+
+    /// The id from [`UniqueId::to_bytes`]'s bytes.
+    pub fn from_bytes(bytes: &[u8]) -> Result<UniqueId> {
+        // SAFETY: ncclUniqueId is plain bytes, for which all zeros is a valid value.
+        let mut id: nsys::ncclUniqueId = unsafe { std::mem::zeroed() };
+        if bytes.len() != id.internal.len() {
+            return Err(Error::invalid(
+                "NCCL unique id",
+                format!("{} bytes, expected {}", bytes.len(), id.internal.len()),
+            ));
+        }
+        for (d, &b) in id.internal.iter_mut().zip(bytes) {
+            *d = b as _;
+        }
+        Ok(UniqueId(id))
+    }
+}
+
 // The id is 128 plain bytes, so it is Send and Sync without an unsafe impl; this stops the
 // build if a binding ever changes that.
 const _: () = {

@@ -1,0 +1,323 @@
+"""Context parallelism over a ``torch.distributed`` process group: one sequence split over the
+ranks of the group (one process per GPU, started by ``torchrun`` or Slurm, on one node or
+several), attention computed exactly by one of distattn's strategies.
+
+>>> import torch.distributed as dist, distattn.distributed as dd       # doctest: +SKIP
+>>> cp = dd.ContextParallel(strategy="zigzag", mask="causal")          # doctest: +SKIP
+>>> x = cp.shard(hidden, dim=1)              # this rank's tokens of [b, n, ...]   # doctest: +SKIP
+>>> pos = cp.position_ids(hidden.shape[1])   # their positions, for RoPE and labels # doctest: +SKIP
+>>> o = cp.attention(q, k, v)                # q, k, v: this rank's shards          # doctest: +SKIP
+
+Strategies: ``ring``, ``zigzag``, ``striped``, ``balanced`` (DistFlashAttn), ``ulysses``,
+``hybrid[:U]`` (USP), ``allgather``, ``dispatch`` (mask-aware). Masks: any spec of
+``distattn.attention`` over the whole sequence. Each rank holds the rows ``cp.position_ids(n)``
+of the whole tensors, in that order (a zig-zag rank holds two chunks, a striped rank every P-th
+token); ``cp.attention`` returns this rank's rows of the whole sequence's attention, equal to
+``distattn.attention`` on the gathered tensors, and is differentiable.
+
+Transport: CUDA tensors go through distattn's own NCCL communicator, bootstrapped from the
+group (rank 0 makes the NCCL unique id and broadcasts it over the group), on its own stream,
+ordered after torch's current stream and before torch's later work by events; a peer that
+fails or stops responding for ``timeout`` seconds makes every rank raise. CPU tensors go
+through the group itself (gloo): the test bed; a dead peer surfaces as the group's error.
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _native
+from ._ops import _desc, _stream, eager_autograd, through_dispatcher
+
+__all__ = ["ContextParallel"]
+
+
+class _GroupTransfers:
+    """Host transfers for distattn's interpreter, made with a process group: what the native
+    ``GroupComm`` calls for each transfer (messages are ``bytes``)."""
+
+    def __init__(self, group):
+        self.pg = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.peers = [dist.get_global_rank(group, r) for r in range(self.world)]
+        self.failure: Optional[str] = None
+
+    def group(self, sends, recvs) -> List[bytes]:
+        ops = []
+        for peer, data in sends:
+            if len(data):
+                t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                ops.append(dist.P2POp(dist.isend, t, self.peers[peer], self.pg))
+        out = []
+        for peer, n in recvs:
+            t = torch.empty(n, dtype=torch.uint8)
+            out.append(t)
+            if n:
+                ops.append(dist.P2POp(dist.irecv, t, self.peers[peer], self.pg))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return [t.numpy().tobytes() for t in out]
+
+    def all_gather(self, data) -> List[bytes]:
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t, group=self.pg)
+        return [torch.cat(parts).numpy().tobytes()]
+
+    def all_to_all(self, data) -> List[bytes]:
+        slot = len(data) // self.world
+        chunk = lambda j: data[j * slot : (j + 1) * slot]  # noqa: E731
+        others = [j for j in range(self.world) if j != self.rank]
+        got = self.group([(j, chunk(j)) for j in others], [(j, slot) for j in others])
+        parts = dict(zip(others, got))
+        parts[self.rank] = bytes(chunk(self.rank))
+        return [b"".join(parts[j] for j in range(self.world))]
+
+    def reduce_scatter_f32(self, data) -> List[bytes]:
+        t = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        dist.all_reduce(t, group=self.pg)
+        slot = t.numel() // self.world
+        return [t[self.rank * slot : (self.rank + 1) * slot].numpy().tobytes()]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.pg)
+
+    def abort(self, reason: str) -> None:
+        self.failure = reason
+
+
+# ContextParallel objects by id, for the custom ops (which take plain values, not objects).
+_instances: Dict[int, "ContextParallel"] = {}
+
+
+class ContextParallel:
+    """Attention over one sequence split across the ranks of ``group`` by ``strategy``.
+
+    ``mask`` is a spec over the whole sequence, as ``distattn.attention`` takes it.
+    ``num_heads`` and ``num_kv_heads`` are needed only by ``hybrid`` without a degree (which
+    picks its layout from them); ``timeout`` (seconds) bounds how long a rank waits for a
+    silent peer on the GPU.
+    """
+
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        strategy: str = "zigzag",
+        mask: str = "causal",
+        *,
+        num_heads: Optional[int] = None,
+        num_kv_heads: Optional[int] = None,
+        timeout: float = 300.0,
+    ):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ContextParallel needs torch.distributed initialised (init_process_group)")
+        if not isinstance(mask, str):
+            raise TypeError(f"mask must be a spec string such as 'causal', got {type(mask).__name__}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.strategy = strategy
+        self.mask = mask
+        self.timeout = float(timeout)
+        self._heads = (num_heads or self.world, num_kv_heads or num_heads or self.world)
+        self._layouts: Dict[int, List[Tensor]] = {}
+        self._ranks: Dict[tuple, object] = {}
+        self._transports: Dict[object, object] = {}
+        self._id = id(self)
+        _instances[self._id] = self
+        _native.strategy_name(strategy)  # an unknown name fails here, not at the first call
+
+    # ------------------------------------------------------------------ layout
+
+    def _positions(self, n: int) -> List[Tensor]:
+        """Every rank's token positions of a sequence of ``n`` tokens."""
+        lay = self._layouts.get(n)
+        if lay is None:
+            runs = _native.cp_layout(self.strategy, self.world, (1, n, *self._heads, 8), self.mask)
+            lay = [
+                torch.cat([torch.arange(s, e) for s, e in r]) if r else torch.empty(0, dtype=torch.long) for r in runs
+            ]
+            self._layouts[n] = lay
+        return lay
+
+    def position_ids(self, seq_len: int, device=None) -> Tensor:
+        """The global positions of this rank's tokens of a ``seq_len``-token sequence, ascending
+        (int64): what ``shard`` keeps, and the positions RoPE and the labels need."""
+        return self._positions(seq_len)[self.rank].to(device)
+
+    def shard(self, x: Tensor, dim: int = 1) -> Tensor:
+        """This rank's tokens of ``x`` along ``dim`` (the whole sequence)."""
+        idx = self.position_ids(x.shape[dim], x.device)
+        return x.index_select(dim, idx)
+
+    def unshard(self, x: Tensor, dim: int = 1, seq_len: Optional[int] = None) -> Tensor:
+        """The whole sequence from every rank's shard ``x`` along ``dim`` (gathered over the
+        group; not differentiable). ``seq_len`` defaults to the sum of the shards' lengths."""
+        lens = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(self.world)]
+        dist.all_gather(lens, torch.tensor([x.shape[dim]], device=x.device), group=self.group)
+        lens = [int(t) for t in lens]
+        n = seq_len if seq_len is not None else sum(lens)
+        pos = self._positions(n)
+        if [len(p) for p in pos] != lens:
+            raise ValueError(f"shards of {lens} tokens are not this strategy's layout of {n} tokens")
+        longest = max(lens)
+        xt = x.detach().movedim(dim, 0).contiguous()
+        pad = torch.zeros((longest - xt.shape[0], *xt.shape[1:]), dtype=xt.dtype, device=xt.device)
+        parts = [torch.empty((longest, *xt.shape[1:]), dtype=xt.dtype, device=xt.device) for _ in range(self.world)]
+        dist.all_gather(parts, torch.cat([xt, pad]), group=self.group)
+        out = torch.empty((n, *xt.shape[1:]), dtype=xt.dtype, device=xt.device)
+        for r, (p, part) in enumerate(zip(pos, parts)):
+            out[p.to(x.device)] = part[: lens[r]]
+        return out.movedim(0, dim)
+
+    # ------------------------------------------------------------------ attention
+
+    def _transport(self, device: torch.device):
+        key = device.index if device.type == "cuda" else "cpu"
+        t = self._transports.get(key)
+        if t is None:
+            if device.type == "cuda":
+                nccl_id = [_native.nccl_unique_id() if self.rank == 0 else None]
+                dist.broadcast_object_list(nccl_id, src=dist.get_global_rank(self.group, 0), group=self.group)
+                t = _native.CpTransport.nccl(device.index, nccl_id[0], self.rank, self.world, self.timeout)
+            else:
+                t = _native.CpTransport.host(_GroupTransfers(self.group), self.rank, self.world)
+            self._transports[key] = t
+        return t
+
+    def _rank(self, shape: tuple, seq_len: int, softmax_scale: Optional[float], device: torch.device):
+        b, _, h, d = shape[0]
+        hkv = shape[1][2]
+        key = (b, seq_len, h, hkv, d, softmax_scale, str(device))
+        r = self._ranks.get(key)
+        if r is None:
+            r = _native.CpRank(
+                self.strategy, self.world, self.rank, (b, seq_len, h, hkv, d), self.mask, softmax_scale,
+                self._transport(device),
+            )  # fmt: skip
+            self._ranks[key] = r
+        return r
+
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        return_lse: bool = False,
+        softmax_scale: Optional[float] = None,
+        seq_len: Optional[int] = None,
+    ):
+        """This rank's rows of the whole sequence's attention: q ``[b, n_local, h, d]``, k and v
+        ``[b, n_local, h_kv, d]`` (this rank's shards), O like q and (``return_lse``) the LSE
+        ``[b, h, n_local]`` in natural log. Differentiable in q, k and v. ``seq_len`` (the
+        whole sequence) defaults to the sum of the ranks' shard lengths, which needs one
+        collective the first time a shape is seen."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got {tuple(t.shape)}")
+        if seq_len is None:
+            seq_len = self._seq_len(q.shape[1], q.device)
+        if softmax_scale is not None:
+            softmax_scale = float(softmax_scale)
+        o, lse = _cp_call(q.contiguous(), k.contiguous(), v.contiguous(), self._id, seq_len, softmax_scale)
+        return (o, lse) if return_lse else o
+
+    def _seq_len(self, local: int, device) -> int:
+        cache = getattr(self, "_seq_lens", None)
+        if cache is None:
+            cache = self._seq_lens = {}
+        n = cache.get(local)
+        if n is None:
+            t = torch.tensor([local], dtype=torch.long, device=device if device.type == "cuda" else "cpu")
+            dist.all_reduce(t, group=self.group)
+            n = cache[local] = int(t)
+        return n
+
+
+# ---------------------------------------------------------------- custom ops and autograd
+
+
+def _cp_forward_impl(
+    q: Tensor, k: Tensor, v: Tensor, cp_id: int, seq_len: int, softmax_scale: Optional[float]
+) -> Tuple[Tensor, Tensor]:
+    cp = _instances[cp_id]
+    r = cp._rank((tuple(q.shape), tuple(k.shape)), seq_len, softmax_scale, q.device)
+    b, n, h, _ = q.shape
+    o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
+    r.forward(_desc(q), _desc(k), _desc(v), _desc(o), _desc(lse), _stream(q))
+    return o.to(q.dtype), lse
+
+
+def _cp_backward_impl(
+    d_o: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    cp_id: int,
+    seq_len: int,
+    softmax_scale: Optional[float],
+) -> Tuple[Tensor, Tensor, Tensor]:
+    cp = _instances[cp_id]
+    r = cp._rank((tuple(q.shape), tuple(k.shape)), seq_len, softmax_scale, q.device)
+    d_o = d_o.contiguous()
+    # D = rowsum(dO ∘ O) of this rank's rows, [b, h, n_local].
+    delta = (d_o.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.empty(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    r.backward(
+        _desc(q), _desc(k), _desc(v), _desc(d_o), _desc(lse.contiguous()), _desc(delta),
+        _desc(dq), _desc(dk), _desc(dv), _stream(q),
+    )  # fmt: skip
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+cp_forward = torch.library.custom_op("distattn::cp_forward", _cp_forward_impl, mutates_args=())
+cp_backward = torch.library.custom_op("distattn::cp_backward", _cp_backward_impl, mutates_args=())
+
+
+@cp_forward.register_fake
+def _(q, k, v, cp_id, seq_len, softmax_scale):
+    b, n, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
+
+
+@cp_backward.register_fake
+def _(d_o, q, k, v, o, lse, cp_id, seq_len, softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cp_id, seq_len, softmax_scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.args = (cp_id, seq_len, softmax_scale)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _grads(ctx, d_o, backward_fn):
+    if d_o is None:
+        return None, None, None, None, None, None
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = backward_fn(d_o, q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None
+
+
+cp_forward.register_autograd(lambda ctx, d_o, _d_lse: _grads(ctx, d_o, cp_backward), setup_context=_setup)
+
+
+_EagerCp = eager_autograd(_cp_forward_impl, _setup, _grads, _cp_backward_impl)
+
+
+def _cp_call(*inputs):
+    if through_dispatcher():
+        return cp_forward(*inputs)
+    return _EagerCp.apply(*inputs)

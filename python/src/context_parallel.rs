@@ -1,0 +1,472 @@
+//! Context parallelism from PyTorch: the native side of `distattn.distributed.ContextParallel`.
+//!
+//! Each process holds its shards of one sequence as torch tensors. A [`CpRank`] is its rank of
+//! a strategy's plan for the whole problem ([`RankAttention`]), run through the one interpreter
+//! on the tensors' device with one of two transports:
+//! * CPU tensors: the Python process group itself ([`GroupComm`]: every transfer calls back
+//!   into the Python object that wraps `torch.distributed`, gloo in practice);
+//! * CUDA tensors: distattn's own NCCL communicator, joined with a unique id that rank 0 made
+//!   and broadcast over the group, on the backend's comm stream; the inputs are copied from
+//!   torch's memory after an event on torch's current stream, and torch's stream waits for
+//!   the outputs' copies by another event.
+
+use crate::problem::{cached_mask, contiguous, dtype_of, gpu, host, host_mut, where_is, TensorDesc};
+use distattn::plan::TokenSet;
+use distattn::{AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, RankAttention, Result, Strategy};
+use distattn_cuda::{CudaBackend, GpuBuf};
+use distattn_nccl::comm::UniqueId;
+use distattn_nccl::NcclComm;
+use half::{bf16, f16};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A host communicator whose transfers are made by a Python object over a
+/// `torch.distributed` process group. Its methods take and return `bytes`:
+/// `group(sends: [(peer, bytes)], recvs: [(peer, nbytes)]) -> [bytes]`, `all_gather(bytes)`,
+/// `all_to_all(bytes)`, `reduce_scatter_f32(bytes)`, `barrier()`, `abort(reason)`.
+pub struct GroupComm {
+    obj: Py<PyAny>,
+    rank: usize,
+    world: usize,
+}
+
+fn comm_err(what: &str) -> impl Fn(PyErr) -> Error + '_ {
+    move |e| Error::Comm(format!("{what} over the torch.distributed group: {e}"))
+}
+
+impl GroupComm {
+    /// Calls `method(args)` on the Python object and copies the returned `bytes` objects into
+    /// `outs` (each of exactly its size).
+    fn call<'a>(
+        &self,
+        method: &str,
+        args: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, PyTuple>>,
+        outs: impl IntoIterator<Item = &'a mut [u8]>,
+    ) -> Result<()> {
+        Python::attach(|py| {
+            let err = comm_err(method);
+            let got = self.obj.bind(py).call_method1(method, args(py).map_err(&err)?).map_err(&err)?;
+            let mut outs = outs.into_iter().peekable();
+            if outs.peek().is_none() {
+                return Ok(());
+            }
+            let got: Vec<Bound<'_, PyBytes>> = got.extract().map_err(&err)?;
+            let mut n = 0;
+            for (out, b) in outs.zip(&got) {
+                let b = b.as_bytes();
+                if b.len() != out.len() {
+                    return Err(Error::Comm(format!("{method}: received {} bytes, expected {}", b.len(), out.len())));
+                }
+                out.copy_from_slice(b);
+                n += 1;
+            }
+            if n != got.len() {
+                return Err(Error::Comm(format!("{method}: {} messages returned, {n} expected", got.len())));
+            }
+            Ok(())
+        })
+    }
+}
+
+impl Communicator for GroupComm {
+    type Buf = [u8];
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn group(&self, sends: &[(usize, &[u8])], recvs: &mut [(usize, &mut [u8])]) -> Result<()> {
+        let sizes: Vec<(usize, usize)> = recvs.iter().map(|(p, b)| (*p, b.len())).collect();
+        self.call(
+            "group",
+            |py| {
+                let s: Vec<(usize, Bound<'_, PyBytes>)> =
+                    sends.iter().map(|(p, b)| (*p, PyBytes::new(py, b))).collect();
+                (s, sizes).into_pyobject(py)
+            },
+            recvs.iter_mut().map(|(_, b)| &mut **b),
+        )
+    }
+
+    fn all_gather(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        self.call("all_gather", |py| PyTuple::new(py, [PyBytes::new(py, send)]), [recv])
+    }
+
+    fn all_to_all(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        self.call("all_to_all", |py| PyTuple::new(py, [PyBytes::new(py, send)]), [recv])
+    }
+
+    fn reduce_scatter_f32(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        self.call("reduce_scatter_f32", |py| PyTuple::new(py, [PyBytes::new(py, send)]), [recv])
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.call("barrier", |py| Ok(PyTuple::empty(py)), std::iter::empty())
+    }
+
+    fn abort(&self, reason: &str) {
+        // Best effort: the Python side records it; its peers learn of the failure from the
+        // process group (a closed connection or its timeout).
+        let _ = self.call("abort", |py| PyTuple::new(py, [reason]), std::iter::empty());
+    }
+}
+
+/// How the ranks of a group talk: made once per group, shared by every problem's [`CpRank`].
+enum Transport {
+    Host(GroupComm),
+    Nccl { gpu: Arc<CudaBackend>, comm: NcclComm },
+}
+
+/// The transport of one process group.
+#[pyclass(module = "distattn._native", frozen)]
+pub struct CpTransport(Arc<Transport>);
+
+#[pymethods]
+impl CpTransport {
+    /// Transfers of CPU tensors made by `obj` (see [`GroupComm`]), rank `rank` of `world`.
+    #[staticmethod]
+    fn host(obj: Py<PyAny>, rank: usize, world: usize) -> CpTransport {
+        CpTransport(Arc::new(Transport::Host(GroupComm { obj, rank, world })))
+    }
+
+    /// distattn's NCCL communicator on GPU `ordinal`, rank `rank` of `world`, joined with the
+    /// unique id every rank got from rank 0; a peer silent for `timeout` seconds fails the group.
+    #[staticmethod]
+    fn nccl(
+        py: Python<'_>,
+        ordinal: i64,
+        id: Vec<u8>,
+        rank: usize,
+        world: usize,
+        timeout: f64,
+    ) -> PyResult<CpTransport> {
+        let id = UniqueId::from_bytes(&id).map_err(crate::to_py)?;
+        let timeout = Duration::try_from_secs_f64(timeout)
+            .map_err(|_| crate::to_py(Error::invalid("timeout", format!("{timeout} s is not a duration"))))?;
+        let mut joined = None;
+        crate::guarded(py, || {
+            let gpu = gpu(ordinal)?;
+            let comm = NcclComm::init(&gpu, rank, world, id, None, timeout)?;
+            joined = Some(Transport::Nccl { gpu, comm });
+            Ok(())
+        })?;
+        let t = joined.ok_or_else(|| crate::to_py(Error::Internal("NCCL communicator missing".into())))?;
+        Ok(CpTransport(Arc::new(t)))
+    }
+}
+
+/// One rank of a context-parallel strategy over a process group, for one problem.
+#[pyclass(module = "distattn._native", frozen)]
+pub struct CpRank {
+    attn: RankAttention,
+    transport: Arc<Transport>,
+}
+
+/// A fresh NCCL unique id (rank 0 makes it; the group broadcasts it).
+#[pyfunction]
+pub fn nccl_unique_id(py: Python<'_>) -> PyResult<Py<PyBytes>> {
+    let id = distattn_nccl::comm::unique_id().map_err(crate::to_py)?;
+    Ok(PyBytes::new(py, &id.to_bytes()).unbind())
+}
+
+/// The strategy named `name` (`hybrid:U` for a Ulysses degree), as distattn prints it; an
+/// unknown name is a `ValueError` listing the strategies.
+#[pyfunction]
+pub fn strategy_name(name: &str) -> PyResult<String> {
+    name.parse::<Strategy>().map(|s| s.to_string()).map_err(crate::to_py)
+}
+
+/// Every rank's tokens (runs of global positions) for `strategy` on `world` ranks over the
+/// problem `(batch, seq, heads, kv_heads, head_dim)` under the mask `spec`.
+#[pyfunction]
+pub fn cp_layout(
+    strategy: &str,
+    world: usize,
+    shape: (usize, usize, usize, usize, usize),
+    mask: &str,
+) -> PyResult<Vec<Vec<(usize, usize)>>> {
+    let attn = rank_attention(strategy, world, 0, shape, mask, None).map_err(crate::to_py)?;
+    Ok(attn.layout().iter().map(runs).collect())
+}
+
+fn runs(t: &TokenSet) -> Vec<(usize, usize)> {
+    t.to_runs().into_iter().map(|r| (r.start, r.end)).collect()
+}
+
+fn rank_attention(
+    strategy: &str,
+    world: usize,
+    rank: usize,
+    (b, n, h, hkv, d): (usize, usize, usize, usize, usize),
+    mask: &str,
+    softmax_scale: Option<f64>,
+) -> Result<RankAttention> {
+    let strategy: Strategy = strategy.parse()?;
+    let shape = AttnShape::new(b, n, n, h, hkv, d)?;
+    let mask = (*cached_mask(mask, n, n, None, b)?).clone();
+    RankAttention::new(shape, mask, strategy, world, rank)?.scale(softmax_scale.map(|s| s as f32))
+}
+
+#[pymethods]
+impl CpRank {
+    /// Rank `rank` of `world` for the whole problem `(batch, seq, heads, kv_heads, head_dim)`
+    /// under the mask spec, over `transport`.
+    #[new]
+    #[pyo3(signature = (strategy, world, rank, shape, mask, softmax_scale, transport))]
+    fn new(
+        strategy: &str,
+        world: usize,
+        rank: usize,
+        shape: (usize, usize, usize, usize, usize),
+        mask: &str,
+        softmax_scale: Option<f64>,
+        transport: &CpTransport,
+    ) -> PyResult<CpRank> {
+        let attn = rank_attention(strategy, world, rank, shape, mask, softmax_scale).map_err(crate::to_py)?;
+        let (r, w) = match &*transport.0 {
+            Transport::Host(c) => (c.rank(), c.world()),
+            Transport::Nccl { comm, .. } => (comm.rank(), comm.world()),
+        };
+        if (r, w) != (rank, world) {
+            return Err(crate::to_py(Error::invalid(
+                "transport",
+                format!("rank {r} of {w}, for a problem of rank {rank} of {world}"),
+            )));
+        }
+        Ok(CpRank { attn, transport: transport.0.clone() })
+    }
+
+    /// This rank's tokens, as runs `(start, end)` of global positions.
+    fn tokens(&self) -> Vec<(usize, usize)> {
+        runs(self.attn.tokens())
+    }
+
+    /// Writes O (f32, `[b, n_local, h, d]`) and LSE (f32, `[b, h, n_local]`) of this rank's
+    /// shards of Q, K, V. `stream` is torch's current stream (CUDA tensors).
+    #[pyo3(signature = (q, k, v, o, lse, stream))]
+    #[allow(clippy::too_many_arguments)] // one descriptor per tensor of the pass
+    fn forward(
+        &self,
+        py: Python<'_>,
+        q: TensorDesc,
+        k: TensorDesc,
+        v: TensorDesc,
+        o: TensorDesc,
+        lse: TensorDesc,
+        stream: u64,
+    ) -> PyResult<()> {
+        let run = || {
+            let io = self.io(&q)?;
+            io.check_inputs(&[("q", &q, false), ("k", &k, true), ("v", &v, true)])?;
+            io.check_outputs(&[("o", &o, false)], &lse)?;
+            match &*self.transport {
+                Transport::Host(comm) => {
+                    let cpu = CpuBackend;
+                    let [qb, kb, vb] = [&q, &k, &v].map(|t| host_buf(io.dtype, t));
+                    let [ob, lb] = self.attn.forward(&cpu, comm, io.dtype, qb?, kb?, vb?)?;
+                    host_out(&cpu, &ob, &o)?;
+                    host_out(&cpu, &lb, &lse)
+                }
+                Transport::Nccl { gpu, comm } => {
+                    let (ins, outs) = (gpu_inputs(gpu, stream, io.dtype, [&q, &k, &v])?, [&o, &lse]);
+                    let [qb, kb, vb] = ins;
+                    let res = self.attn.forward(&**gpu, comm, io.dtype, qb, kb, vb)?;
+                    gpu_outputs(gpu, stream, &res, outs)
+                }
+            }
+        };
+        // CPU: the transport calls back into Python, so the GIL is released only around the
+        // whole run (it is taken again for each transfer).
+        crate::guarded(py, run)
+    }
+
+    /// Writes dQ, dK, dV (f32, like this rank's shards) from its shards of Q, K, V, dO, the
+    /// forward's LSE and D = rowsum(dO ∘ O) (f32, `[b, h, n_local]`).
+    #[pyo3(signature = (q, k, v, d_o, lse, delta, dq, dk, dv, stream))]
+    #[allow(clippy::too_many_arguments)] // one descriptor per tensor of the pass
+    fn backward(
+        &self,
+        py: Python<'_>,
+        q: TensorDesc,
+        k: TensorDesc,
+        v: TensorDesc,
+        d_o: TensorDesc,
+        lse: TensorDesc,
+        delta: TensorDesc,
+        dq: TensorDesc,
+        dk: TensorDesc,
+        dv: TensorDesc,
+        stream: u64,
+    ) -> PyResult<()> {
+        let run = || {
+            let io = self.io(&q)?;
+            io.check_inputs(&[("q", &q, false), ("k", &k, true), ("v", &v, true), ("d_o", &d_o, false)])?;
+            io.check_outputs(&[("dq", &dq, false), ("dk", &dk, true), ("dv", &dv, true)], &lse)?;
+            io.check_stat("delta", &delta)?;
+            match &*self.transport {
+                Transport::Host(comm) => {
+                    let cpu = CpuBackend;
+                    let [qb, kb, vb, ob] = [&q, &k, &v, &d_o].map(|t| host_buf(io.dtype, t));
+                    let [lb, db] = [&lse, &delta].map(|t| host_buf(DType::F32, t));
+                    let grads = self.attn.backward(&cpu, comm, io.dtype, qb?, kb?, vb?, ob?, lb?, db?)?;
+                    for (g, t) in grads.iter().zip([&dq, &dk, &dv]) {
+                        host_out(&cpu, g, t)?;
+                    }
+                    Ok(())
+                }
+                Transport::Nccl { gpu, comm } => {
+                    let [qb, kb, vb, ob] = gpu_inputs(gpu, stream, io.dtype, [&q, &k, &v, &d_o])?;
+                    let [lb, db] = gpu_inputs(gpu, stream, DType::F32, [&lse, &delta])?;
+                    let grads = self.attn.backward(&**gpu, comm, io.dtype, qb, kb, vb, ob, lb, db)?;
+                    gpu_outputs(gpu, stream, &grads, [&dq, &dk, &dv])
+                }
+            }
+        };
+        crate::guarded(py, run)
+    }
+}
+
+/// What a call's tensors must be: the input dtype, the device and the local shape.
+struct Io {
+    dtype: DType,
+    device: i64,
+    local: AttnShape,
+}
+
+impl CpRank {
+    fn io(&self, q: &TensorDesc) -> Result<Io> {
+        let dtype = dtype_of("q", q)?;
+        let device = match &*self.transport {
+            Transport::Host(_) => -1,
+            Transport::Nccl { gpu, .. } => gpu.context().ordinal() as i64,
+        };
+        if q.4 != device {
+            return Err(Error::invalid(
+                "q",
+                format!("is on {}, and this context-parallel group runs on {}", where_is(q.4), where_is(device)),
+            ));
+        }
+        Ok(Io { dtype, device, local: self.attn.local_shape() })
+    }
+}
+
+impl Io {
+    fn dims(&self, kv: bool) -> [usize; 4] {
+        let s = &self.local;
+        [s.batch, s.q_len, if kv { s.kv_heads } else { s.heads }, s.head_dim]
+    }
+
+    fn check(&self, name: &str, t: &TensorDesc, dims: &[usize], dtype: DType) -> Result<()> {
+        if t.1 != dims {
+            return Err(Error::ShapeMismatch {
+                tensor: name.into(),
+                expected: format!("{dims:?} (this rank's shard)"),
+                got: format!("{:?}", t.1),
+            });
+        }
+        let got = dtype_of(name, t)?;
+        if got != dtype {
+            return Err(Error::DTypeMismatch {
+                a: name.into(),
+                a_dtype: got.to_string(),
+                b: "expected".into(),
+                b_dtype: dtype.to_string(),
+            });
+        }
+        if t.4 != self.device {
+            return Err(Error::invalid(name, format!("is on {}, q on {}", where_is(t.4), where_is(self.device))));
+        }
+        contiguous(name, t)
+    }
+
+    fn check_inputs(&self, ts: &[(&str, &TensorDesc, bool)]) -> Result<()> {
+        ts.iter().try_for_each(|(name, t, kv)| self.check(name, t, &self.dims(*kv), self.dtype))
+    }
+
+    fn check_outputs(&self, ts: &[(&str, &TensorDesc, bool)], lse: &TensorDesc) -> Result<()> {
+        ts.iter().try_for_each(|(name, t, kv)| self.check(name, t, &self.dims(*kv), DType::F32))?;
+        self.check_stat("lse", lse)
+    }
+
+    fn check_stat(&self, name: &str, t: &TensorDesc) -> Result<()> {
+        let s = &self.local;
+        self.check(name, t, &[s.batch, s.heads, s.q_len], DType::F32)
+    }
+}
+
+/// A host buffer holding a copy of the CPU tensor `t` of `dtype` (checked).
+fn host_buf(dtype: DType, t: &TensorDesc) -> Result<HostData> {
+    // SAFETY: `t` was checked to be a contiguous CPU tensor of `dtype` of the expected shape,
+    // which the Python caller keeps alive and unwritten for the call.
+    unsafe {
+        match dtype {
+            DType::F32 => CpuBackend.upload(host::<f32>(t)),
+            DType::BF16 => CpuBackend.upload(host::<bf16>(t)),
+            DType::F16 => CpuBackend.upload(host::<f16>(t)),
+        }
+    }
+}
+
+/// Copies a host output (f32) into the f32 CPU tensor `t` (checked, same size).
+fn host_out(cpu: &CpuBackend, buf: &HostData, t: &TensorDesc) -> Result<()> {
+    let vals = cpu.download_f32(buf)?;
+    // SAFETY: `t` is a contiguous f32 CPU tensor of this output's shape (checked) that the
+    // Python caller allocated for this call and nothing else touches during it.
+    let out = unsafe { host_mut::<f32>(t) };
+    if out.len() != vals.len() {
+        return Err(Error::Internal(format!("an output of {} values for a tensor of {}", vals.len(), out.len())));
+    }
+    out.copy_from_slice(&vals);
+    Ok(())
+}
+
+/// Device buffers holding copies of the CUDA tensors `ts` (checked, of `dtype`), copied on the
+/// backend's compute stream after the work enqueued so far on torch's `stream`.
+fn gpu_inputs<const N: usize>(
+    gpu: &CudaBackend,
+    stream: u64,
+    dtype: DType,
+    ts: [&TensorDesc; N],
+) -> Result<[GpuBuf; N]> {
+    // SAFETY: `stream` is torch's current stream of this device, alive for the call.
+    let torch = unsafe { gpu.borrow_stream(stream) };
+    let ready = torch.record_event(None).map_err(distattn_cuda::driver_err("recording an event"))?;
+    gpu.stream().wait(&ready).map_err(distattn_cuda::driver_err("ordering the streams"))?;
+    let mut out = Vec::with_capacity(N);
+    for t in ts {
+        let len = t.1.iter().product();
+        // SAFETY: `t` is a contiguous CUDA tensor of `dtype` on this device with `len`
+        // elements (checked); torch keeps it alive and does not write it during the call (the
+        // run returns once the device is done with it).
+        out.push(unsafe { GpuBuf::copy_of(gpu.stream(), dtype, t.0, len) }?);
+    }
+    out.try_into().map_err(|_| Error::Internal("input count".into()))
+}
+
+/// Copies the f32 outputs into the CUDA tensors `ts` on the backend's compute stream; torch's
+/// `stream` then waits for the copies.
+fn gpu_outputs<const N: usize>(gpu: &CudaBackend, stream: u64, bufs: &[GpuBuf; N], ts: [&TensorDesc; N]) -> Result<()> {
+    for (b, t) in bufs.iter().zip(ts) {
+        if b.len() != t.1.iter().product::<usize>() || b.dtype() != DType::F32 {
+            return Err(Error::Internal(format!(
+                "an output of {} {} for a tensor of shape {:?}",
+                b.len(),
+                b.dtype(),
+                t.1
+            )));
+        }
+        // SAFETY: `t` is a contiguous f32 CUDA tensor of this device with room for the buffer
+        // (checked above), allocated by the Python caller for this call's output.
+        unsafe { b.copy_to(gpu.stream(), t.0) }?;
+    }
+    // SAFETY: as in `gpu_inputs`.
+    let torch = unsafe { gpu.borrow_stream(stream) };
+    let done = gpu.stream().record_event(None).map_err(distattn_cuda::driver_err("recording an event"))?;
+    torch.wait(&done).map_err(distattn_cuda::driver_err("ordering the streams"))
+}
