@@ -7,6 +7,11 @@ Drop-in for flash-attn's functions (``flash_attn_func``, ``flash_attn_varlen_fun
 (``torch.ops.distattn.forward`` / ``backward``) that ``torch.compile(fullgraph=True)`` traces.
 CPU tensors may be float32, bfloat16 or float16; CUDA tensors bfloat16 or float16, computed on
 the tensors' GPU and torch's current stream. The LSE is in natural log.
+
+Submodules: ``distattn.distributed`` (``ContextParallel``: one sequence split over the ranks of
+a ``torch.distributed`` group by any of distattn's strategies), ``distattn.checkpoint``
+(rematerialization-aware checkpointing: recomputation that skips the attention forward) and
+``distattn.transformers`` (``attn_implementation="distattn"`` for Hugging Face models).
 """
 
 from . import _native

@@ -21,6 +21,10 @@ def test_docstring_examples():
 
     failed, tried = doctest.testmod(distattn.interface)
     assert tried >= 3 and failed == 0
+    import distattn.checkpoint
+
+    failed, tried = doctest.testmod(distattn.checkpoint)
+    assert tried >= 3 and failed == 0
 
 
 def test_readme_python_example():
