@@ -25,12 +25,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run(world, fn, *args, timeout=120):
-    """Runs fn(rank, world, *args) in `world` gloo processes; returns their results in order."""
+def _run(world, fn, *args, timeout=120, backend="gloo"):
+    """Runs fn(rank, world, *args) in `world` processes of a `backend` group; returns their
+    results in order."""
     port = _free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, q, fn, args)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, q, fn, args, backend)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -63,11 +64,13 @@ def _tensors(x):
     return x
 
 
-def _entry(rank, world, port, queue, fn, args):
+def _entry(rank, world, port, queue, fn, args, backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         queue.put((rank, True, _plain(fn(rank, world, *args))))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -196,7 +199,7 @@ def _run_allow_missing(world, fn):
     port = _free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, q, fn, ())) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, q, fn, (), "gloo")) for r in range(world)]
     for p in procs:
         p.start()
     out = {}
@@ -209,3 +212,41 @@ def _run_allow_missing(world, fn):
             if p.is_alive():
                 p.kill()
     return [out.get(r) for r in range(world)]
+
+
+def _cuda_case(rank, world, strategy):
+    """bf16 CUDA shards through distattn's NCCL communicator against one GPU's call."""
+    import distattn
+    import distattn.distributed as dd
+
+    n, h, hkv, d = 1000, 8, 4, 128
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, n, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    d_o = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    cp = dd.ContextParallel(strategy=strategy, mask="causal", num_heads=h, num_kv_heads=hkv)
+    ql, kl, vl = (cp.shard(t, 1).requires_grad_() for t in (q, k, v))
+    o, lse = cp.attention(ql, kl, vl, return_lse=True)
+    o.backward(cp.shard(d_o, 1))
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    of, lsef = distattn.attention(qf, kf, vf, mask="causal", return_lse=True)
+    of.backward(d_o)
+    pos = cp.position_ids(n, "cuda")
+    err = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    return [
+        err(o, of[:, pos]),
+        err(lse, lsef[:, :, pos]),
+        err(ql.grad, qf.grad[:, pos]),
+        # dK, dV: this rank's rows of the whole gradient (every rank's queries contribute).
+        err(kl.grad, kf.grad[:, pos]),
+        err(vl.grad, vf.grad[:, pos]),
+    ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("strategy", ["zigzag", "balanced", "ulysses"])
+def test_cuda_shards_through_nccl_match_one_gpu(strategy):
+    world = min(torch.cuda.device_count(), 4)
+    for ok, value in _run(world, _cuda_case, strategy, backend="nccl", timeout=300):
+        assert ok, value
+        assert max(value) < 1e-2, value
