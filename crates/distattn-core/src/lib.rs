@@ -11,6 +11,7 @@
 pub mod decode;
 pub mod dtype;
 pub mod error;
+pub mod kv_placement;
 pub mod mask;
 pub mod outputs;
 pub mod plan;

@@ -26,11 +26,17 @@ pub enum Strategy {
     /// Mask-aware dispatch: query chunks balanced by kept area, K/V chunks sent only where
     /// needed.
     Dispatch,
+    /// Pass-Q (Infinite-LLM's DistAttention; the pass-Q ring of context-parallel inference):
+    /// K/V stay where they are placed (contiguous by default, or a KV cache's placement given
+    /// in the plan options); each rank's queries go to every rank holding keys they attend,
+    /// and the partial O and LSE come back to be merged by LSE. Cheaper than moving K/V when
+    /// few queries meet many cached keys (decode, prefill onto a long cache).
+    PassQ,
 }
 
 impl Strategy {
     /// Every strategy (hybrid with an automatic degree).
-    pub const ALL: [Strategy; 8] = [
+    pub const ALL: [Strategy; 9] = [
         Strategy::Ring,
         Strategy::Zigzag,
         Strategy::Striped,
@@ -39,6 +45,7 @@ impl Strategy {
         Strategy::Hybrid { ulysses_degree: 0 },
         Strategy::Allgather,
         Strategy::Dispatch,
+        Strategy::PassQ,
     ];
 
     /// Sets the Ulysses degree of a hybrid strategy (no effect on others).
@@ -67,6 +74,7 @@ impl fmt::Display for Strategy {
             Strategy::Hybrid { ulysses_degree } => write!(f, "hybrid:{ulysses_degree}"),
             Strategy::Allgather => write!(f, "allgather"),
             Strategy::Dispatch => write!(f, "dispatch"),
+            Strategy::PassQ => write!(f, "pass-q"),
         }
     }
 }
@@ -92,9 +100,10 @@ impl FromStr for Strategy {
             }
             "allgather" | "all-gather" => Strategy::Allgather,
             "dispatch" | "magi" => Strategy::Dispatch,
+            "pass-q" | "passq" | "distattention" => Strategy::PassQ,
             _ => {
                 return Err(bad(
-                    "unknown strategy; expected ring, zigzag, striped, balanced, ulysses, hybrid[:U], allgather or dispatch",
+                    "unknown strategy; expected ring, zigzag, striped, balanced, ulysses, hybrid[:U], allgather, dispatch or pass-q",
                 ))
             }
         };

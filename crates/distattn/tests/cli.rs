@@ -686,3 +686,24 @@ fn launch_help_example_runs_with_an_installed_distattn() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("rank 0 of 2") && text.contains("rank 1 of 2"), "{text}");
 }
+
+#[test]
+fn plan_serve_picks_the_strategy_by_traffic() {
+    let serve = |requests: &str, extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["plan", "--serve", requests, "--world", "4", "--kv-heads", "8", "--json"];
+        args.extend_from_slice(extra);
+        let out = distattn(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    // Decode onto long caches: the queries travel, a few hundred kB in all.
+    let decode = serve("1000000+1,4000+1@1,200000+1", &[]);
+    assert_eq!(decode["strategy"], "pass-q");
+    assert_eq!(decode["layout"], "placed");
+    assert!(decode["bytes_moved"].as_u64().unwrap() < 1 << 20, "{decode}");
+    // A fresh prompt spread like its cache: the keys travel.
+    let prefill = serve("0+16384", &["--prefill", "--placement", "contiguous"]);
+    assert_eq!(prefill["strategy"], "ring");
+    one_line_error(&distattn(&["plan", "--serve", "12", "--world", "2"]), "CACHED+NEW");
+    one_line_error(&distattn(&["plan", "--serve", "1+1@5", "--world", "2"]), "rank");
+}

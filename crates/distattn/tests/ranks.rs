@@ -38,6 +38,7 @@ fn strategies(p: usize) -> Vec<Strategy> {
         Strategy::Ulysses,
         Strategy::Allgather,
         Strategy::Dispatch,
+        Strategy::PassQ,
     ];
     let u = if p.is_multiple_of(2) { 2 } else { p };
     v.push(Strategy::Hybrid { ulysses_degree: u });

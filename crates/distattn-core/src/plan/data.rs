@@ -206,6 +206,10 @@ pub struct PlanOptions {
     /// instead of splitting its blocks between owner and idle rank.
     #[serde(default)]
     pub balanced_no_split: bool,
+    /// Where the tokens are (pass-q only): the ranks holding each query and each key, as a KV
+    /// cache spread over the ranks places them. Other strategies choose their own layout.
+    #[serde(default)]
+    pub layout: Option<Layout>,
 }
 
 impl PlanOptions {

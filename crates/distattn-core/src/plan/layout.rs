@@ -337,6 +337,8 @@ pub enum LayoutKind {
     GroupedZigzag { groups: usize, group_size: usize },
     /// Arbitrary chunks chosen by a solver (mask-aware dispatch).
     Dispatched,
+    /// Given by the caller: where a KV cache's tokens and the requests' queries live.
+    Placed,
 }
 
 impl LayoutKind {
@@ -349,6 +351,7 @@ impl LayoutKind {
             LayoutKind::DocZigzag { .. } => "doc-zigzag",
             LayoutKind::GroupedZigzag { .. } => "grouped-zigzag",
             LayoutKind::Dispatched => "dispatched",
+            LayoutKind::Placed => "placed",
         }
     }
 }

@@ -7,6 +7,7 @@ mod balanced;
 mod builder;
 mod dispatch;
 mod hybrid;
+mod pass_q;
 mod ring;
 mod ulysses;
 mod zigzag;
@@ -49,6 +50,21 @@ pub fn build(
         ));
     }
     mask.check_fits(shape)?;
+    if let Some(layout) = &opts.layout {
+        if !matches!(strategy, Strategy::PassQ | Strategy::Ring) {
+            return Err(Error::invalid(
+                "layout",
+                format!("{strategy} chooses its own layout; only pass-q and ring take the caller's placement"),
+            ));
+        }
+        if layout.q.len() != world || layout.k.len() != world {
+            return Err(Error::invalid(
+                "layout",
+                format!("{} query and {} key sets for {world} ranks", layout.q.len(), layout.k.len()),
+            ));
+        }
+        layout.validate(shape.q_len, shape.k_len)?;
+    }
     let mut b = Builder::new(strategy, world, shape, mask, dtype, opts);
     match strategy {
         Strategy::Ring => ring::plan(&mut b),
@@ -59,8 +75,31 @@ pub fn build(
         Strategy::Hybrid { ulysses_degree } => hybrid::plan(&mut b, ulysses_degree),
         Strategy::Allgather => allgather::plan(&mut b),
         Strategy::Dispatch => dispatch::plan(&mut b),
+        Strategy::PassQ => pass_q::plan(&mut b),
     }?;
     b.finish()
+}
+
+/// The plan of whichever of `candidates` moves the fewest bytes (the first on a tie): their
+/// blocks are the same work, so traffic decides — pass-q against a ring (pass-KV) over a
+/// placed KV cache, by new against cached tokens.
+pub fn least_traffic(
+    candidates: &[Strategy],
+    world: usize,
+    shape: &AttnShape,
+    mask: &Mask,
+    dtype: DType,
+    opts: &PlanOptions,
+) -> Result<Plan> {
+    let mut best: Option<(u64, Plan)> = None;
+    for &s in candidates {
+        let plan = build(s, world, shape, mask, dtype, opts)?;
+        let bytes = plan.summary().bytes_moved;
+        if best.as_ref().is_none_or(|(b, _)| bytes < *b) {
+            best = Some((bytes, plan));
+        }
+    }
+    best.map(|(_, p)| p).ok_or_else(|| Error::invalid("candidates", "no strategy to choose from"))
 }
 
 #[cfg(test)]

@@ -11,7 +11,8 @@ use crate::plan::{BufId, Fill, Layout, Op, RingBackward};
 use crate::Result;
 
 pub(super) fn plan(b: &mut Builder) -> Result<()> {
-    let layout = Layout::contiguous(b.shape.q_len, b.shape.k_len, b.world);
+    // A caller's placement (a KV cache spread over the ranks: pass-KV), else contiguous.
+    let layout = b.opts.layout.clone().unwrap_or_else(|| Layout::contiguous(b.shape.q_len, b.shape.k_len, b.world));
     over_layout(b, layout, "ring")
 }
 

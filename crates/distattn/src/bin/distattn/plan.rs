@@ -3,9 +3,10 @@
 
 use anyhow::Result;
 use clap::Args;
+use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::plan::Pass;
-use distattn::planner::build;
-use distattn::{AttnShape, DType, MaskSpec};
+use distattn::planner::{build, least_traffic};
+use distattn::{AttnShape, DType, MaskSpec, PlanOptions, Strategy};
 
 use crate::run::StrategyArgs;
 
@@ -18,8 +19,8 @@ rank's work (1.0 is perfect balance); bytes moved by all ranks; peak live bytes 
 per-step, per-rank breakdown.")]
 pub struct PlanArgs {
     /// Total sequence length (queries = keys).
-    #[arg(long)]
-    seq: usize,
+    #[arg(long, required_unless_present = "serve")]
+    seq: Option<usize>,
     /// Attention mask (any spec of `distattn run --help`, plus docs-random:SEED / docs-random-causal:SEED).
     #[arg(long, default_value = "causal")]
     mask: MaskSpec,
@@ -49,22 +50,82 @@ pub struct PlanArgs {
     world: usize,
     #[command(flatten)]
     strategy: StrategyArgs,
+    /// A serving step over a KV cache spread over the ranks instead of --seq: requests as
+    /// CACHED+NEW[@HOME], comma-separated (e.g. 1000000+1,4000+1@1).
+    #[arg(long)]
+    serve: Option<String>,
+    /// Where the serving cache lives: contiguous (each request's capacity split into one chunk
+    /// per rank) or pages:N (pages of N tokens dealt round-robin from the request's home).
+    #[arg(long, default_value = "pages:16", requires = "serve")]
+    placement: String,
+    /// Serving: place each new token's query beside its K/V (prefill) instead of on the
+    /// request's home rank (decode).
+    #[arg(long, requires = "serve")]
+    prefill: bool,
+    /// Serving: pass-q (queries travel), ring (the cache travels) or auto (the one moving the
+    /// fewest bytes).
+    #[arg(long, default_value = "auto", requires = "serve")]
+    serve_strategy: String,
 }
 
 pub fn plan(args: PlanArgs) -> Result<()> {
-    let shape =
-        AttnShape::new(args.batch, args.seq, args.seq, args.heads, args.kv_heads.unwrap_or(args.heads), args.head_dim)?;
-    let mask = args.mask.build(args.seq, args.seq)?;
     if args.world == 0 {
         anyhow::bail!("--world must be at least 1");
     }
-    let mut opts = args.strategy.plan_options(&args.mask, args.seq);
-    opts.pass = Some(if args.backward { Pass::Backward } else { Pass::Forward });
-    let plan = build(args.strategy.strategy(), args.world, &shape, &mask, args.dtype, &opts)?;
+    let plan = match (&args.serve, args.seq) {
+        (Some(requests), _) => serving_plan(&args, requests)?,
+        (None, Some(seq)) => {
+            let kv_heads = args.kv_heads.unwrap_or(args.heads);
+            let shape = AttnShape::new(args.batch, seq, seq, args.heads, kv_heads, args.head_dim)?;
+            let mask = args.mask.build(seq, seq)?;
+            let mut opts = args.strategy.plan_options(&args.mask, seq);
+            opts.pass = Some(if args.backward { Pass::Backward } else { Pass::Forward });
+            build(args.strategy.strategy(), args.world, &shape, &mask, args.dtype, &opts)?
+        }
+        (None, None) => anyhow::bail!("give --seq, or --serve for a serving step"),
+    };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan.summary())?);
     } else {
         print!("{plan}");
     }
     Ok(())
+}
+
+/// The forward plan of one serving step (`--serve`) over a cache placed on the ranks.
+fn serving_plan(args: &PlanArgs, requests: &str) -> Result<distattn::Plan> {
+    let world = args.world;
+    let mut reqs = Vec::new();
+    for (i, r) in requests.split(',').enumerate() {
+        let bad = || anyhow::anyhow!("--serve request {i} ('{r}'): expected CACHED+NEW[@HOME], e.g. 4000+1@1");
+        let (sizes, home) = match r.trim().split_once('@') {
+            Some((s, h)) => (s, h.parse::<usize>().map_err(|_| bad())?),
+            None => (r.trim(), i % world),
+        };
+        let (cached, new) = sizes.split_once('+').ok_or_else(bad)?;
+        reqs.push(StepRequest {
+            home,
+            cached: cached.parse().map_err(|_| bad())?,
+            new: new.parse().map_err(|_| bad())?,
+        });
+    }
+    let capacity = reqs.iter().map(|r| r.cached + r.new).max().unwrap_or(0);
+    let placement = match args.placement.split_once(':') {
+        None if args.placement == "contiguous" => KvPlacement::contiguous(capacity, world)?,
+        Some(("pages", n)) => KvPlacement::interleaved(
+            n.parse().map_err(|_| anyhow::anyhow!("--placement pages:N takes a page size, got '{n}'"))?,
+            world,
+        )?,
+        _ => anyhow::bail!("--placement: expected contiguous or pages:N, got '{}'", args.placement),
+    };
+    let (h, d) = (args.heads, args.head_dim);
+    let hkv = args.kv_heads.unwrap_or(h);
+    let queries = if args.prefill { Queries::WithKeys } else { Queries::AtHome };
+    let step = ServingStep::new(&placement, &reqs, queries, h, hkv, d)?;
+    let opts = PlanOptions { layout: Some(step.layout), ..Default::default() };
+    let candidates: Vec<Strategy> = match args.serve_strategy.as_str() {
+        "auto" => vec![Strategy::PassQ, Strategy::Ring],
+        s => vec![s.parse::<Strategy>()?],
+    };
+    Ok(least_traffic(&candidates, world, &step.shape, &step.mask, args.dtype, &opts)?)
 }

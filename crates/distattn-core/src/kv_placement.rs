@@ -1,0 +1,205 @@
+//! A KV cache spread over ranks (Infinite-LLM's DistAttention): where each request's cached
+//! tokens live, and the attention problem of one serving step over such a cache.
+//!
+//! A [`KvPlacement`] cuts every request's token positions into blocks of `block_tokens` and
+//! deals the blocks out round-robin starting at the request's home rank: block `j` of a
+//! request homed on `h` lives on rank `(h + j) mod P`. Blocks as large as a request's capacity
+//! split by P give contiguous chunks ([`KvPlacement::contiguous`]); blocks of one page give
+//! interleaved pages ([`KvPlacement::interleaved`]). A token appended at position `p` goes to
+//! [`KvPlacement::owner`] of `p`, so appends never move what is cached.
+//!
+//! [`ServingStep`] is one step of a batch of requests (decode, speculative or chunked steps,
+//! prefill onto a cached prefix) as one packed attention problem: the new tokens of every
+//! request are the query rows, its cached and new tokens the keys, a bottom-right causal mask
+//! inside each request; the layout puts each key where the placement keeps it and each query
+//! on its request's home rank (decode) or beside its own key (prefill), as [`Queries`] says. Planned with pass-q, the queries travel and the cache stays;
+//! with a ring over the same layout (pass-KV), the cache travels.
+
+use crate::plan::{Layout, LayoutKind, TokenSet};
+use crate::{AttnShape, Error, Mask, Result};
+use std::ops::Range;
+
+/// How a request's tokens are dealt out to the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvPlacement {
+    pub world: usize,
+    /// Tokens per block dealt to one rank.
+    pub block_tokens: usize,
+}
+
+impl KvPlacement {
+    /// Contiguous chunks: a request of up to `capacity` tokens keeps its first
+    /// `ceil(capacity / world)` tokens on its home rank, the next chunk on the next rank, …
+    pub fn contiguous(capacity: usize, world: usize) -> Result<KvPlacement> {
+        if capacity == 0 {
+            return Err(Error::ZeroDim { what: "KV cache capacity" });
+        }
+        Self::new(capacity.div_ceil(world.max(1)), world)
+    }
+
+    /// Interleaved pages: page `j` of a request on rank `(home + j) mod world`.
+    pub fn interleaved(page_size: usize, world: usize) -> Result<KvPlacement> {
+        Self::new(page_size, world)
+    }
+
+    fn new(block_tokens: usize, world: usize) -> Result<KvPlacement> {
+        if world == 0 {
+            return Err(Error::ZeroDim { what: "world size" });
+        }
+        if block_tokens == 0 {
+            return Err(Error::ZeroDim { what: "placement block" });
+        }
+        Ok(KvPlacement { world, block_tokens })
+    }
+
+    /// The rank holding position `pos` of a request homed on `home`.
+    pub fn owner(&self, home: usize, pos: usize) -> usize {
+        (home + pos / self.block_tokens) % self.world
+    }
+
+    /// The positions (of `0..len`) of a request homed on `home` that `rank` holds, ascending.
+    pub fn positions(&self, home: usize, len: usize, rank: usize) -> Vec<Range<usize>> {
+        let first = (rank + self.world - home % self.world) % self.world;
+        (first..len.div_ceil(self.block_tokens))
+            .step_by(self.world)
+            .map(|j| j * self.block_tokens..((j + 1) * self.block_tokens).min(len))
+            .collect()
+    }
+}
+
+/// One request of a serving step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepRequest {
+    /// The rank holding the request's queries and outputs.
+    pub home: usize,
+    /// Tokens already in the cache.
+    pub cached: usize,
+    /// New tokens this step (queries; their K/V appended to the cache first).
+    pub new: usize,
+}
+
+/// Where a step's queries (and outputs) live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Queries {
+    /// On the request's home rank: decode, and any step with few new tokens.
+    AtHome,
+    /// Each new token's beside its K/V: prefill, a long prompt's work spread like its cache.
+    WithKeys,
+}
+
+/// One serving step over a placed cache as a packed attention problem (see the module).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServingStep {
+    /// Batch 1; `q_len` = Σ new tokens, `k_len` = Σ (cached + new).
+    pub shape: AttnShape,
+    /// Bottom-right causal inside each request.
+    pub mask: Mask,
+    /// Queries at their home, keys where the placement keeps them.
+    pub layout: Layout,
+    /// Where each request's query rows start in the packed queries.
+    pub q_offsets: Vec<usize>,
+    /// Where each request's keys start in the packed keys.
+    pub k_offsets: Vec<usize>,
+}
+
+impl ServingStep {
+    /// The step of `requests` over a cache placed by `placement`, queries placed by `queries`.
+    pub fn new(
+        placement: &KvPlacement,
+        requests: &[StepRequest],
+        queries: Queries,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<ServingStep> {
+        let queries_with_keys = queries == Queries::WithKeys;
+        if requests.is_empty() {
+            return Err(Error::ZeroDim { what: "requests" });
+        }
+        let p = placement.world;
+        let (mut q_offsets, mut k_offsets) = (Vec::with_capacity(requests.len()), Vec::with_capacity(requests.len()));
+        let (mut q_runs, mut k_runs) = (vec![Vec::new(); p], vec![Vec::new(); p]);
+        let (mut q_len, mut k_len) = (0, 0);
+        for (i, r) in requests.iter().enumerate() {
+            if r.home >= p {
+                return Err(Error::invalid("request", format!("{i} is homed on rank {}, of {p} ranks", r.home)));
+            }
+            if r.new == 0 {
+                return Err(Error::invalid("request", format!("{i} has no new tokens")));
+            }
+            let n = r.cached + r.new;
+            q_offsets.push(q_len);
+            k_offsets.push(k_len);
+            for (rank, runs) in k_runs.iter_mut().enumerate() {
+                let held = placement.positions(r.home, n, rank);
+                if queries_with_keys {
+                    // Query row j is position cached + j.
+                    let rows = held.iter().filter_map(|x| {
+                        let (a, b) = (x.start.max(r.cached), x.end);
+                        (a < b).then(|| q_len + a - r.cached..q_len + b - r.cached)
+                    });
+                    q_runs[rank].extend(rows);
+                }
+                runs.extend(held.into_iter().map(|x| k_len + x.start..k_len + x.end));
+            }
+            if !queries_with_keys {
+                q_runs[r.home].push(q_len..q_len + r.new);
+            }
+            q_len += r.new;
+            k_len += n;
+        }
+        let shape = AttnShape::new(1, q_len, k_len, heads, kv_heads, head_dim)?;
+        let q_lens: Vec<usize> = requests.iter().map(|r| r.new).collect();
+        let k_lens: Vec<usize> = requests.iter().map(|r| r.cached + r.new).collect();
+        let mask = Mask::per_document(&q_lens, &k_lens, Mask::causal)?;
+        let layout = Layout {
+            kind: LayoutKind::Placed,
+            q: q_runs.into_iter().map(TokenSet::from_runs).collect(),
+            k: k_runs.into_iter().map(TokenSet::from_runs).collect(),
+        };
+        layout.validate(q_len, k_len)?;
+        Ok(ServingStep { shape, mask, layout, q_offsets, k_offsets })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_dealt_round_robin_from_the_home() {
+        let pl = KvPlacement::interleaved(4, 3).unwrap();
+        assert_eq!(pl.positions(1, 18, 1), vec![0..4, 12..16]);
+        assert_eq!(pl.positions(1, 18, 2), vec![4..8, 16..18]);
+        assert_eq!(pl.positions(1, 18, 0), vec![8..12]);
+        for pos in 0..18 {
+            let owner = pl.owner(1, pos);
+            assert!(pl.positions(1, 18, owner).iter().any(|r| r.contains(&pos)));
+        }
+        let chunks = KvPlacement::contiguous(1000, 4).unwrap();
+        assert_eq!(chunks.positions(0, 600, 2), vec![500..600]);
+        assert!(chunks.positions(0, 600, 3).is_empty());
+        assert!(KvPlacement::interleaved(0, 2).is_err());
+        assert!(KvPlacement::contiguous(0, 2).is_err());
+    }
+
+    #[test]
+    fn a_step_packs_requests_and_places_their_tokens() {
+        let pl = KvPlacement::interleaved(2, 2).unwrap();
+        let reqs = [StepRequest { home: 1, cached: 5, new: 1 }, StepRequest { home: 0, cached: 0, new: 3 }];
+        let s = ServingStep::new(&pl, &reqs, Queries::AtHome, 4, 2, 8).unwrap();
+        assert_eq!((s.shape.q_len, s.shape.k_len), (4, 9));
+        assert_eq!(s.layout.q[1], TokenSet::range(0..1));
+        assert_eq!(s.layout.q[0], TokenSet::range(1..4));
+        // Request 0 (6 tokens, home 1): pages 0..2, 4..6 on rank 1, 2..4 on rank 0; request 1
+        // (3 tokens at 6..9, home 0): 6..8 on rank 0, 8..9 on rank 1.
+        assert_eq!(s.layout.k[1], TokenSet::from_runs(vec![0..2, 4..6, 8..9]));
+        assert_eq!(s.layout.k[0], TokenSet::from_runs(vec![2..4, 6..8]));
+        let bad = [StepRequest { home: 2, cached: 1, new: 1 }];
+        assert!(ServingStep::new(&pl, &bad, Queries::AtHome, 4, 2, 8).is_err());
+        // Prefill: request 1's query rows 1..4 are positions 0..3, on ranks 0, 0, 1.
+        let s = ServingStep::new(&pl, &reqs, Queries::WithKeys, 4, 2, 8).unwrap();
+        assert_eq!(s.layout.q[0], TokenSet::range(1..3));
+        assert_eq!(s.layout.q[1], TokenSet::from_runs(vec![0..1, 3..4]));
+    }
+}

@@ -1,0 +1,74 @@
+//! Pass-Q: queries travel to the keys (Infinite-LLM's DistAttention; the pass-Q ring of
+//! context-parallel inference). K and V never move: they stay where the layout places them,
+//! which for a KV cache spread over the ranks is where the cache lives. At step t, every rank
+//! sends its own queries to the rank t places after it (if that rank holds keys they attend),
+//! which computes them against its K/V into a partial (O, LSE) and sends it straight back
+//! (phase 1); the owner merges each returned partial by LSE. Sends come from the owner, never
+//! forwarded, so no step waits for another's compute; step 0 is the owner's own block.
+//!
+//! Bytes moved per rank: its queries to each rank that needs them and an f32 O and LSE back,
+//! against the K/V a ring would move: the cheaper side when few queries meet many keys
+//! (decode, or a prompt's new tokens against a long cached prefix).
+//!
+//! Backward runs the ring backward over the same layout (the gradients of K/V go back to where
+//! they live).
+
+use super::builder::{Builder, FwdBufs, OutBufs, PassBufs};
+use super::ring;
+use crate::plan::{BufDesc, Fill, Layout, Op, Tensor};
+use crate::Result;
+
+pub(super) fn plan(b: &mut Builder) -> Result<()> {
+    let layout = b.opts.layout.clone().unwrap_or_else(|| Layout::contiguous(b.shape.q_len, b.shape.k_len, b.world));
+    let members: Vec<usize> = (0..b.world).collect();
+    match b.declare_pass(layout) {
+        PassBufs::Forward(bufs) => forward(b, &bufs),
+        PassBufs::Backward(bufs) => ring::backward(b, 0, &members, &bufs, "pass-q backward"),
+    }
+    Ok(())
+}
+
+fn forward(b: &mut Builder, bufs: &[FwdBufs]) {
+    let p = b.world;
+    // (step, owner, partial as received by the owner)
+    let mut returned = Vec::new();
+    for t in 0..p {
+        b.label(
+            t,
+            if t == 0 { "pass-q 0: own keys".to_string() } else { format!("pass-q {t}: queries to rank r+{t}") },
+        );
+        // Every rank's compute of the step is emitted before the partials go back (phase 1),
+        // so a rank's return group never precedes the block that fills it.
+        let mut computed = Vec::new();
+        for owner in 0..p {
+            let at = (owner + t) % p;
+            let own = bufs[owner];
+            if t == 0 {
+                b.fwd(owner, 0, own);
+                continue;
+            }
+            // Only where the owner's queries attend any of `at`'s keys.
+            let q_tokens = b.desc(owner, own.q).tokens.clone();
+            let k_tokens = b.desc(at, bufs[at].kv.k).tokens.clone();
+            if crate::plan::area(b.mask, &q_tokens, &k_tokens) == 0 {
+                continue;
+            }
+            let q = b.transfer(t, 0, owner, at, own.q);
+            let heads = b.all_heads(Tensor::O);
+            let part = OutBufs {
+                o: b.alloc(at, t, BufDesc::new(Tensor::O, q_tokens.clone(), heads.clone()), Fill::Zero),
+                lse: b.alloc(at, t, BufDesc::new(Tensor::Lse, q_tokens, heads), Fill::NegInf),
+            };
+            b.fwd(at, t, FwdBufs { q, kv: bufs[at].kv, out: part });
+            computed.push((owner, at, part));
+        }
+        for (owner, at, part) in computed {
+            returned.push((t, owner, b.transfer_set(t, 1, at, owner, part)));
+        }
+    }
+    // Each partial is merged on its owner once received, after the step's own compute.
+    for (t, owner, part) in returned {
+        let acc = bufs[owner].out;
+        b.push(owner, t, Op::Merge { o: part.o, lse: part.lse, o_acc: acc.o, lse_acc: acc.lse });
+    }
+}
