@@ -70,6 +70,7 @@ fn distributed_decode_equals_one_cache_and_f64() {
                     // Pass-q never moves the cache.
                     if strategy == Strategy::PassQ {
                         let plan = attn.plan(Pass::Forward, DType::F32).unwrap();
+                        plan.validate().unwrap_or_else(|e| panic!("{case}: {e}"));
                         for prog in &plan.ranks {
                             for op in prog.steps.iter().flatten() {
                                 if let Op::Comm { sends, .. } = op {

@@ -57,8 +57,50 @@ impl Plan {
                     _ => {}
                 }
             }
+            self.check_liveness(r, prog).map_err(bad)?;
         }
         Ok(())
+    }
+
+    /// In program order, every buffer an op reads or sends is live: an input, allocated or
+    /// received, and not yet freed; and every output is live at the end.
+    fn check_liveness(&self, r: usize, prog: &super::RankProgram) -> std::result::Result<(), String> {
+        let mut live = vec![false; prog.bufs.len()];
+        for &(_, b) in &prog.inputs {
+            *live.get_mut(b).ok_or_else(|| format!("rank {r}: input buffer {b} is undefined"))? = true;
+        }
+        for (t, op) in prog.steps.iter().enumerate() {
+            for op in op {
+                let dead =
+                    |b: usize| format!("rank {r}, step {t}: buffer {b} used before it exists or after it is freed");
+                match op {
+                    Op::Alloc { buf, .. } => live[*buf] = true,
+                    Op::Comm { sends, recvs, .. } => {
+                        if let Some(&(_, b)) = sends.iter().find(|&&(_, b)| !live[b]) {
+                            return Err(dead(b));
+                        }
+                        for &(_, b) in recvs {
+                            live[b] = true;
+                        }
+                    }
+                    Op::Free { buf } => {
+                        if !live[*buf] {
+                            return Err(dead(*buf));
+                        }
+                        live[*buf] = false;
+                    }
+                    op => {
+                        if let Some(b) = op.uses().into_iter().find(|&b| !live[b]) {
+                            return Err(dead(b));
+                        }
+                    }
+                }
+            }
+        }
+        match prog.outputs.iter().find(|&&(_, b)| !live.get(b).copied().unwrap_or(false)) {
+            Some(&(tensor, b)) => Err(format!("rank {r}: output {tensor:?} (buffer {b}) is not live at the end")),
+            None => Ok(()),
+        }
     }
 }
 
@@ -70,8 +112,7 @@ mod tests {
     /// Two ranks; rank 0 sends its K shard to rank 1.
     fn send_k() -> Plan {
         let k0 = BufDesc::new(Tensor::K, TokenSet::range(0..4), 0..1);
-        let program =
-            |bufs, comm| RankProgram { bufs, inputs: Vec::new(), outputs: Vec::new(), steps: vec![vec![comm]] };
+        let program = |bufs, inputs, comm| RankProgram { bufs, inputs, outputs: Vec::new(), steps: vec![vec![comm]] };
         Plan {
             strategy: Strategy::Ring,
             pass: Pass::Forward,
@@ -82,8 +123,12 @@ mod tests {
             layout: Layout::contiguous(8, 8, 2),
             step_labels: vec!["send".into()],
             ranks: vec![
-                program(vec![k0.clone()], Op::Comm { phase: 0, sends: vec![(1, 0)], recvs: Vec::new() }),
-                program(vec![k0], Op::Comm { phase: 0, sends: Vec::new(), recvs: vec![(0, 0)] }),
+                program(
+                    vec![k0.clone()],
+                    vec![(Tensor::K, 0)],
+                    Op::Comm { phase: 0, sends: vec![(1, 0)], recvs: Vec::new() },
+                ),
+                program(vec![k0], Vec::new(), Op::Comm { phase: 0, sends: Vec::new(), recvs: vec![(0, 0)] }),
             ],
         }
     }
@@ -105,7 +150,25 @@ mod tests {
         }
         let mut missing_rank = send_k();
         missing_rank.ranks.pop();
-        for broken in [to_nobody, unreceived, undefined, received_into_nothing, missing_rank] {
+        // A buffer sent before it exists (a return group emitted before the block filling it).
+        let mut sent_before_alloc = send_k();
+        sent_before_alloc.ranks[0].inputs.clear();
+        sent_before_alloc.ranks[0].steps[0].push(Op::Alloc { buf: 0, fill: crate::plan::Fill::Zero });
+        let mut used_after_free = send_k();
+        used_after_free.ranks[0].steps[0].insert(0, Op::Free { buf: 0 });
+        let mut dead_output = send_k();
+        dead_output.ranks[1].outputs.push((Tensor::K, 0));
+        dead_output.ranks[1].steps[0].push(Op::Free { buf: 0 });
+        for broken in [
+            to_nobody,
+            unreceived,
+            undefined,
+            received_into_nothing,
+            missing_rank,
+            sent_before_alloc,
+            used_after_free,
+            dead_output,
+        ] {
             let e = broken.validate().unwrap_err();
             assert!(matches!(e, Error::InvalidPlan(_)), "{e}");
             assert!(e.to_string().starts_with("invalid plan: ring: "), "{e}");
