@@ -63,7 +63,7 @@ if want bench; then
 fi
 
 if want kill; then
-  stage "kill one rank (process mode, NCCL_COMM_ID bootstrap)"
+  stage "kill one rank (process mode, launcher-variable bootstrap)"
   timeout 60 "$BIN" kill-test --gpus "$GPUS" --timeout-s 10 --kill-after-s 6 || rc=1
 fi
 

@@ -1,6 +1,15 @@
-//! One process per GPU: the environment a launcher sets for each rank (`RANK`, `WORLD_SIZE`,
-//! `LOCAL_RANK`, and `NCCL_COMM_ID=host:port` for NCCL's own bootstrap — rank 0 opens the
-//! bootstrap root there, every rank connects to it; no transport of our own).
+//! One process per GPU: the environment a launcher sets for each rank, read the way the usual
+//! launchers write it, so a run on several hosts is one command per host:
+//!
+//! * torchrun (and `distattn launch`): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+//!   `MASTER_ADDR`, `MASTER_PORT`;
+//! * Slurm (`srun`): `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE`
+//!   (with `MASTER_ADDR` and `MASTER_PORT` exported by the batch script);
+//! * `NCCL_COMM_ID=host:port`, NCCL's own bootstrap address, taken as given where set.
+//!
+//! Without `NCCL_COMM_ID`, rank 0 opens NCCL's bootstrap root at `MASTER_ADDR` and the port
+//! after `MASTER_PORT`: under torchrun the agent's store already listens on `MASTER_PORT`
+//! itself. No transport of our own.
 
 use distattn_core::{Error, Result};
 
@@ -11,6 +20,9 @@ pub struct LaunchEnv {
     pub world: usize,
     /// GPU ordinal of this rank on its host.
     pub local_rank: usize,
+    /// Ranks on this host, where the launcher says (the node structure: `world / local_world`
+    /// hosts).
+    pub local_world: Option<usize>,
     /// `host:port` of NCCL's bootstrap root.
     pub comm_id: String,
 }
@@ -35,28 +47,66 @@ pub fn check_comm_id(s: &str) -> Result<()> {
     }
 }
 
+/// The names one launcher gives rank, world size, local rank and ranks per host.
+struct Names {
+    rank: &'static str,
+    world: &'static str,
+    local_rank: &'static str,
+    local_world: &'static str,
+}
+
+const TORCHRUN: Names =
+    Names { rank: "RANK", world: "WORLD_SIZE", local_rank: "LOCAL_RANK", local_world: "LOCAL_WORLD_SIZE" };
+const SLURM: Names = Names {
+    rank: "SLURM_PROCID",
+    world: "SLURM_NTASKS",
+    local_rank: "SLURM_LOCALID",
+    local_world: "SLURM_NTASKS_PER_NODE",
+};
+
 impl LaunchEnv {
-    /// Reads the variables through `get`. `Ok(None)` when `RANK` is unset (not launched).
-    /// `NCCL_COMM_ID` may be replaced by `MASTER_ADDR` + `MASTER_PORT` (torchrun's names).
+    /// Reads the variables through `get`: torchrun's names first, else Slurm's. `Ok(None)` when
+    /// neither `RANK` nor `SLURM_PROCID` is set (not launched).
     pub fn parse(get: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
-        let Some(rank) = get("RANK") else { return Ok(None) };
-        let rank = parse_num("RANK", &rank)?;
-        let world =
-            parse_num("WORLD_SIZE", &get("WORLD_SIZE").ok_or_else(|| bad("RANK is set but WORLD_SIZE is not"))?)?;
-        if world == 0 || rank >= world {
-            return Err(bad(format!("RANK={rank} outside WORLD_SIZE={world}")));
-        }
-        let local_rank = match get("LOCAL_RANK") {
-            Some(v) => parse_num("LOCAL_RANK", &v)?,
-            None => rank,
+        let names = if get(TORCHRUN.rank).is_some() {
+            TORCHRUN
+        } else if get(SLURM.rank).is_some() {
+            SLURM
+        } else {
+            return Ok(None);
         };
+        let num = |name: &'static str| get(name).map(|v| parse_num(name, &v)).transpose();
+        let rank = num(names.rank)?.ok_or_else(|| bad(format!("{} is not set", names.rank)))?;
+        let world =
+            num(names.world)?.ok_or_else(|| bad(format!("{} is set but {} is not", names.rank, names.world)))?;
+        if world == 0 || rank >= world {
+            return Err(bad(format!("{}={rank} outside {}={world}", names.rank, names.world)));
+        }
+        let local_rank = num(names.local_rank)?.unwrap_or(rank);
+        // Slurm writes tasks per node as "4" or "4(x2)"; the count before any "(" is this host's.
+        let local_world = match get(names.local_world) {
+            Some(v) => Some(parse_num(names.local_world, v.split('(').next().unwrap_or(&v))?),
+            None => None,
+        };
+        if let Some(lw) = local_world {
+            if lw == 0 || local_rank >= lw || world % lw != 0 {
+                return Err(bad(format!(
+                    "{}={local_rank} with {}={lw} and {}={world}: not a whole number of equal hosts",
+                    names.local_rank, names.local_world, names.world
+                )));
+            }
+        }
         let comm_id = match (get("NCCL_COMM_ID"), get("MASTER_ADDR"), get("MASTER_PORT")) {
             (Some(id), _, _) => id,
-            (None, Some(a), Some(p)) => format!("{a}:{p}"),
+            (None, Some(a), Some(p)) => {
+                let port = p.trim().parse::<u16>().ok().filter(|&p| p > 0 && p < u16::MAX);
+                let port = port.ok_or_else(|| bad(format!("MASTER_PORT={p:?} is not a port below 65535")))?;
+                format!("{a}:{}", port + 1)
+            }
             _ => return Err(bad("NCCL_COMM_ID (host:port) or MASTER_ADDR and MASTER_PORT must be set")),
         };
         check_comm_id(&comm_id)?;
-        Ok(Some(LaunchEnv { rank, world, local_rank, comm_id }))
+        Ok(Some(LaunchEnv { rank, world, local_rank, local_world, comm_id }))
     }
 
     /// Reads the process environment.
@@ -64,13 +114,31 @@ impl LaunchEnv {
         Self::parse(|k| std::env::var(k).ok())
     }
 
-    /// The variables a launcher sets for rank `rank` of `world` on one host (GPU = rank).
-    pub fn for_rank(rank: usize, world: usize, comm_id: &str) -> Vec<(String, String)> {
+    /// The hosts of the run and this rank's host, where the launcher gave ranks per host.
+    pub fn node(&self) -> Option<(usize, usize)> {
+        self.local_world.map(|lw| (self.world / lw, self.rank / lw))
+    }
+
+    /// What a launcher sets for rank `local_rank` of the `local_world` ranks of host
+    /// `node_rank`, whose host 0 is `master_addr`: torchrun's variables, so torch programs
+    /// and distattn's own ranks both read them (NCCL_COMM_ID is left unset: it would also steer
+    /// a torch program's own NCCL groups to one bootstrap address).
+    pub fn for_rank(
+        node_rank: usize,
+        local_rank: usize,
+        local_world: usize,
+        nodes: usize,
+        master_addr: &str,
+        master_port: u16,
+    ) -> Vec<(String, String)> {
         vec![
-            ("RANK".into(), rank.to_string()),
-            ("WORLD_SIZE".into(), world.to_string()),
-            ("LOCAL_RANK".into(), rank.to_string()),
-            ("NCCL_COMM_ID".into(), comm_id.to_string()),
+            ("RANK".into(), (node_rank * local_world + local_rank).to_string()),
+            ("WORLD_SIZE".into(), (nodes * local_world).to_string()),
+            ("LOCAL_RANK".into(), local_rank.to_string()),
+            ("LOCAL_WORLD_SIZE".into(), local_world.to_string()),
+            ("GROUP_RANK".into(), node_rank.to_string()),
+            ("MASTER_ADDR".into(), master_addr.to_string()),
+            ("MASTER_PORT".into(), master_port.to_string()),
             // NVLink multicast must stay off on the shared machines.
             ("NCCL_NVLS_ENABLE".into(), "0".into()),
         ]
@@ -98,7 +166,10 @@ mod tests {
         ]))
         .unwrap()
         .unwrap();
-        assert_eq!(e, LaunchEnv { rank: 2, world: 4, local_rank: 1, comm_id: "10.0.0.1:29500".into() });
+        assert_eq!(
+            e,
+            LaunchEnv { rank: 2, world: 4, local_rank: 1, local_world: None, comm_id: "10.0.0.1:29500".into() }
+        );
         let e = LaunchEnv::parse(env(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "2"),
@@ -107,7 +178,32 @@ mod tests {
         ]))
         .unwrap()
         .unwrap();
-        assert_eq!((e.local_rank, e.comm_id.as_str()), (0, "node1:1234"));
+        // NCCL's root on the port after torchrun's store.
+        assert_eq!((e.local_rank, e.comm_id.as_str()), (0, "node1:1235"));
+        // torchrun on 2 hosts of 4 GPUs.
+        let e = LaunchEnv::parse(env(&[
+            ("RANK", "6"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "2"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "node1"),
+            ("MASTER_PORT", "29500"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((e.rank, e.local_rank, e.node()), (6, 2, Some((2, 1))));
+        // srun: 2 nodes x 2 tasks.
+        let e = LaunchEnv::parse(env(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "2(x2)"),
+            ("MASTER_ADDR", "n0"),
+            ("MASTER_PORT", "6000"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((e.rank, e.world, e.local_rank, e.node(), e.comm_id.as_str()), (3, 4, 1, Some((2, 1)), "n0:6001"));
     }
 
     #[test]
@@ -120,6 +216,15 @@ mod tests {
             vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("NCCL_COMM_ID", "nohost")],
             vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("NCCL_COMM_ID", "h:0")],
             vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("NCCL_COMM_ID", ":80")],
+            vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "65535")],
+            vec![
+                ("RANK", "3"),
+                ("WORLD_SIZE", "6"),
+                ("LOCAL_RANK", "3"),
+                ("LOCAL_WORLD_SIZE", "4"),
+                ("NCCL_COMM_ID", "h:1"),
+            ],
+            vec![("SLURM_PROCID", "0"), ("NCCL_COMM_ID", "h:1")],
         ] {
             let err = LaunchEnv::parse(env(&bad)).unwrap_err();
             assert!(
@@ -131,10 +236,12 @@ mod tests {
 
     #[test]
     fn launcher_sets_what_ranks_read() {
-        let vars = LaunchEnv::for_rank(3, 4, "127.0.0.1:29511");
+        let vars = LaunchEnv::for_rank(1, 1, 2, 2, "10.1.1.1", 29511);
         let m: HashMap<String, String> = vars.into_iter().collect();
         assert_eq!(m["NCCL_NVLS_ENABLE"], "0");
+        assert!(!m.contains_key("NCCL_COMM_ID"));
         let e = LaunchEnv::parse(|k| m.get(k).cloned()).unwrap().unwrap();
-        assert_eq!((e.rank, e.world, e.local_rank), (3, 4, 3));
+        assert_eq!((e.rank, e.world, e.local_rank, e.node()), (3, 4, 1, Some((2, 1))));
+        assert_eq!(e.comm_id, "10.1.1.1:29512");
     }
 }

@@ -487,7 +487,7 @@ fn launch_sets_rank_environment_and_names_a_failed_rank() {
         "--",
         "sh",
         "-c",
-        "test \"$WORLD_SIZE\" = 3 && test -n \"$NCCL_COMM_ID\" && test \"$LOCAL_RANK\" = \"$RANK\"",
+        "test \"$WORLD_SIZE\" = 3 && test \"$LOCAL_WORLD_SIZE\" = 3 && test -n \"$MASTER_PORT\" && test \"$LOCAL_RANK\" = \"$RANK\"",
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let started = std::time::Instant::now();
@@ -706,4 +706,30 @@ fn plan_serve_picks_the_strategy_by_traffic() {
     assert_eq!(prefill["strategy"], "ring");
     one_line_error(&distattn(&["plan", "--serve", "12", "--world", "2"]), "CACHED+NEW");
     one_line_error(&distattn(&["plan", "--serve", "1+1@5", "--world", "2"]), "rank");
+}
+
+#[test]
+fn two_nodes_of_two_ranks_on_one_host_get_one_world() {
+    // One launcher per "node", as on two hosts; each rank records what it was told.
+    let dir = tempfile::tempdir().unwrap();
+    let script = "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR:$MASTER_PORT\" > \"$OUT/rank.$RANK\"";
+    let node = |rank: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_distattn"))
+            .args(["launch", "--nproc", "2", "--nnodes", "2", "--node-rank", rank, "--master-port", "29611"])
+            .args(["--", "sh", "-c", script])
+            .env("OUT", dir.path())
+            .spawn()
+            .unwrap()
+    };
+    let (mut a, mut b) = (node("0"), node("1"));
+    assert!(a.wait().unwrap().success() && b.wait().unwrap().success());
+    for rank in 0..4 {
+        let got = std::fs::read_to_string(dir.path().join(format!("rank.{rank}"))).unwrap();
+        let want = format!("{rank} 4 {} 2 {} 127.0.0.1:29611", rank % 2, rank / 2);
+        assert_eq!(got.trim(), want);
+    }
+    one_line_error(
+        &distattn(&["launch", "--nproc", "2", "--nnodes", "2", "--node-rank", "2", "--", "true"]),
+        "node-rank",
+    );
 }

@@ -33,7 +33,7 @@ enum Cli {
     Probe(ProbeArgs),
     /// Kills one rank mid-run and checks that every other rank reports it and exits.
     KillTest(KillTestArgs),
-    /// One rank of a launched run (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID from the launcher).
+    /// One rank of a launched run (RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/MASTER_PORT or NCCL_COMM_ID from the launcher).
     Worker,
 }
 
@@ -484,7 +484,8 @@ fn probe(a: &ProbeArgs) -> Res<()> {
 fn worker() -> Res<()> {
     let timeout =
         Duration::from_secs(std::env::var("DISTATTN_TIMEOUT_S").ok().and_then(|v| v.parse().ok()).unwrap_or(10));
-    let env = LaunchEnv::from_env()?.ok_or("worker needs RANK, WORLD_SIZE, LOCAL_RANK and NCCL_COMM_ID")?;
+    let env = LaunchEnv::from_env()?
+        .ok_or("worker needs RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/MASTER_PORT or NCCL_COMM_ID")?;
     let r = (|| -> Result<()> {
         let g = gpu_rank_from_env(timeout)?.ok_or_else(|| Error::Comm("not launched".into()))?;
         let n = 32768;
@@ -518,12 +519,11 @@ fn kill_test(a: &KillTestArgs) -> Res<bool> {
     let (world, timeout, kill_after, victim) = (a.gpus, a.timeout_s, a.kill_after_s, a.victim);
     let exe = std::env::current_exe()?;
     let port = 29000 + (std::process::id() % 1000) as u16;
-    let id = format!("127.0.0.1:{port}");
     let mut children = Vec::new();
     for r in 0..world {
         let mut c = Command::new(&exe);
         c.arg("worker").env("DISTATTN_TIMEOUT_S", timeout.to_string()).stderr(Stdio::piped()).stdout(Stdio::null());
-        for (k, v) in LaunchEnv::for_rank(r, world, &id) {
+        for (k, v) in LaunchEnv::for_rank(0, r, world, 1, "127.0.0.1", port) {
             c.env(k, v);
         }
         children.push(c.spawn()?);

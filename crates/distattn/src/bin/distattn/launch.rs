@@ -1,8 +1,9 @@
 //! `distattn launch`: one process per GPU on this host, bootstrapped by NCCL itself.
 //!
-//! Starts `--nproc` copies of a command with `RANK`, `WORLD_SIZE`, `LOCAL_RANK` and
-//! `NCCL_COMM_ID=127.0.0.1:PORT` set (what `torchrun` or a cluster launcher would set), and
-//! waits for them. No rank outlives the launcher: when one fails the others get `--grace`
+//! Starts `--nproc` copies of a command with torchrun's variables set (`RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), so torch programs and
+//! distattn's own ranks both start from them, and waits for them. Several hosts: one launcher
+//! per host, the same `--nnodes`, `--master-addr` and `--master-port`, each its `--node-rank`. No rank outlives the launcher: when one fails the others get `--grace`
 //! seconds to notice (distattn's NCCL ranks abort their communicator and exit naming the failed
 //! peer); SIGINT and SIGTERM are passed on to every rank, and `--max-time` sends SIGTERM; ranks
 //! still running `--grace` seconds after any of these are killed with SIGKILL.
@@ -20,8 +21,11 @@ use std::time::{Duration, Instant};
 #[command(after_help = "\
 Example: distattn launch --nproc 2 -- sh -c 'echo rank $RANK of $WORLD_SIZE on GPU $LOCAL_RANK'
 Each process reads its rank with distattn_nccl::gpu_rank_from_env (library) and uses GPU
-LOCAL_RANK. Several hosts: start one launcher per host with --node-rank and --master-addr,
-or use any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK and NCCL_COMM_ID.
+LOCAL_RANK. Several hosts: one launcher per host with the same --nnodes, --master-addr and
+--master-port and its own --node-rank, e.g. on host 1 of 2:
+  distattn launch --nproc 4 --nnodes 2 --node-rank 1 --master-addr host0 -- python train.py
+torchrun and srun work as well (RANK.. or SLURM_PROCID.., with MASTER_ADDR/MASTER_PORT or
+NCCL_COMM_ID).
 SIGINT or SIGTERM to the launcher reaches every rank (a second one kills them at once); it then
 exits with status 130 or 143. --grace was called --timeout before --max-time existed; the old
 name still sets the grace period.")]
@@ -35,10 +39,11 @@ pub struct LaunchArgs {
     /// This host's index among them.
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
-    /// Address of host 0, where NCCL's bootstrap root listens.
+    /// Address of host 0 (MASTER_ADDR), where NCCL's bootstrap root listens.
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
-    /// Port of NCCL's bootstrap root.
+    /// MASTER_PORT: a torch program's store listens there, NCCL's bootstrap root of distattn's
+    /// own ranks on the next port.
     #[arg(long, default_value_t = 29517)]
     master_port: u16,
     /// Seconds the ranks get to exit on their own after one fails, or after SIGINT, SIGTERM or
@@ -131,15 +136,18 @@ pub fn launch(args: LaunchArgs) -> Result<()> {
         signal_hook::flag::register(*signal, Arc::clone(flag))?;
     }
     let started = Instant::now();
-    let world = args.nproc * args.nnodes;
-    let comm_id = format!("{}:{}", args.master_addr, args.master_port);
     let mut running: Vec<Rank> = Vec::new();
     for local in 0..args.nproc {
         let rank = args.node_rank * args.nproc + local;
         let mut cmd = Command::new(&args.command[0]);
-        cmd.args(&args.command[1..])
-            .envs(LaunchEnv::for_rank(rank, world, &comm_id))
-            .env("LOCAL_RANK", local.to_string());
+        cmd.args(&args.command[1..]).envs(LaunchEnv::for_rank(
+            args.node_rank,
+            local,
+            args.nproc,
+            args.nnodes,
+            &args.master_addr,
+            args.master_port,
+        ));
         // Each rank leads its own process group, so stopping it stops what it started too.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         match cmd.spawn() {

@@ -31,7 +31,7 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Show a context-parallel plan: work and bytes per step and rank, imbalance, peak memory.
     Plan(plan::PlanArgs),
-    /// Start one process per GPU (RANK, WORLD_SIZE, LOCAL_RANK, NCCL_COMM_ID set for each).
+    /// Start one process per GPU (torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ... set for each).
     Launch(launch::LaunchArgs),
     /// Show recorded multi-GPU timelines: hidden and exposed transfers per rank, SVG charts.
     Timeline(timeline::TimelineArgs),
