@@ -60,6 +60,7 @@ def parse():
     p.add_argument("--tiny", action="store_true", help="a small model and sequence (tests, CPUs)")
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--grads", help="save the first step's gradients here (rank 0; small models)")
+    p.add_argument("--mlp-chunk", type=int, default=0, help="run the FFN on chunks of this many tokens, each recomputed in backward (0: whole); bounds the FFN's activations, whatever the sequence")
     a = p.parse_args()
     if a.tiny:
         a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, a.vocab = 2, 64, 4, 2, 128, 97
@@ -124,11 +125,20 @@ class Layer(torch.nn.Module):
         self.gate = torch.nn.Linear(a.hidden, a.ffn, bias=False)
         self.up = torch.nn.Linear(a.hidden, a.ffn, bias=False)
         self.down = torch.nn.Linear(a.ffn, a.hidden, bias=False)
+        self.mlp_chunk = a.mlp_chunk
+
+    def mlp(self, h):
+        return self.down(F.silu(self.gate(h)) * self.up(h))
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.norm1(x), cos, sin)
         h = self.norm2(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        if 0 < self.mlp_chunk < h.shape[1]:
+            # The FFN's intermediates (3 x ffn per token) dominate a long sequence's memory;
+            # chunk by chunk, recomputed in backward, only one chunk's exist at a time.
+            chunks = [torch.utils.checkpoint.checkpoint(self.mlp, c, use_reentrant=False) for c in h.split(self.mlp_chunk, 1)]
+            return x + torch.cat(chunks, 1)
+        return x + self.mlp(h)
 
 
 class Decoder(torch.nn.Module):
@@ -317,7 +327,7 @@ def main():
         "attn": a.attn, "strategy": a.strategy if cp is not None else None, "policy": a.policy,
         "sdpa_backend": a.sdpa_backend if a.attn != "distattn" else None, "world": world, "seq": a.seq,
         "tokens_per_gpu": a.seq // world, "layers": a.layers, "hidden": a.hidden, "heads": a.heads,
-        "kv_heads": a.kv_heads, "ffn": a.ffn, "vocab": a.vocab, "dtype": a.dtype,
+        "kv_heads": a.kv_heads, "ffn": a.ffn, "vocab": a.vocab, "dtype": a.dtype, "mlp_chunk": a.mlp_chunk,
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
         "median_step_s": sec, "tokens_per_s": a.seq / sec, "peak_gib_per_gpu": peaks,
         "attention_forwards_per_step": forwards, "steps": rows,
