@@ -22,6 +22,7 @@ fails or stops responding for ``timeout`` seconds makes every rank raise. CPU te
 through the group itself (gloo): the test bed; a dead peer surfaces as the group's error.
 """
 
+import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -99,8 +100,10 @@ class ContextParallel:
 
     ``mask`` is a spec over the whole sequence, as ``distattn.attention`` takes it.
     ``num_heads`` and ``num_kv_heads`` are needed only by ``hybrid`` without a degree (which
-    picks its layout from them); ``timeout`` (seconds) bounds how long a rank waits for a
-    silent peer on the GPU.
+    picks its layout from them); ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE``, which
+    torchrun sets) lets hybrid keep its all-to-alls inside nodes, consecutive ranks of the
+    group sharing one; ``timeout`` (seconds) bounds how long a rank waits for a silent peer on
+    the GPU.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class ContextParallel:
         *,
         num_heads: Optional[int] = None,
         num_kv_heads: Optional[int] = None,
+        ranks_per_node: Optional[int] = None,
         timeout: float = 300.0,
     ):
         if not dist.is_available() or not dist.is_initialized():
@@ -123,6 +127,9 @@ class ContextParallel:
         self.strategy = strategy
         self.mask = mask
         self.timeout = float(timeout)
+        if ranks_per_node is None and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+            ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        self.ranks_per_node = ranks_per_node
         self._heads = (num_heads or self.world, num_kv_heads or num_heads or self.world)
         self._layouts: Dict[int, List[Tensor]] = {}
         self._ranks: Dict[tuple, object] = {}
@@ -137,7 +144,7 @@ class ContextParallel:
         """Every rank's token positions of a sequence of ``n`` tokens."""
         lay = self._layouts.get(n)
         if lay is None:
-            runs = _native.cp_layout(self.strategy, self.world, (1, n, *self._heads, 8), self.mask)
+            runs = _native.cp_layout(self.strategy, self.world, (1, n, *self._heads, 8), self.mask, self.ranks_per_node)
             lay = [
                 torch.cat([torch.arange(s, e) for s, e in r]) if r else torch.empty(0, dtype=torch.long) for r in runs
             ]
@@ -197,7 +204,7 @@ class ContextParallel:
         if r is None:
             r = _native.CpRank(
                 self.strategy, self.world, self.rank, (b, seq_len, h, hkv, d), self.mask, softmax_scale,
-                self._transport(device),
+                self._transport(device), self.ranks_per_node,
             )  # fmt: skip
             self._ranks[key] = r
         return r

@@ -12,7 +12,9 @@
 
 use crate::problem::{cached_mask, contiguous, dtype_of, gpu, host, host_mut, where_is, TensorDesc};
 use distattn::plan::TokenSet;
-use distattn::{AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, RankAttention, Result, Strategy};
+use distattn::{
+    AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, PlanOptions, RankAttention, Result, Strategy,
+};
 use distattn_cuda::{CudaBackend, GpuBuf};
 use distattn_nccl::comm::UniqueId;
 use distattn_nccl::NcclComm;
@@ -185,13 +187,15 @@ pub fn strategy_name(name: &str) -> PyResult<String> {
 /// Every rank's tokens (runs of global positions) for `strategy` on `world` ranks over the
 /// problem `(batch, seq, heads, kv_heads, head_dim)` under the mask `spec`.
 #[pyfunction]
+#[pyo3(signature = (strategy, world, shape, mask, ranks_per_node=None))]
 pub fn cp_layout(
     strategy: &str,
     world: usize,
     shape: (usize, usize, usize, usize, usize),
     mask: &str,
+    ranks_per_node: Option<usize>,
 ) -> PyResult<Vec<Vec<(usize, usize)>>> {
-    let attn = rank_attention(strategy, world, 0, shape, mask, None).map_err(crate::to_py)?;
+    let attn = rank_attention(strategy, world, 0, shape, mask, None, ranks_per_node).map_err(crate::to_py)?;
     Ok(attn.layout().iter().map(runs).collect())
 }
 
@@ -206,11 +210,13 @@ fn rank_attention(
     (b, n, h, hkv, d): (usize, usize, usize, usize, usize),
     mask: &str,
     softmax_scale: Option<f64>,
+    ranks_per_node: Option<usize>,
 ) -> Result<RankAttention> {
     let strategy: Strategy = strategy.parse()?;
     let shape = AttnShape::new(b, n, n, h, hkv, d)?;
     let mask = (*cached_mask(mask, n, n, None, b)?).clone();
-    RankAttention::new(shape, mask, strategy, world, rank)?.scale(softmax_scale.map(|s| s as f32))
+    let opts = PlanOptions { ranks_per_node, ..PlanOptions::default() };
+    RankAttention::with_options(shape, mask, strategy, world, rank, opts)?.scale(softmax_scale.map(|s| s as f32))
 }
 
 #[pymethods]
@@ -218,7 +224,8 @@ impl CpRank {
     /// Rank `rank` of `world` for the whole problem `(batch, seq, heads, kv_heads, head_dim)`
     /// under the mask spec, over `transport`.
     #[new]
-    #[pyo3(signature = (strategy, world, rank, shape, mask, softmax_scale, transport))]
+    #[pyo3(signature = (strategy, world, rank, shape, mask, softmax_scale, transport, ranks_per_node=None))]
+    #[allow(clippy::too_many_arguments)] // the problem, the group and its node structure
     fn new(
         strategy: &str,
         world: usize,
@@ -227,8 +234,10 @@ impl CpRank {
         mask: &str,
         softmax_scale: Option<f64>,
         transport: &CpTransport,
+        ranks_per_node: Option<usize>,
     ) -> PyResult<CpRank> {
-        let attn = rank_attention(strategy, world, rank, shape, mask, softmax_scale).map_err(crate::to_py)?;
+        let attn =
+            rank_attention(strategy, world, rank, shape, mask, softmax_scale, ranks_per_node).map_err(crate::to_py)?;
         let (r, w) = match &*transport.0 {
             Transport::Host(c) => (c.rank(), c.world()),
             Transport::Nccl { comm, .. } => (comm.rank(), comm.world()),

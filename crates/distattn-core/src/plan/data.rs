@@ -210,6 +210,10 @@ pub struct PlanOptions {
     /// cache spread over the ranks places them. Other strategies choose their own layout.
     #[serde(default)]
     pub layout: Option<Layout>,
+    /// Ranks per node (host), where the launcher says: consecutive ranks share a node. Hybrid
+    /// then keeps its all-to-alls inside nodes and rings across them.
+    #[serde(default)]
+    pub ranks_per_node: Option<usize>,
 }
 
 impl PlanOptions {

@@ -11,12 +11,20 @@ use crate::plan::{BufDesc, BufId, Fill, Layout, Op, Tensor, TokenSet};
 use crate::{AttnShape, Result};
 use std::ops::Range;
 
-/// The largest proper divisor U of `world` that divides both head counts (1 if none); the
-/// ring part then spans P / U groups.
-pub fn default_ulysses_degree(world: usize, shape: &AttnShape) -> usize {
+/// The Ulysses degree U picked when none is given: the largest proper divisor of `world` that
+/// divides both head counts (1 if none), the ring part then spanning P / U groups. Given the
+/// ranks per node, U also divides them, so every all-to-all stays inside a node (fast links)
+/// and only the ring crosses nodes.
+pub fn default_ulysses_degree(world: usize, shape: &AttnShape, ranks_per_node: Option<usize>) -> usize {
+    let within = ranks_per_node.filter(|&n| n > 0 && n < world && world.is_multiple_of(n));
     (1..world)
         .rev()
-        .find(|&u| world.is_multiple_of(u) && shape.heads.is_multiple_of(u) && shape.kv_heads.is_multiple_of(u))
+        .find(|&u| {
+            world.is_multiple_of(u)
+                && shape.heads.is_multiple_of(u)
+                && shape.kv_heads.is_multiple_of(u)
+                && within.is_none_or(|n| n.is_multiple_of(u))
+        })
         .unwrap_or(1)
 }
 
@@ -26,7 +34,7 @@ fn head_slice(n: usize, parts: usize, u: usize) -> Range<usize> {
 
 pub(super) fn plan(b: &mut Builder, degree: usize) -> Result<()> {
     let p = b.world;
-    let u_deg = if degree == 0 { default_ulysses_degree(p, &b.shape) } else { degree };
+    let u_deg = if degree == 0 { default_ulysses_degree(p, &b.shape, b.opts.ranks_per_node) } else { degree };
     if !p.is_multiple_of(u_deg) {
         return Err(b.unsupported(format!("Ulysses degree {u_deg} does not divide the world size {p}")));
     }

@@ -220,3 +220,30 @@ fn world_sizes_beyond_the_tokens_or_the_limit_are_refused() {
     let mask = Mask::full(1, 64).unwrap();
     assert!(build(Strategy::Allgather, 4, &decode, &mask, DType::BF16, &opts).is_ok());
 }
+
+#[test]
+fn hybrid_keeps_all_to_alls_inside_nodes() {
+    use crate::plan::Op;
+    // 32/8 heads. 16 ranks in nodes of 4: U = 4, where without the node structure it is 8 and
+    // each all-to-all would span two nodes.
+    let shape = AttnShape::new(1, 4096, 4096, 32, 8, 64).unwrap();
+    let mask = Mask::causal(4096, 4096).unwrap();
+    for (world, per_node, want) in [(16, 4, 4), (16, 8, 8), (8, 2, 2)] {
+        let opts = PlanOptions { ranks_per_node: Some(per_node), ..PlanOptions::forward() };
+        assert_eq!(super::default_ulysses_degree(world, &shape, Some(per_node)), want);
+        let plan = build(Strategy::Hybrid { ulysses_degree: 0 }, world, &shape, &mask, DType::BF16, &opts).unwrap();
+        plan.validate().unwrap();
+        // Step 0 is the all-to-all inside each Ulysses group: no transfer crosses a node.
+        for (r, prog) in plan.ranks.iter().enumerate() {
+            for op in &prog.steps[0] {
+                if let Op::Comm { sends, .. } = op {
+                    for &(to, _) in sends {
+                        assert_eq!(r / per_node, to / per_node, "world {world}: rank {r} sends to {to} at step 0");
+                    }
+                }
+            }
+        }
+    }
+    // Without the node structure, 16 ranks pick U = 8.
+    assert_eq!(super::default_ulysses_degree(16, &shape, None), 8);
+}

@@ -95,6 +95,10 @@ pub struct StrategyArgs {
     /// Backward of ring strategies: kv (K/V and dK/dV circulate) or q (BurstAttention: Q, dO, LSE, D and dQ circulate).
     #[arg(long, default_value = "kv")]
     pub ring_backward: RingBackwardArg,
+    /// Ranks per node, consecutive ranks sharing one (default: LOCAL_WORLD_SIZE where a
+    /// launcher set it): hybrid then keeps its all-to-alls inside nodes.
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub ranks_per_node: Option<usize>,
 }
 
 /// Options of a context-parallel run on in-process ranks or local GPUs.
@@ -176,6 +180,9 @@ impl StrategyArgs {
                 RingBackwardArg::Q => RingBackward::QCirculate,
             },
             documents: mask.doc_lens(seq),
+            ranks_per_node: self
+                .ranks_per_node
+                .or_else(|| std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.trim().parse().ok())),
             ..PlanOptions::default()
         }
     }
