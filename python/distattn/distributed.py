@@ -32,7 +32,7 @@ from torch import Tensor
 from . import _native
 from ._ops import _desc, _stream, eager_autograd, through_dispatcher
 
-__all__ = ["ContextParallel"]
+__all__ = ["ContextParallel", "KVCacheGroup"]
 
 
 class _GroupTransfers:
@@ -243,6 +243,97 @@ class ContextParallel:
             dist.all_reduce(t, group=self.group)
             n = cache[local] = int(t)
         return n
+
+
+class KVCacheGroup:
+    """Attention over a KV cache spread over the ranks of ``group`` (Infinite-LLM's
+    DistAttention): each request's tokens are dealt out to the ranks by ``placement``
+    (``"pages:N"``: pages of N tokens round-robin from the request's home rank;
+    ``"contiguous"``: one chunk per rank), and a step's attention runs where the keys live.
+
+    A step is a list of requests ``(home, cached, new)``: ``new`` tokens (queries, their K/V
+    already appended) against ``cached + new`` keys, causal. ``local_queries`` and
+    ``local_keys`` say which rows this rank holds, in the order ``attention`` takes them;
+    ``strategy`` is ``"pass-q"`` (queries travel, partial O and LSE come back), ``"ring"`` (the
+    cache travels) or ``"auto"`` (whichever moves fewer bytes). Forward only (serving); exact.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, placement: str = "pages:16", *, timeout: float = 300.0):
+        self._cp = ContextParallel(group, strategy="pass-q", timeout=timeout)
+        self.placement = placement
+        self.rank, self.world = self._cp.rank, self._cp.world
+        self._steps: Dict[tuple, tuple] = {}
+
+    def _step(self, requests, prefill, strategy, shape, softmax_scale, device):
+        requests = tuple((int(h), int(c), int(n)) for h, c, n in requests)
+        key = (requests, prefill, strategy, shape, softmax_scale, str(device))
+        got = self._steps.get(key)
+        if got is None:
+            h, hkv, d = shape
+            got = _native.CpRank.serving(
+                list(requests), self.placement, prefill, strategy, self.world, self.rank, h, hkv, d, softmax_scale,
+                self._cp._transport(device),
+            )  # fmt: skip
+            if len(self._steps) > 64:
+                self._steps.clear()
+            self._steps[key] = got
+        return got
+
+    @staticmethod
+    def _per_request(runs, lens):
+        """Global packed runs as (request, start, end) within each request."""
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        out = []
+        for s, e in runs:
+            i = 0
+            while s < e:
+                while starts[i + 1] <= s:
+                    i += 1
+                stop = min(e, starts[i + 1])
+                out.append((i, s - starts[i], stop - starts[i]))
+                s = stop
+        return out
+
+    def local_queries(self, requests, prefill: bool = False):
+        """This rank's query rows: ``(request, first, end)`` runs over each request's new tokens."""
+        r, _ = self._step(requests, prefill, "pass-q", (1, 1, 8), None, torch.device("cpu"))
+        return self._per_request(r.tokens(), [n for _, _, n in requests])
+
+    def local_keys(self, requests, prefill: bool = False):
+        """This rank's cached keys: ``(request, first, end)`` runs over each request's
+        ``cached + new`` positions."""
+        r, _ = self._step(requests, prefill, "pass-q", (1, 1, 8), None, torch.device("cpu"))
+        return self._per_request(r.kv_tokens(), [c + n for _, c, n in requests])
+
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        requests,
+        prefill: bool = False,
+        strategy: str = "auto",
+        softmax_scale: Optional[float] = None,
+        return_lse: bool = False,
+    ):
+        """O ``[1, rows, h, d]`` (and LSE ``[1, h, rows]``, natural log) of this rank's query rows
+        ``q`` ``[1, rows, h, d]`` against the whole cache, this rank holding keys ``k``, ``v``
+        ``[1, keys, h_kv, d]`` (rows in ``local_queries`` / ``local_keys`` order)."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D [1, rows, heads, head_dim], got {tuple(t.shape)}")
+        scale = None if softmax_scale is None else float(softmax_scale)
+        r, used = self._step(requests, prefill, strategy, (q.shape[2], k.shape[2], q.shape[3]), scale, q.device)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+        with torch.no_grad():
+            r.forward(_desc(q), _desc(k), _desc(v), _desc(o), _desc(lse), _stream(q))
+        self.last_strategy = used
+        o = o.to(q.dtype)
+        return (o, lse) if return_lse else o
 
 
 # ---------------------------------------------------------------- custom ops and autograd

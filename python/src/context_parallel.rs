@@ -11,7 +11,9 @@
 //!   the outputs' copies by another event.
 
 use crate::problem::{cached_mask, contiguous, dtype_of, gpu, host, host_mut, where_is, TensorDesc};
+use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::plan::TokenSet;
+use distattn::planner::least_traffic;
 use distattn::{
     AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, PlanOptions, RankAttention, Result, Strategy,
 };
@@ -196,7 +198,7 @@ pub fn cp_layout(
     ranks_per_node: Option<usize>,
 ) -> PyResult<Vec<Vec<(usize, usize)>>> {
     let attn = rank_attention(strategy, world, 0, shape, mask, None, ranks_per_node).map_err(crate::to_py)?;
-    Ok(attn.layout().iter().map(runs).collect())
+    Ok(attn.layout().q.iter().map(runs).collect())
 }
 
 fn runs(t: &TokenSet) -> Vec<(usize, usize)> {
@@ -238,22 +240,62 @@ impl CpRank {
     ) -> PyResult<CpRank> {
         let attn =
             rank_attention(strategy, world, rank, shape, mask, softmax_scale, ranks_per_node).map_err(crate::to_py)?;
-        let (r, w) = match &*transport.0 {
-            Transport::Host(c) => (c.rank(), c.world()),
-            Transport::Nccl { comm, .. } => (comm.rank(), comm.world()),
-        };
-        if (r, w) != (rank, world) {
-            return Err(crate::to_py(Error::invalid(
-                "transport",
-                format!("rank {r} of {w}, for a problem of rank {rank} of {world}"),
-            )));
-        }
+        check_transport(transport, rank, world)?;
         Ok(CpRank { attn, transport: transport.0.clone() })
     }
 
-    /// This rank's tokens, as runs `(start, end)` of global positions.
+    /// Rank `rank` of one serving step over a KV cache spread over the group: `requests` as
+    /// `(home, cached, new)`, the cache placed by `placement` (`contiguous` or `pages:N`), the
+    /// queries at their home (`prefill` false) or beside their keys, run by `strategy`
+    /// (`pass-q`, `ring`, or `auto`: the one moving fewer bytes). Returns the rank and the
+    /// strategy used.
+    #[staticmethod]
+    #[pyo3(signature = (requests, placement, prefill, strategy, world, rank, heads, kv_heads, head_dim, softmax_scale, transport))]
+    #[allow(clippy::too_many_arguments)] // the step, the group and the heads
+    fn serving(
+        requests: Vec<(usize, usize, usize)>,
+        placement: &str,
+        prefill: bool,
+        strategy: &str,
+        world: usize,
+        rank: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        softmax_scale: Option<f64>,
+        transport: &CpTransport,
+    ) -> PyResult<(CpRank, String)> {
+        let build = || -> Result<(RankAttention, Strategy)> {
+            let reqs: Vec<StepRequest> =
+                requests.iter().map(|&(home, cached, new)| StepRequest { home, cached, new }).collect();
+            let capacity = reqs.iter().map(|r| r.cached + r.new).max().unwrap_or(0);
+            let placement = KvPlacement::from_spec(placement, capacity, world)?;
+            let queries = if prefill { Queries::WithKeys } else { Queries::AtHome };
+            let step = ServingStep::new(&placement, &reqs, queries, heads, kv_heads, head_dim)?;
+            let candidates = match strategy {
+                "auto" => vec![Strategy::PassQ, Strategy::Ring],
+                s => vec![s.parse()?],
+            };
+            let opts = PlanOptions { layout: Some(step.layout.clone()), ..PlanOptions::default() };
+            let chosen = least_traffic(&candidates, world, &step.shape, &step.mask, DType::BF16, &opts)?.strategy;
+            let attn = RankAttention::placed(step.shape, step.mask, step.layout, chosen, world, rank)?
+                .scale(softmax_scale.map(|s| s as f32))?;
+            Ok((attn, chosen))
+        };
+        let (attn, chosen) = build().map_err(crate::to_py)?;
+        check_transport(transport, rank, world)?;
+        Ok((CpRank { attn, transport: transport.0.clone() }, chosen.to_string()))
+    }
+
+    /// This rank's query rows (and, for a sequence sharded alike, key rows), as runs
+    /// `(start, end)` of global positions.
     fn tokens(&self) -> Vec<(usize, usize)> {
         runs(self.attn.tokens())
+    }
+
+    /// This rank's key rows, as runs `(start, end)` of global positions.
+    fn kv_tokens(&self) -> Vec<(usize, usize)> {
+        runs(self.attn.kv_tokens())
     }
 
     /// Writes O (f32, `[b, n_local, h, d]`) and LSE (f32, `[b, h, n_local]`) of this rank's
@@ -341,6 +383,21 @@ impl CpRank {
     }
 }
 
+/// The transport serves rank `rank` of `world`.
+fn check_transport(transport: &CpTransport, rank: usize, world: usize) -> PyResult<()> {
+    let (r, w) = match &*transport.0 {
+        Transport::Host(c) => (c.rank(), c.world()),
+        Transport::Nccl { comm, .. } => (comm.rank(), comm.world()),
+    };
+    if (r, w) != (rank, world) {
+        return Err(crate::to_py(Error::invalid(
+            "transport",
+            format!("rank {r} of {w}, for a problem of rank {rank} of {world}"),
+        )));
+    }
+    Ok(())
+}
+
 /// What a call's tensors must be: the input dtype, the device and the local shape.
 struct Io {
     dtype: DType,
@@ -368,7 +425,8 @@ impl CpRank {
 impl Io {
     fn dims(&self, kv: bool) -> [usize; 4] {
         let s = &self.local;
-        [s.batch, s.q_len, if kv { s.kv_heads } else { s.heads }, s.head_dim]
+        let (n, h) = if kv { (s.k_len, s.kv_heads) } else { (s.q_len, s.heads) };
+        [s.batch, n, h, s.head_dim]
     }
 
     fn check(&self, name: &str, t: &TensorDesc, dims: &[usize], dtype: DType) -> Result<()> {

@@ -42,6 +42,18 @@ impl KvPlacement {
         Self::new(page_size, world)
     }
 
+    /// `contiguous` (chunks of requests of up to `capacity` tokens) or `pages:N`.
+    pub fn from_spec(spec: &str, capacity: usize, world: usize) -> Result<KvPlacement> {
+        match spec.trim().split_once(':') {
+            None if spec.trim() == "contiguous" => Self::contiguous(capacity, world),
+            Some(("pages", n)) => Self::interleaved(
+                n.parse().map_err(|_| Error::invalid("placement", format!("pages:N takes a page size, got '{n}'")))?,
+                world,
+            ),
+            _ => Err(Error::invalid("placement", format!("expected contiguous or pages:N, got '{spec}'"))),
+        }
+    }
+
     fn new(block_tokens: usize, world: usize) -> Result<KvPlacement> {
         if world == 0 {
             return Err(Error::ZeroDim { what: "world size" });
@@ -181,6 +193,11 @@ mod tests {
         assert!(chunks.positions(0, 600, 3).is_empty());
         assert!(KvPlacement::interleaved(0, 2).is_err());
         assert!(KvPlacement::contiguous(0, 2).is_err());
+        assert_eq!(KvPlacement::from_spec("pages:8", 100, 2).unwrap(), KvPlacement::interleaved(8, 2).unwrap());
+        assert_eq!(KvPlacement::from_spec("contiguous", 100, 2).unwrap().block_tokens, 50);
+        for bad in ["pages:x", "pages", "chunks:4", "pages:0"] {
+            assert!(KvPlacement::from_spec(bad, 100, 2).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! rank's program of the strategy's plan through the one interpreter, on any backend and
 //! communicator, with the caller's buffers as inputs.
 
-use distattn_core::plan::{Pass, Plan, Tensor, TokenSet};
+use distattn_core::plan::{Layout, Pass, Plan, Tensor, TokenSet};
 use distattn_core::planner::build;
 use distattn_core::schedule::Lane;
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, PlanOptions, Result, Strategy};
@@ -34,8 +34,8 @@ pub struct RankAttention {
     plan_opts: PlanOptions,
     world: usize,
     rank: usize,
-    /// Every rank's tokens (the strategy's layout).
-    layout: Vec<TokenSet>,
+    /// Every rank's query and key tokens (the strategy's layout, or the caller's placement).
+    layout: Layout,
     /// Prepared programs by (pass, dtype), built on first use.
     programs: Mutex<Vec<Arc<PreparedRank>>>,
 }
@@ -65,17 +65,46 @@ impl RankAttention {
                 ),
             ));
         }
-        if rank >= world {
-            return Err(Error::invalid("rank", format!("{rank} is not a rank of a world of {world}")));
-        }
-        let plan = build(strategy, world, &shape, &mask, DType::F32, &plan_opts.with_pass(Pass::Forward))?;
-        if let Some(r) = (0..world).find(|&r| plan.layout.q[r] != plan.layout.k[r]) {
+        let me = Self::planned(shape, mask, strategy, world, rank, plan_opts)?;
+        if let Some(r) = (0..world).find(|&r| me.layout.q[r] != me.layout.k[r]) {
             return Err(Error::invalid(
                 "strategy",
                 format!("{strategy} places rank {r}'s queries and keys on different tokens; a shard must hold both"),
             ));
         }
-        let layout = plan.layout.q.clone();
+        Ok(me)
+    }
+
+    /// Rank `rank` of a problem whose tokens the caller places (`layout`: where each query and
+    /// each key lives, as a KV cache spread over the ranks puts them; see
+    /// [`crate::kv_placement::ServingStep`]), run by `strategy` (pass-q or ring). Queries and
+    /// keys may differ in number and place.
+    pub fn placed(
+        shape: AttnShape,
+        mask: Mask,
+        layout: Layout,
+        strategy: Strategy,
+        world: usize,
+        rank: usize,
+    ) -> Result<Self> {
+        let plan_opts = PlanOptions { layout: Some(layout), ..PlanOptions::default() };
+        Self::planned(shape, mask, strategy, world, rank, plan_opts)
+    }
+
+    /// Checks the problem against the strategy by planning its forward once, and keeps the
+    /// layout.
+    fn planned(
+        shape: AttnShape,
+        mask: Mask,
+        strategy: Strategy,
+        world: usize,
+        rank: usize,
+        plan_opts: PlanOptions,
+    ) -> Result<Self> {
+        if rank >= world {
+            return Err(Error::invalid("rank", format!("{rank} is not a rank of a world of {world}")));
+        }
+        let plan = build(strategy, world, &shape, &mask, DType::F32, &plan_opts.with_pass(Pass::Forward))?;
         Ok(RankAttention {
             shape,
             mask,
@@ -84,7 +113,7 @@ impl RankAttention {
             plan_opts,
             world,
             rank,
-            layout,
+            layout: plan.layout,
             programs: Mutex::new(Vec::new()),
         })
     }
@@ -97,20 +126,25 @@ impl RankAttention {
     }
 
     /// The global positions of this rank's tokens, ascending: its shards of Q, K, V (and of O,
-    /// dO and the gradients) are these rows of the whole tensors, in this order.
+    /// dO and the gradients) are these rows of the whole tensors, in this order. (With a
+    /// placement, the query rows; K and V hold [`RankAttention::kv_tokens`].)
     pub fn tokens(&self) -> &TokenSet {
-        &self.layout[self.rank]
+        &self.layout.q[self.rank]
     }
 
-    /// Every rank's tokens, in rank order (what gathering the shards back needs).
-    pub fn layout(&self) -> &[TokenSet] {
+    /// The global positions of this rank's keys (its rows of K, V, dK, dV), ascending.
+    pub fn kv_tokens(&self) -> &TokenSet {
+        &self.layout.k[self.rank]
+    }
+
+    /// Every rank's query and key tokens (what gathering the shards back needs).
+    pub fn layout(&self) -> &Layout {
         &self.layout
     }
 
-    /// The shape of this rank's shards: the whole shape with `tokens().len()` rows.
+    /// The shape of this rank's shards: the whole shape with this rank's query and key rows.
     pub fn local_shape(&self) -> AttnShape {
-        let n = self.tokens().len();
-        AttnShape { q_len: n, k_len: n, ..self.shape }
+        AttnShape { q_len: self.tokens().len(), k_len: self.kv_tokens().len(), ..self.shape }
     }
 
     pub fn shape(&self) -> &AttnShape {
@@ -149,7 +183,7 @@ impl RankAttention {
         for &(tensor, id) in prog.inputs.iter().chain(&prog.outputs) {
             let d = &prog.bufs[id];
             let heads = if tensor.is_kv() { self.shape.kv_heads } else { self.shape.heads };
-            if d.tokens != *self.tokens() || d.heads != (0..heads) {
+            if d.tokens != *self.layout.tokens(tensor, self.rank) || d.heads != (0..heads) {
                 return Err(Error::InvalidPlan(format!(
                     "{} on rank {}: {tensor:?} is not the rank's shard (tokens {:?}, heads {:?})",
                     self.strategy, self.rank, d.tokens, d.heads

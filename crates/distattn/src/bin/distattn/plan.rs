@@ -110,14 +110,7 @@ fn serving_plan(args: &PlanArgs, requests: &str) -> Result<distattn::Plan> {
         });
     }
     let capacity = reqs.iter().map(|r| r.cached + r.new).max().unwrap_or(0);
-    let placement = match args.placement.split_once(':') {
-        None if args.placement == "contiguous" => KvPlacement::contiguous(capacity, world)?,
-        Some(("pages", n)) => KvPlacement::interleaved(
-            n.parse().map_err(|_| anyhow::anyhow!("--placement pages:N takes a page size, got '{n}'"))?,
-            world,
-        )?,
-        _ => anyhow::bail!("--placement: expected contiguous or pages:N, got '{}'", args.placement),
-    };
+    let placement = KvPlacement::from_spec(&args.placement, capacity, world)?;
     let (h, d) = (args.heads, args.head_dim);
     let hkv = args.kv_heads.unwrap_or(h);
     let queries = if args.prefill { Queries::WithKeys } else { Queries::AtHome };
