@@ -23,6 +23,7 @@ through the group itself (gloo): the test bed; a dead peer surfaces as the group
 """
 
 import os
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -91,8 +92,10 @@ class _GroupTransfers:
         self.failure = reason
 
 
-# ContextParallel objects by id, for the custom ops (which take plain values, not objects).
-_instances: Dict[int, "ContextParallel"] = {}
+# ContextParallel objects by id, for the custom ops (which take plain values, not objects);
+# weak, so a dropped group's communicator goes with it (autograd keeps the one a pending
+# backward needs, see `_setup`).
+_instances: "weakref.WeakValueDictionary[int, ContextParallel]" = weakref.WeakValueDictionary()
 
 
 class ContextParallel:
@@ -397,6 +400,7 @@ def _setup(ctx, inputs, output):
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.args = (cp_id, seq_len, softmax_scale)
+    ctx.cp = _instances[cp_id]  # alive until the backward has run
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 

@@ -26,6 +26,26 @@
 //! assert_eq!(out.lse.len(), shape.lse_elems()); // [batch, heads, q_rows], natural log
 //! # Ok::<(), distattn::Error>(())
 //! ```
+//!
+//! A cache spread over several ranks (DistAttention): a step of requests `(home, cached, new)`
+//! is one packed problem placed where the cache lives ([`crate::kv_placement`]), planned with
+//! pass-q (the queries travel) and run on the ranks through the one interpreter:
+//!
+//! ```
+//! use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
+//! use distattn::{Attention, Execution, PlanOptions, Ranks, Strategy};
+//!
+//! let placement = KvPlacement::interleaved(16, 4)?; // pages of 16 tokens over 4 ranks
+//! let requests = [StepRequest { home: 0, cached: 500, new: 1 }, StepRequest { home: 3, cached: 90, new: 1 }];
+//! let step = ServingStep::new(&placement, &requests, Queries::AtHome, 8, 2, 64)?;
+//! let mut ranks = Ranks::new(4, Strategy::PassQ);
+//! ranks.plan = PlanOptions { layout: Some(step.layout.clone()), ..Default::default() };
+//! let attn = Attention::new(step.shape, step.mask)?.on(Execution::CpuRanks(ranks));
+//! let (q, kv) = (vec![0.1f32; step.shape.q_elems()], vec![0.2f32; step.shape.kv_elems()]);
+//! let out = attn.forward(&q, &kv, &kv)?; // O of both new tokens, [1, 2, 8, 64]
+//! assert_eq!(out.o.len(), 2 * 8 * 64);
+//! # Ok::<(), distattn::Error>(())
+//! ```
 
 pub use distattn_core::decode::*;
 pub use distattn_cpu::decode::{append_kv, decode};
