@@ -266,6 +266,93 @@ class KVCacheGroup:
         self.placement = placement
         self.rank, self.world = self._cp.rank, self._cp.world
         self._steps: Dict[tuple, tuple] = {}
+        # The cache this rank holds (``add``/``step``): per request its home, its length and
+        # the K/V of the positions placed here, ascending.
+        self._requests: Dict[object, list] = {}
+
+    # ------------------------------------------------------------------ a cache that grows
+
+    def _block(self) -> int:
+        kind, _, n = self.placement.partition(":")
+        if not n.isdigit() or kind not in ("pages", "contiguous"):
+            raise ValueError(f"a growing cache needs placement pages:N or contiguous:N (capacity), got {self.placement!r}")
+        return int(n) if kind == "pages" else -(-int(n) // self.world)
+
+    def add(self, rid, home: int) -> None:
+        """Starts request ``rid`` homed on rank ``home`` (every rank calls it alike)."""
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} exists already")
+        if not 0 <= home < self.world:
+            raise ValueError(f"home rank {home} is not a rank of a group of {self.world}")
+        self._block()
+        self._requests[rid] = [home, 0, None, None]
+
+    def drop(self, rid) -> None:
+        """Ends request ``rid``, freeing its cache (every rank calls it alike)."""
+        self._requests.pop(rid)
+
+    def step(self, batch, q: Tensor, k_new: Tensor, v_new: Tensor, strategy: str = "auto", softmax_scale=None, return_lse=False):
+        """One step of ``batch`` (``[(rid, new tokens), ...]``, the same on every rank): each rank
+        passes the new tokens of the requests homed on it, in batch order, as q ``[1, rows, h,
+        d]`` and their K/V ``[1, rows, h_kv, d]``. Their K/V go to the ranks the placement puts
+        them on (appended in place), then the step's attention runs; returns O (and the LSE)
+        of this rank's rows, like q."""
+        block = self._block()
+        plan = []  # (rid, home, cached, new)
+        for rid, new in batch:
+            home, length, _, _ = self._requests[rid]
+            plan.append((rid, home, length, int(new)))
+        mine = [(rid, cached, new) for rid, home, cached, new in plan if home == self.rank]
+        if q.shape[1] != sum(n for _, _, n in mine) or k_new.shape[1] != q.shape[1] or v_new.shape != k_new.shape:
+            raise ValueError(
+                f"q/k_new/v_new hold {q.shape[1]}/{k_new.shape[1]}/{v_new.shape[1]} rows; the requests homed on "
+                f"rank {self.rank} add {sum(n for _, _, n in mine)}"
+            )
+        owner = lambda home, pos: (home + pos // block) % self.world  # noqa: E731
+        # Rows this rank sends to each owner (and keeps), in batch then position order.
+        out = {r: [] for r in range(self.world)}
+        at = 0
+        for rid, cached, new in mine:
+            home = self.rank
+            for j in range(new):
+                out[owner(home, cached + j)].append((rid, at + j))
+            at += new
+        sends = {r: torch.cat([torch.stack([k_new[0, i], v_new[0, i]]) for _, i in rows]) for r, rows in out.items() if rows and r != self.rank}
+        # Rows this rank receives: the new positions it owns of requests homed elsewhere.
+        incoming = {}
+        for rid, home, cached, new in plan:
+            if home != self.rank:
+                for j in range(new):
+                    if owner(home, cached + j) == self.rank:
+                        incoming.setdefault(home, []).append(rid)
+        shape = (2, k_new.shape[2], k_new.shape[3])
+        recvs = {r: torch.empty((len(rows) * 2, *shape[1:]), dtype=k_new.dtype, device=k_new.device) for r, rows in incoming.items()}
+        ops = [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(self._cp.group, r), self._cp.group) for r, t in sends.items()]
+        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(self._cp.group, r), self._cp.group) for r, t in recvs.items()]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        # Append what stays and what came, in position order per request.
+        got = {rid: [] for rid, _, _, _ in plan}
+        for rid, i in out[self.rank]:
+            got[rid].append((k_new[0, i], v_new[0, i]))
+        for r, rows in incoming.items():
+            buf = recvs[r].view(len(rows), 2, *shape[1:])
+            for n, rid in enumerate(rows):
+                got[rid].append((buf[n, 0], buf[n, 1]))
+        for rid, _, _, new in plan:
+            entry = self._requests[rid]
+            if got[rid]:
+                kk = torch.stack([a for a, _ in got[rid]])
+                vv = torch.stack([b for _, b in got[rid]])
+                entry[2] = kk if entry[2] is None else torch.cat([entry[2], kk])
+                entry[3] = vv if entry[3] is None else torch.cat([entry[3], vv])
+            entry[1] += new
+        empty = k_new.new_empty((0, *shape[1:]))
+        k = torch.cat([self._requests[rid][2] if self._requests[rid][2] is not None else empty for rid, *_ in plan])[None]
+        v = torch.cat([self._requests[rid][3] if self._requests[rid][3] is not None else empty for rid, *_ in plan])[None]
+        requests = [(home, cached, new) for _, home, cached, new in plan]
+        return self.attention(q, k, v, requests, False, strategy, softmax_scale, return_lse)
 
     def _step(self, requests, prefill, strategy, shape, softmax_scale, device):
         requests = tuple((int(h), int(c), int(n)) for h, c, n in requests)

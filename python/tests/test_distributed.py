@@ -294,3 +294,43 @@ def test_kv_cache_over_ranks_matches_f64(placement, prefill, strategy):
             assert f64.lse_err(lse[:, :, at : at + b - a], lse_ref[:, :, a:b]) < 1e-5
             at += b - a
     assert all(torch.equal(s, torch.ones_like(s)) for s in seen), "every query row answered once"
+
+
+def _growing_cache_case(rank, world, placement):
+    """Requests prefilled, then decoded for 3 steps, their K/V appended where the placement puts
+    them; every step's output rows against f64 on the whole sequences so far."""
+    import distattn.distributed as dd
+
+    h, hkv, d = 4, 2, 16
+    homes, prompt = {"a": 0, "b": 1, "c": 1}, {"a": 37, "b": 5, "c": 20}
+    g = torch.Generator().manual_seed(5)
+    total = {rid: prompt[rid] + 3 for rid in homes}
+    qs = {rid: torch.randn(1, total[rid], h, d, generator=g) for rid in homes}
+    ks = {rid: torch.randn(1, total[rid], hkv, d, generator=g) for rid in homes}
+    vs = {rid: torch.randn(1, total[rid], hkv, d, generator=g) for rid in homes}
+    cache = dd.KVCacheGroup(placement=placement)
+    for rid, home in homes.items():
+        cache.add(rid, home)
+    errors, length = [], {rid: 0 for rid in homes}
+    steps = [[(rid, prompt[rid]) for rid in homes]] + [[(rid, 1) for rid in homes]] * 3
+    for batch in steps:
+        mine = [(rid, n) for rid, n in batch if homes[rid] == rank]
+        rows = lambda t, hh: torch.cat([t[rid][:, length[rid] : length[rid] + n] for rid, n in mine], 1) if mine else torch.zeros(1, 0, hh, d)  # noqa: E731
+        o = cache.step(batch, rows(qs, h), rows(ks, hkv), rows(vs, hkv))
+        at = 0
+        for rid, n in mine:
+            end = length[rid] + n
+            keep = f64.dense_mask("causal", n, end)
+            ref, _, _ = f64.attention(qs[rid][:, length[rid] : end], ks[rid][:, :end], vs[rid][:, :end], keep)
+            errors.append(f64.rel_err(o[:, at : at + n], ref))
+            at += n
+        for rid, n in batch:
+            length[rid] += n
+    return errors
+
+
+@pytest.mark.parametrize("placement", ["pages:8", "contiguous:64"])
+def test_growing_cache_appends_where_placed_and_matches_f64(placement):
+    for ok, value in _run(2, _growing_cache_case, placement):
+        assert ok, value
+        assert value and max(value) < 1e-5, value

@@ -42,15 +42,20 @@ impl KvPlacement {
         Self::new(page_size, world)
     }
 
-    /// `contiguous` (chunks of requests of up to `capacity` tokens) or `pages:N`.
+    /// `pages:N`, `contiguous:N` (chunks of requests of up to N tokens: a cache that grows
+    /// keeps its placement) or `contiguous` (chunks of requests of up to `capacity` tokens).
     pub fn from_spec(spec: &str, capacity: usize, world: usize) -> Result<KvPlacement> {
+        let num = |n: &str| {
+            n.parse::<usize>()
+                .map_err(|_| Error::invalid("placement", format!("'{spec}': {n:?} is not a number of tokens")))
+        };
         match spec.trim().split_once(':') {
             None if spec.trim() == "contiguous" => Self::contiguous(capacity, world),
-            Some(("pages", n)) => Self::interleaved(
-                n.parse().map_err(|_| Error::invalid("placement", format!("pages:N takes a page size, got '{n}'")))?,
-                world,
-            ),
-            _ => Err(Error::invalid("placement", format!("expected contiguous or pages:N, got '{spec}'"))),
+            Some(("contiguous", n)) => Self::contiguous(num(n)?, world),
+            Some(("pages", n)) => Self::interleaved(num(n)?, world),
+            _ => {
+                Err(Error::invalid("placement", format!("expected pages:N, contiguous:N or contiguous, got '{spec}'")))
+            }
         }
     }
 
@@ -195,6 +200,7 @@ mod tests {
         assert!(KvPlacement::contiguous(0, 2).is_err());
         assert_eq!(KvPlacement::from_spec("pages:8", 100, 2).unwrap(), KvPlacement::interleaved(8, 2).unwrap());
         assert_eq!(KvPlacement::from_spec("contiguous", 100, 2).unwrap().block_tokens, 50);
+        assert_eq!(KvPlacement::from_spec("contiguous:1000", 100, 2).unwrap().block_tokens, 500);
         for bad in ["pages:x", "pages", "chunks:4", "pages:0"] {
             assert!(KvPlacement::from_spec(bad, 100, 2).is_err(), "{bad}");
         }
