@@ -223,9 +223,10 @@ class ContextParallel:
     ):
         """This rank's rows of the whole sequence's attention: q ``[b, n_local, h, d]``, k and v
         ``[b, n_local, h_kv, d]`` (this rank's shards), O like q and (``return_lse``) the LSE
-        ``[b, h, n_local]`` in natural log. Differentiable in q, k and v. ``seq_len`` (the
-        whole sequence) defaults to the sum of the ranks' shard lengths, which needs one
-        collective the first time a shape is seen."""
+        ``[b, h, n_local]`` in natural log. Differentiable in q, k and v, and traced by
+        ``torch.compile(fullgraph=True)`` (pass ``seq_len`` there). ``seq_len`` (the whole
+        sequence) defaults to the sum of the ranks' shard lengths, which needs one collective
+        the first time a shape is seen."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dim() != 4:
                 raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got {tuple(t.shape)}")

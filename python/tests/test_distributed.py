@@ -334,3 +334,24 @@ def test_growing_cache_appends_where_placed_and_matches_f64(placement):
     for ok, value in _run(2, _growing_cache_case, placement):
         assert ok, value
         assert value and max(value) < 1e-5, value
+
+
+def _compiled_case(rank, world):
+    import distattn.distributed as dd
+
+    cp = dd.ContextParallel(strategy="zigzag", mask="causal")
+    q, k, v = (torch.randn(1, 64, 2, 16, requires_grad=True, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    f = lambda q, k, v: cp.attention(q, k, v, seq_len=64 * world).square().sum()  # noqa: E731
+    compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    compiled.backward()
+    g = q.grad.clone()
+    q.grad = None
+    eager = f(q, k, v)
+    eager.backward()
+    return abs(compiled.item() - eager.item()) / abs(eager.item()), ((g - q.grad).norm() / q.grad.norm()).item()
+
+
+def test_torch_compile_traces_context_parallel_attention():
+    for ok, value in _run(1, _compiled_case, timeout=300):
+        assert ok, value
+        assert max(value) < 1e-5, value
