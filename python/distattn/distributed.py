@@ -225,8 +225,8 @@ class ContextParallel:
         ``[b, n_local, h_kv, d]`` (this rank's shards), O like q and (``return_lse``) the LSE
         ``[b, h, n_local]`` in natural log. Differentiable in q, k and v, and traced by
         ``torch.compile(fullgraph=True)`` (pass ``seq_len`` there). ``seq_len`` (the whole
-        sequence) defaults to the sum of the ranks' shard lengths, which needs one collective
-        the first time a shape is seen."""
+        sequence) defaults to the sum of the ranks' shard lengths, summed over the group at
+        each call (one small collective): pass it to save that."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dim() != 4:
                 raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got {tuple(t.shape)}")
@@ -238,15 +238,11 @@ class ContextParallel:
         return (o, lse) if return_lse else o
 
     def _seq_len(self, local: int, device) -> int:
-        cache = getattr(self, "_seq_lens", None)
-        if cache is None:
-            cache = self._seq_lens = {}
-        n = cache.get(local)
-        if n is None:
-            t = torch.tensor([local], dtype=torch.long, device=device if device.type == "cuda" else "cpu")
-            dist.all_reduce(t, group=self.group)
-            n = cache[local] = int(t)
-        return n
+        # Every rank asks the group at every such call: a rank answering from a cache while
+        # another asks would leave the collective unmatched.
+        t = torch.tensor([local], dtype=torch.long, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, group=self.group)
+        return int(t)
 
 
 class KVCacheGroup:

@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -243,7 +244,7 @@ def main():
     cp = None
     if a.attn == "distattn" and world > 1:
         cp = dd.ContextParallel(strategy=a.strategy, mask="causal", num_heads=a.heads, num_kv_heads=a.kv_heads)
-        attend = cp.attention
+        attend = partial(cp.attention, seq_len=a.seq)  # the whole length known: no collective to find it
     elif a.attn == "distattn":
         attend = lambda q, k, v: distattn.flash_attn_func(q, k, v, causal=True)  # noqa: E731
     else:

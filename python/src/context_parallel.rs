@@ -10,7 +10,7 @@
 //!   torch's memory after an event on torch's current stream, and torch's stream waits for
 //!   the outputs' copies by another event.
 
-use crate::problem::{cached_mask, contiguous, dtype_of, gpu, host, host_mut, where_is, TensorDesc};
+use crate::problem::{cached_mask, dtype_of, expect, gpu, host, host_mut, where_is, TensorDesc};
 use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::plan::TokenSet;
 use distattn::planner::least_traffic;
@@ -272,12 +272,15 @@ impl CpRank {
             let placement = KvPlacement::from_spec(placement, capacity, world)?;
             let queries = if prefill { Queries::WithKeys } else { Queries::AtHome };
             let step = ServingStep::new(&placement, &reqs, queries, heads, kv_heads, head_dim)?;
-            let candidates = match strategy {
-                "auto" => vec![Strategy::PassQ, Strategy::Ring],
-                s => vec![s.parse()?],
+            // Choosing plans both candidates; a named strategy is planned once, by `placed`.
+            let chosen = match strategy {
+                "auto" => {
+                    let opts = PlanOptions { layout: Some(step.layout.clone()), ..PlanOptions::default() };
+                    let both = [Strategy::PassQ, Strategy::Ring];
+                    least_traffic(&both, world, &step.shape, &step.mask, DType::BF16, &opts)?.strategy
+                }
+                s => s.parse()?,
             };
-            let opts = PlanOptions { layout: Some(step.layout.clone()), ..PlanOptions::default() };
-            let chosen = least_traffic(&candidates, world, &step.shape, &step.mask, DType::BF16, &opts)?.strategy;
             let attn = RankAttention::placed(step.shape, step.mask, step.layout, chosen, world, rank)?
                 .scale(softmax_scale.map(|s| s as f32))?;
             Ok((attn, chosen))
@@ -325,10 +328,9 @@ impl CpRank {
                     host_out(&cpu, &lb, &lse)
                 }
                 Transport::Nccl { gpu, comm } => {
-                    let (ins, outs) = (gpu_inputs(gpu, stream, io.dtype, [&q, &k, &v])?, [&o, &lse]);
-                    let [qb, kb, vb] = ins;
+                    let [qb, kb, vb] = gpu_inputs(gpu, stream, io.dtype, [&q, &k, &v])?;
                     let res = self.attn.forward(&**gpu, comm, io.dtype, qb, kb, vb)?;
-                    gpu_outputs(gpu, stream, &res, outs)
+                    gpu_outputs(gpu, stream, &res, [&o, &lse])
                 }
             }
         };
@@ -430,26 +432,7 @@ impl Io {
     }
 
     fn check(&self, name: &str, t: &TensorDesc, dims: &[usize], dtype: DType) -> Result<()> {
-        if t.1 != dims {
-            return Err(Error::ShapeMismatch {
-                tensor: name.into(),
-                expected: format!("{dims:?} (this rank's shard)"),
-                got: format!("{:?}", t.1),
-            });
-        }
-        let got = dtype_of(name, t)?;
-        if got != dtype {
-            return Err(Error::DTypeMismatch {
-                a: name.into(),
-                a_dtype: got.to_string(),
-                b: "expected".into(),
-                b_dtype: dtype.to_string(),
-            });
-        }
-        if t.4 != self.device {
-            return Err(Error::invalid(name, format!("is on {}, q on {}", where_is(t.4), where_is(self.device))));
-        }
-        contiguous(name, t)
+        expect(name, t, dims, dtype, self.device)
     }
 
     fn check_inputs(&self, ts: &[(&str, &TensorDesc, bool)]) -> Result<()> {

@@ -130,28 +130,7 @@ impl Problem {
 
     /// Checks an output or workspace tensor: shape, dtype, device, contiguous.
     pub fn expect(&self, name: &str, t: &TensorDesc, dims: &[usize], dtype: DType) -> Result<()> {
-        if t.1 != dims {
-            return Err(Error::ShapeMismatch {
-                tensor: name.into(),
-                expected: format!("{dims:?}"),
-                got: format!("{:?}", t.1),
-            });
-        }
-        if dtype_of(name, t)? != dtype {
-            return Err(Error::DTypeMismatch {
-                a: name.into(),
-                a_dtype: t.3.clone(),
-                b: "expected".into(),
-                b_dtype: dtype.to_string(),
-            });
-        }
-        if t.4 != self.device {
-            return Err(Error::invalid(
-                name,
-                format!("is on {}, the inputs on {}", where_is(t.4), where_is(self.device)),
-            ));
-        }
-        contiguous(name, t)
+        expect(name, t, dims, dtype, self.device)
     }
 
     /// Runs the forward pass into `o` and `lse`.
@@ -257,6 +236,30 @@ impl Problem {
         }
         Ok(())
     }
+}
+
+/// Checks a tensor the native side is handed: its shape is `dims`, its dtype `dtype`, it lives
+/// on `device` (the inputs' device) and is contiguous.
+pub(crate) fn expect(name: &str, t: &TensorDesc, dims: &[usize], dtype: DType, device: i64) -> Result<()> {
+    if t.1 != dims {
+        return Err(Error::ShapeMismatch {
+            tensor: name.into(),
+            expected: format!("{dims:?}"),
+            got: format!("{:?}", t.1),
+        });
+    }
+    if dtype_of(name, t)? != dtype {
+        return Err(Error::DTypeMismatch {
+            a: name.into(),
+            a_dtype: t.3.clone(),
+            b: "expected".into(),
+            b_dtype: dtype.to_string(),
+        });
+    }
+    if t.4 != device {
+        return Err(Error::invalid(name, format!("is on {}, the inputs on {}", where_is(t.4), where_is(device))));
+    }
+    contiguous(name, t)
 }
 
 /// The mask of `spec` over `nq × nk` tokens, or inside each packed sequence of `seqlens`,

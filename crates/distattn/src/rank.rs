@@ -211,8 +211,7 @@ impl RankAttention {
     {
         let prog = self.program(Pass::Forward, dtype)?;
         let outs = self.run(&prog, backend, comm, [(Tensor::Q, q), (Tensor::K, k), (Tensor::V, v)])?;
-        let [o, lse] = take_outputs(&prog, outs, [Tensor::O, Tensor::Lse])?;
-        Ok([o, lse])
+        take_outputs(&prog, outs, [Tensor::O, Tensor::Lse])
     }
 
     /// dQ, dK, dV (f32, like this rank's shards) from its shards of Q, K, V and dO (of
