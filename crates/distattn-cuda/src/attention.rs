@@ -11,7 +11,7 @@
 
 use crate::aux::{MergeDims, OLse};
 use crate::compile::{backend_err, KernelConfig};
-use crate::device::CudaBackend;
+use crate::device::{CudaBackend, DeviceTiles};
 use crate::params::{BwdParams, FwdParams};
 use crate::{driver_err, tma, CudaElement};
 use cudarc::driver::{sys, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
@@ -90,35 +90,8 @@ impl CudaBackend {
     ) -> Result<()> {
         let kern = self.kernels(dtype, shape.head_dim)?;
         let tiles = self.tiles(mask, cfg.fwd_bm(), cfg.fwd_bn, false)?;
-        let p = FwdParams {
-            q: t.q,
-            k: t.k,
-            v: t.v,
-            o: t.o,
-            o_f32: t.o_f32,
-            lse: t.lse,
-            tile_ptr: tiles.ptr.device_ptr(s).0,
-            tiles: tiles.tiles.device_ptr(s).0,
-            bits: tiles.bits.device_ptr(s).0,
-            batch: shape.batch as i32,
-            q_len: shape.q_len as i32,
-            k_len: shape.k_len as i32,
-            heads: shape.heads as i32,
-            kv_heads: shape.kv_heads as i32,
-            n_tiles: tiles.n_major as i32,
-            scale_log2: opts.scale_for(shape.head_dim)? * LOG2E,
-            pad_: 0,
-        };
-        let launch_cfg = LaunchConfig {
-            // x: query tile x query head within its KV head group (see fwd_block in kernels/params.cuh).
-            grid_dim: (
-                (tiles.n_major * (shape.heads / shape.kv_heads)) as u32,
-                shape.kv_heads as u32,
-                shape.batch as u32,
-            ),
-            block_dim: (kern.cfg.fwd_threads() as u32, 1, 1),
-            shared_mem_bytes: kern.cfg.fwd_smem() as u32,
-        };
+        let p = fwd_params(s, t, &tiles, shape, opts)?;
+        let launch_cfg = fwd_grid(&tiles, shape, kern.cfg.fwd_threads(), kern.cfg.fwd_smem());
         let mut launch = s.launch_builder(&kern.fwd);
         launch.arg(&p);
         let maps;
@@ -421,6 +394,45 @@ impl CudaBackend {
             unsafe { aux.merge(s, OLse { o, lse }, acc, &dims, quads.device_ptr(s).0) }?;
         }
         Ok(())
+    }
+}
+
+/// The forward kernels' parameters for the tensors at `t`, the tile plan `tiles` and `shape`.
+pub(crate) fn fwd_params(
+    s: &CudaStream,
+    t: &ForwardPtrs,
+    tiles: &DeviceTiles,
+    shape: &AttnShape,
+    opts: &AttnOptions,
+) -> Result<FwdParams> {
+    Ok(FwdParams {
+        q: t.q,
+        k: t.k,
+        v: t.v,
+        o: t.o,
+        o_f32: t.o_f32,
+        lse: t.lse,
+        tile_ptr: tiles.ptr.device_ptr(s).0,
+        tiles: tiles.tiles.device_ptr(s).0,
+        bits: tiles.bits.device_ptr(s).0,
+        batch: shape.batch as i32,
+        q_len: shape.q_len as i32,
+        k_len: shape.k_len as i32,
+        heads: shape.heads as i32,
+        kv_heads: shape.kv_heads as i32,
+        n_tiles: tiles.n_major as i32,
+        scale_log2: opts.scale_for(shape.head_dim)? * LOG2E,
+        pad_: 0,
+    })
+}
+
+/// A forward kernel's launch: x is the query tile x the query head within its KV head's group
+/// (see fwd_block in kernels/params.cuh), y the KV head, z the batch.
+pub(crate) fn fwd_grid(tiles: &DeviceTiles, shape: &AttnShape, threads: usize, smem: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((tiles.n_major * (shape.heads / shape.kv_heads)) as u32, shape.kv_heads as u32, shape.batch as u32),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
     }
 }
 

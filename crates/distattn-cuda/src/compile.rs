@@ -30,6 +30,7 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = &[
     ("sm80/backward.cu", include_str!("kernels/sm80/backward.cu")),
     ("sm90/primitives.cuh", include_str!("kernels/sm90/primitives.cuh")),
     ("sm90/forward.cu", include_str!("kernels/sm90/forward.cu")),
+    ("sm90/forward_e4m3.cu", include_str!("kernels/sm90/forward_e4m3.cu")),
     ("sm90/backward.cu", include_str!("kernels/sm90/backward.cu")),
     ("decode.cu", include_str!("kernels/decode.cu")),
 ];
@@ -216,6 +217,17 @@ impl KernelConfig {
             return 5 * self.fwd_bm() * self.head_dim * 2 + 1024 + 128;
         }
         (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2 + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
+    }
+    /// Whether the module has the FP8 forward (`flash_fwd_e4m3`, with `transpose_v_e4m3`): the
+    /// warp-specialized forward's pipeline at head dim 128, whose rows are one 128-byte
+    /// swizzled block in 8 bits.
+    pub fn has_e4m3_forward(&self) -> bool {
+        self.fwd_wg && self.head_dim == 128
+    }
+    /// Dynamic shared memory of the FP8 forward, bytes: Q; K and V^T in 2 stages (one byte an
+    /// element); 1 KB to align the base; 9 mbarriers.
+    pub fn e4m3_fwd_smem(&self) -> usize {
+        5 * self.fwd_bm() * self.head_dim + 1024 + 128
     }
     /// Dynamic shared memory of the dK/dV kernel, bytes.
     pub fn bwd_smem(&self) -> usize {

@@ -19,6 +19,14 @@ pub(crate) struct Kernels {
     pub fwd: CudaFunction,
     pub dkdv: Option<CudaFunction>,
     pub decode: CudaFunction,
+    /// The FP8 forward and its V transpose, where the configuration has them.
+    pub e4m3: Option<E4m3Kernels>,
+}
+
+/// The FP8 forward (`flash_fwd_e4m3`) and the transpose of V it reads (`transpose_v_e4m3`).
+pub(crate) struct E4m3Kernels {
+    pub fwd: CudaFunction,
+    pub transpose_v: CudaFunction,
 }
 
 /// A tile plan uploaded to the device, complete there before it is handed out: kernels on any
@@ -201,6 +209,11 @@ impl CudaBackend {
             fwd: f(cfg.fwd_kernel())?,
             dkdv: if cfg.has_backward() { Some(f(cfg.dkdv_kernel())?) } else { None },
             decode: f("flash_decode")?,
+            e4m3: if cfg.has_e4m3_forward() {
+                Some(E4m3Kernels { fwd: f("flash_fwd_e4m3")?, transpose_v: f("transpose_v_e4m3")? })
+            } else {
+                None
+            },
             _module: module.clone(),
         };
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
@@ -215,6 +228,9 @@ impl CudaBackend {
         k.fwd.set_attribute(attr, cfg.fwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
         if let Some(d) = &k.dkdv {
             d.set_attribute(attr, cfg.bwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
+        }
+        if let Some(e) = &k.e4m3 {
+            e.fwd.set_attribute(attr, cfg.e4m3_fwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
         }
         // (A GPU without room for the decode kernel's stages still runs the others; decode
         // launches check.)

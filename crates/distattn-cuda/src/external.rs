@@ -42,7 +42,8 @@ pub struct ExternalBackward {
     pub dq_acc: u64,
 }
 
-fn aligned(name: &str, ptr: u64) -> Result<u64> {
+/// `ptr` if it is a non-null, 16-byte aligned device address.
+pub(crate) fn aligned(name: &str, ptr: u64) -> Result<u64> {
     if ptr == 0 || !ptr.is_multiple_of(16) {
         return Err(Error::invalid(name, format!("device address {ptr:#x} is null or not 16-byte aligned")));
     }
@@ -138,7 +139,7 @@ impl CudaBackend {
         unsafe { self.launch_backward(stream, dtype, cfg, &p, shape, mask, opts) }
     }
 
-    fn check_stream(&self, stream: &CudaStream) -> Result<()> {
+    pub(crate) fn check_stream(&self, stream: &CudaStream) -> Result<()> {
         if stream.context().cu_ctx() != self.context().cu_ctx() {
             return Err(backend_err("the stream belongs to another CUDA context than this GPU's"));
         }

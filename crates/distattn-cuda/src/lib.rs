@@ -27,6 +27,7 @@ pub mod compile;
 pub mod decode;
 pub mod device;
 pub mod external;
+pub mod fp8;
 pub mod host;
 pub mod params;
 pub mod peer;

@@ -64,6 +64,25 @@ kernel_params! {
         pad_: i32,
     }
 
+    /// The FP8 forward's (`flash_fwd_e4m3`): the forward's, and per-(batch, KV head) f32
+    /// descales of Q, K and V (0: none).
+    struct E4m3FwdParams {
+        f: FwdParams,
+        q_descale: u64,
+        k_descale: u64,
+        v_descale: u64,
+    }
+
+    /// V's transpose for the FP8 forward (`transpose_v_e4m3`).
+    struct TransposeVParams {
+        v: u64,
+        vt: u64,
+        k_len: i32,
+        kv_heads: i32,
+        k_pad: i32,
+        pad_: i32,
+    }
+
     /// The dK/dV kernels' (`flash_bwd_dkdv`, `flash_bwd_dkdv2`, `flash_bwd_ws`).
     struct BwdParams {
         q: u64,

@@ -55,12 +55,44 @@ impl TensorMap {
             DType::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
             DType::F32 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
         };
-        let e = dtype.size() as u64;
+        Self::rows_of(ptr, t, ty, dtype.size(), box_rows)
+    }
+
+    /// The map of a tensor of bytes (FP8 elements), as [`TensorMap::rows`].
+    pub(crate) fn rows_u8(ptr: u64, t: RowsTensor, box_rows: u32) -> Result<Self> {
+        Self::rows_of(ptr, t, sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, box_rows)
+    }
+
+    /// The map of V transposed for the FP8 forward, bytes `[batch][kv heads][head_dim][k_pad]`,
+    /// in boxes of 128 keys x all `head_dim` rows.
+    pub(crate) fn transposed_u8(ptr: u64, t: RowsTensor, k_pad: usize) -> Result<Self> {
+        let dims = [k_pad as u64, t.head_dim as u64, t.heads as u64, t.batch as u64];
+        let strides = [k_pad as u64, (t.head_dim * k_pad) as u64, (t.heads * t.head_dim * k_pad) as u64];
+        let boxes = [128, t.head_dim as u32, 1, 1];
+        Self::encode(ptr, sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, dims, strides, boxes)
+            .map_err(|r| backend_err(format!("encoding a tensor map (V^T of {t:?}, {k_pad} keys): {r:?}")))
+    }
+
+    fn rows_of(ptr: u64, t: RowsTensor, ty: sys::CUtensorMapDataType, e: usize, box_rows: u32) -> Result<Self> {
+        let e = e as u64;
         let dims = [t.head_dim as u64, t.rows as u64, t.heads as u64, t.batch as u64];
         // Byte strides of dims 1..3 (dim 0 is contiguous).
         let row = (t.heads * t.head_dim) as u64 * e;
         let strides = [row, t.head_dim as u64 * e, t.rows as u64 * row];
         let boxes = [128 / e as u32, box_rows, 1, 1];
+        Self::encode(ptr, ty, dims, strides, boxes)
+            .map_err(|r| backend_err(format!("encoding a tensor map ({t:?}, box {box_rows} rows): {r:?}")))
+    }
+
+    /// A 4-d tiled map with the 128-byte swizzle: `dims` innermost first, byte `strides` of
+    /// dims 1..3, `boxes` in elements.
+    fn encode(
+        ptr: u64,
+        ty: sys::CUtensorMapDataType,
+        dims: [u64; 4],
+        strides: [u64; 3],
+        boxes: [u32; 4],
+    ) -> std::result::Result<Self, sys::CUresult> {
         let elem_strides = [1u32; 4];
         let mut map = sys::CUtensorMap { opaque: [0; 16] };
         // SAFETY: every pointer refers to a live local array of the length the rank (4) implies;
@@ -82,7 +114,7 @@ impl TensorMap {
             )
         };
         if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(backend_err(format!("encoding a tensor map ({t:?}, box {box_rows} rows): {r:?}")));
+            return Err(r);
         }
         Ok(TensorMap(map))
     }

@@ -6,6 +6,7 @@
 //!   (`DISTATTN_SEED=<n>`), never zeros;
 //! * [`compare`]: relative errors against the f64 reference, with −inf (rows that see no key)
 //!   required to match exactly and NaN always failing;
+//! * [`fp8`]: e4m3 codes and their values, for the FP8 kernels' inputs;
 //! * [`decode`]: random ragged batches in a shuffled paged KV cache, and decode attention's
 //!   f64 reference over them;
 //! * [`plans`]: every strategy's plans run on a caller's ranks against the reference (the
@@ -13,6 +14,7 @@
 
 pub mod compare;
 pub mod decode;
+pub mod fp8;
 pub mod plans;
 pub mod random;
 pub mod reference;

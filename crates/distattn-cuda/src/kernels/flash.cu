@@ -1,7 +1,6 @@
-// distattn CUDA kernels: flash attention forward and backward (dK/dV + dQ accumulation), and
-// decode over a paged KV cache (decode.cu: the step's split plan and the cache appends are in
-// aux.cu). The
-// backward's row delta and dQ conversion and the LSE merge of partial results are in the
+// distattn CUDA kernels: flash attention forward and backward (dK/dV + dQ accumulation), the
+// FP8 forward (sm_90a, d 128), and decode over a paged KV cache (decode.cu: the step's split
+// plan and the cache appends are in aux.cu). The backward's row delta and dQ conversion and the LSE merge of partial results are in the
 // auxiliary kernels' module (aux.cu).
 //
 // Compiled at run time by NVRTC, one module per (dtype, head dim, arch), from this root and the
@@ -17,4 +16,5 @@
 #include "sm80/backward.cu"
 #include "sm90/backward.cu"
 #include "sm90/forward.cu"
+#include "sm90/forward_e4m3.cu"
 #include "decode.cu"

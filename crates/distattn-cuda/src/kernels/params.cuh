@@ -36,6 +36,23 @@ __device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p) {
     return {p.n_tiles - 1 - rank, kvh * G + hg, kvh, (int)blockIdx.z};
 }
 
+// The FP8 forward's (`flash_fwd_e4m3`): the forward's (q, k, v: e4m3, v transposed; o: the
+// module's dtype), and per-(batch, KV head) f32 descales of Q, K and V (null: 1).
+struct E4m3FwdParams {
+    FwdParams f;
+    const float* q_descale;
+    const float* k_descale;
+    const float* v_descale;
+};
+
+// V's transpose for the FP8 forward (`transpose_v_e4m3`): v [b, nk, hkv, D] -> vt [b, hkv, D,
+// k_pad], k_pad a multiple of 128.
+struct TransposeVParams {
+    const unsigned char* v;
+    unsigned char* vt;
+    int k_len, kv_heads, k_pad, pad_;
+};
+
 struct BwdParams {
     const elem_t* q;
     const elem_t* k;

@@ -1,3 +1,4 @@
+#pragma once
 #include "sm90/primitives.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FWD_WG && (D == 128 || D == 64)
@@ -73,17 +74,17 @@ __device__ __forceinline__ void fwd_issue_pv(float (&o)[D / 2], const u32 (&pa)[
     for (int kk = 0; kk < FW_BN / 16; ++kk) wgmma_rs_nD<1>(o, pa[kk], wg_desc_add(dv, kk * 16 * 128), 1);
 }
 
-// Normalises and writes the thread's two output rows (row, row + 8) of O (and the optional f32
-// copy) and their LSE.
+// Normalises (and multiplies by o_scale) and writes the thread's two output rows (row, row + 8)
+// of O (and the optional f32 copy) and their LSE.
 __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D / 2], const float (&m)[2],
-                                          const float (&l)[2], int b, int h, int row0, int t) {
+                                          const float (&l)[2], int b, int h, int row0, int t, float o_scale) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float lt = l[r];
         lt += __shfl_xor_sync(0xffffffff, lt, 1);
         lt += __shfl_xor_sync(0xffffffff, lt, 2);
         // lt = 0: the row saw no key (O = 0, LSE = -inf); a NaN lt is passed on.
-        const float inv = lt != 0.f ? 1.f / lt : 0.f;
+        const float inv = lt != 0.f ? o_scale / lt : 0.f;
         const int row = row0 + 8 * r;
         if (row >= p.q_len) continue;
         if (t == 0)
@@ -98,21 +99,45 @@ __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D
     }
 }
 
+// The operations of the bf16/f16 pipeline: Q, K and V tiles in [rows][D] (D/64 swizzled column
+// blocks), k = 16 products, P packed in pairs.
+struct FwdHalf {
+    static constexpr u32 Q_BYTES = FW_BM * D * 2, TILE_BYTES = FW_BN * D * 2;
+    using PFrag = u32[FW_BN / 16][4];
+    __device__ static __forceinline__ void load_q(u32 dst, const TmaMap* m, u32 bar, int q0, int h, int b) {
+        tma_load_rows<FW_BM>(dst, m, bar, q0, h, b);
+    }
+    __device__ static __forceinline__ void load_k(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
+        tma_load_rows<FW_BN>(dst, m, bar, k0, kvh, b);
+    }
+    __device__ static __forceinline__ void load_v(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
+        tma_load_rows<FW_BN>(dst, m, bar, k0, kvh, b);
+    }
+    __device__ static __forceinline__ void qk(float (&s)[64], u32 qs, int cw, u32 ks) {
+        wg_gemm_kmajor(s, qs, FW_BM, 64 * cw, ks, FW_BN);
+    }
+    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[64]) { fwd_pack_p(pa, s); }
+    __device__ static __forceinline__ void pv(float (&o)[D / 2], const PFrag& pa, u32 vs) { fwd_issue_pv(o, pa, vs); }
+};
+
 // The block is warp-specialized: warp 0 of warpgroup 0 (the producer, 24 registers) streams Q
 // and the K/V tiles with TMA into 2 stages each, signalled by mbarriers; warpgroups 1 and 2
 // (240 registers) compute 64 rows each and release a stage as soon as the product reading it
 // has completed. The two consumers take turns issuing their products (named barriers 1 and 2),
 // so one's softmax runs under the other's tensor-core work.
+// The tiles' layouts and products come from Ops (FwdHalf; FwdE4m3 in forward_e4m3.cu); sl2 is
+// the scale of the scores in log2 units and o_scale multiplies the output.
 #define FS_STAGES 2
-extern "C" __global__ void __launch_bounds__(384, 1)
-flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
-             const __grid_constant__ TmaMap tv) {
+template <class Ops>
+__device__ __forceinline__ void fwd_ws(const FwdParams& p, const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
+                                       const float sl2, const float o_scale) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
+    constexpr u32 TILE_BYTES = Ops::TILE_BYTES;
     const u32 raw = smem_u32(smem_raw);
-    const u32 Qs = (raw + 1023) & ~1023u;             // [FW_BM][D]
-    const u32 Ks = Qs + FW_BM * D * 2;                // FS_STAGES x [FW_BN][D]
-    const u32 Vs = Ks + FS_STAGES * FW_BN * D * 2;    // FS_STAGES x [FW_BN][D]
-    const u32 bars = Vs + FS_STAGES * FW_BN * D * 2;  // mbarriers, 8 bytes each:
+    const u32 Qs = (raw + 1023) & ~1023u;             // the query tile
+    const u32 Ks = Qs + Ops::Q_BYTES;                 // FS_STAGES key tiles
+    const u32 Vs = Ks + FS_STAGES * TILE_BYTES;       // FS_STAGES value tiles
+    const u32 bars = Vs + FS_STAGES * TILE_BYTES;     // mbarriers, 8 bytes each:
     const u32 full_q = bars;                          //   Q landed
     const u32 full_k = bars + 8, full_v = full_k + 8 * FS_STAGES;   // stage landed
     const u32 free_k = full_v + 8 * FS_STAGES, free_v = free_k + 8 * FS_STAGES; // stage read
@@ -122,7 +147,6 @@ flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const int tid = threadIdx.x, wg = warpgroup_index();
     const int q0 = qt * FW_BM;
     const int e0 = p.tile_ptr[qt], e1 = p.tile_ptr[qt + 1];
-    constexpr u32 TILE_BYTES = FW_BN * D * 2;
 
     if (tid == 0) {
         mbar_init(full_q, 1);
@@ -139,17 +163,17 @@ flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     if (wg == 0) { // producer
         reg_dealloc<24>();
         if (tid == 0 && e1 > e0) { // (no tiles: the consumers only write empty rows)
-            mbar_expect_tx(full_q, FW_BM * D * 2);
-            tma_load_rows<FW_BM>(Qs, &tq, full_q, q0, h, b);
+            mbar_expect_tx(full_q, Ops::Q_BYTES);
+            Ops::load_q(Qs, tq, full_q, q0, h, b);
             for (int e = e0; e < e1; ++e) {
                 const int i = e - e0, st = i % FS_STAGES, ph = (i / FS_STAGES) & 1;
                 const int kt = p.tiles[e].x;
                 if (i >= FS_STAGES) mbar_wait(free_k + 8 * st, ph ^ 1);
                 mbar_expect_tx(full_k + 8 * st, TILE_BYTES);
-                tma_load_rows<FW_BN>(Ks + st * TILE_BYTES, &tk, full_k + 8 * st, kt * FW_BN, kvh, b);
+                Ops::load_k(Ks + st * TILE_BYTES, tk, full_k + 8 * st, kt * FW_BN, kvh, b);
                 if (i >= FS_STAGES) mbar_wait(free_v + 8 * st, ph ^ 1);
                 mbar_expect_tx(full_v + 8 * st, TILE_BYTES);
-                tma_load_rows<FW_BN>(Vs + st * TILE_BYTES, &tv, full_v + 8 * st, kt * FW_BN, kvh, b);
+                Ops::load_v(Vs + st * TILE_BYTES, tv, full_v + 8 * st, kt * FW_BN, kvh, b);
             }
         }
         return;
@@ -165,8 +189,7 @@ flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, alpha[2];
-    u32 pa[FW_BN / 16][4];
-    const float sl2 = p.scale_log2;
+    typename Ops::PFrag pa;
 
     // Step i issues S(i) = Q K(i)^T and O += P(i-1) V(i-1), for i = 0..n; the first and last
     // steps are peeled so that no product is issued under a branch (ptxas would serialize them).
@@ -178,14 +201,14 @@ flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         named_sync(my_turn, 256);
         float s[64];
         wg_fence();
-        wg_gemm_kmajor(s, Qs, FW_BM, 64 * cw, Ks, FW_BN);
+        Ops::qk(s, Qs, cw, Ks);
         wg_commit();
         named_arrive(other_turn, 256);
         wg_wait<0>();
         wg_pin(s);
         if (lane == 0) mbar_arrive(free_k);
         fwd_softmax(s, m, l, alpha, p.bits, p.tiles[e0].y, rq, t, sl2);
-        fwd_pack_p(pa, s);
+        Ops::pack_p(pa, s);
         for (int i = 1; i < n; ++i) {
             const int st = i % FS_STAGES, ph = (i / FS_STAGES) & 1;
             const int sp = (i - 1) % FS_STAGES, php = ((i - 1) / FS_STAGES) & 1;
@@ -193,9 +216,9 @@ flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_
             mbar_wait(full_v + 8 * sp, php);
             named_sync(my_turn, 256);
             wg_fence();
-            wg_gemm_kmajor(s, Qs, FW_BM, 64 * cw, Ks + st * TILE_BYTES, FW_BN);
+            Ops::qk(s, Qs, cw, Ks + st * TILE_BYTES);
             wg_commit();
-            fwd_issue_pv(o, pa, Vs + sp * TILE_BYTES);
+            Ops::pv(o, pa, Vs + sp * TILE_BYTES);
             wg_commit();
             named_arrive(other_turn, 256);
             wg_wait<1>();
@@ -206,18 +229,24 @@ flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_
             wg_pin(o);
             if (lane == 0) mbar_arrive(free_v + 8 * sp);
             fwd_rescale(o, alpha);
-            fwd_pack_p(pa, s);
+            Ops::pack_p(pa, s);
         }
         const int sp = (n - 1) % FS_STAGES;
         mbar_wait(full_v + 8 * sp, ((n - 1) / FS_STAGES) & 1);
         named_sync(my_turn, 256);
         wg_fence();
-        fwd_issue_pv(o, pa, Vs + sp * TILE_BYTES);
+        Ops::pv(o, pa, Vs + sp * TILE_BYTES);
         wg_commit();
         if (cw == 0) named_arrive(other_turn, 256); // consumer 1 issues last: nothing to hand on
         wg_wait<0>();
         wg_pin(o);
     }
-    fwd_store(p, o, m, l, b, h, q0 + rq, t);
+    fwd_store(p, o, m, l, b, h, q0 + rq, t, o_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+             const __grid_constant__ TmaMap tv) {
+    fwd_ws<FwdHalf>(p, &tq, &tk, &tv, p.scale_log2, 1.f);
 }
 #endif // FWD_WG && (D == 128 || D == 64)

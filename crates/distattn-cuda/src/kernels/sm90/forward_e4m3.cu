@@ -1,0 +1,97 @@
+#include "sm90/forward.cu"
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FWD_WG && D == 128
+// ---------------------------------------------------------------- FP8 forward (sm_90a)
+// The forward pipeline of forward.cu on e4m3 tiles: Q, K and V are 8-bit, O is the module's
+// dtype. 8-bit wgmma reads B K-major only, so V arrives transposed, [batch][KV head][D][keys]
+// (transpose_v_e4m3, below), with the keys of every 32-key block in the order in which the
+// score accumulators already sit in the threads: P goes from accumulators to the A operand of
+// P V without a shuffle. Per-(batch, KV head) descales fold into the score scale (Q, K) and the
+// output scale (V).
+
+// The key of position pos of a permuted row of V^T (pos < 32 within its block): the A operand
+// of a k = 32 step wants, in thread t's bytes 0..3, keys 4t..4t+3, where the score accumulators
+// hold keys 2t, 2t+1, 8+2t, 9+2t (and 16 more for bytes of the second half).
+__device__ __forceinline__ int e4m3_key_of(int pos) {
+    const int e = pos & 3, t = (pos >> 2) & 3;
+    return (pos & 16) + ((e >> 1) << 3) + 2 * t + (e & 1);
+}
+
+struct FwdE4m3 {
+    // Tiles are one 128-byte swizzled column block: a head dim of 128 bytes.
+    static constexpr u32 Q_BYTES = FW_BM * D, TILE_BYTES = FW_BN * D;
+    using PFrag = u32[FW_BN / 32][4];
+    __device__ static __forceinline__ void load_q(u32 dst, const TmaMap* m, u32 bar, int q0, int h, int b) {
+        tma_box(dst, m, bar, 0, q0, h, b);
+    }
+    __device__ static __forceinline__ void load_k(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
+        tma_box(dst, m, bar, 0, k0, kvh, b);
+    }
+    // V^T's tile: D rows of FW_BN keys.
+    __device__ static __forceinline__ void load_v(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
+        tma_box(dst, m, bar, k0, 0, kvh, b);
+    }
+    __device__ static __forceinline__ void qk(float (&s)[64], u32 qs, int cw, u32 ks) {
+        const u64 da = wg_desc(qs + 64 * cw * 128, 16, 1024), db = wg_desc(ks, 16, 1024);
+        wgmma_e4m3_ss_n128_z(s, da, db);
+#pragma unroll
+        for (int kk = 1; kk < D / 32; ++kk) wgmma_e4m3_ss_n128(s, wg_desc_add(da, 32 * kk), wg_desc_add(db, 32 * kk));
+    }
+    // k-step kk covers accumulator column blocks 4kk..4kk+3 (see e4m3_key_of).
+    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[64]) {
+#pragma unroll
+        for (int kk = 0; kk < FW_BN / 32; ++kk) {
+            const float* x = s + 16 * kk;
+            pa[kk][0] = pack4_e4m3(x[0], x[1], x[4], x[5]);
+            pa[kk][1] = pack4_e4m3(x[2], x[3], x[6], x[7]);
+            pa[kk][2] = pack4_e4m3(x[8], x[9], x[12], x[13]);
+            pa[kk][3] = pack4_e4m3(x[10], x[11], x[14], x[15]);
+        }
+    }
+    __device__ static __forceinline__ void pv(float (&o)[D / 2], const PFrag& pa, u32 vs) {
+        const u64 dv = wg_desc(vs, 16, 1024);
+#pragma unroll
+        for (int kk = 0; kk < FW_BN / 32; ++kk) wgmma_e4m3_rs_n128(o, pa[kk], wg_desc_add(dv, 32 * kk));
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+flash_fwd_e4m3(const E4m3FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+               const __grid_constant__ TmaMap tvt) {
+    const int bh = blockIdx.z * p.f.kv_heads + blockIdx.y; // (batch, KV head), as fwd_block maps the grid
+    const float qd = p.q_descale ? p.q_descale[bh] : 1.f;
+    const float kd = p.k_descale ? p.k_descale[bh] : 1.f;
+    const float vd = p.v_descale ? p.v_descale[bh] : 1.f;
+    fwd_ws<FwdE4m3>(p.f, &tq, &tk, &tvt, p.f.scale_log2 * qd * kd, vd);
+}
+
+// V [batch][keys][KV heads][D] -> V^T [batch][KV heads][D][k_pad], keys permuted per 32-key
+// block (e4m3_key_of), zeros past k_len. Grid: (k_pad / 64, KV heads, batch), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) transpose_v_e4m3(const TransposeVParams p) {
+    __shared__ __align__(16) unsigned char tile[64][D];
+    const int k0 = blockIdx.x * 64, kvh = blockIdx.y, b = blockIdx.z;
+    for (int i = threadIdx.x; i < 64 * D / 16; i += blockDim.x) {
+        const int r = i / (D / 16), c = i % (D / 16), key = k0 + r;
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (key < p.k_len) x = *(const uint4*)(p.v + (((size_t)b * p.k_len + key) * p.kv_heads + kvh) * D + 16 * c);
+        *(uint4*)&tile[r][16 * c] = x;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < D * 4; i += blockDim.x) {
+        const int d = i / 4, c = i % 4; // 16 positions 16c.. of row d
+        u32 w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            u32 x = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int pos = 16 * c + 4 * j + e;
+                x |= (u32)tile[(pos & ~31) + e4m3_key_of(pos & 31)][d] << (8 * e);
+            }
+            w[j] = x;
+        }
+        *(uint4*)(p.vt + (((size_t)b * p.kv_heads + kvh) * D + d) * p.k_pad + k0 + 16 * c) =
+            make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+#endif // FWD_WG && D == 128
