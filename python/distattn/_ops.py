@@ -22,6 +22,8 @@ _DTYPE_NAMES = {
     torch.float16: "float16",
     torch.int32: "int32",
     torch.int64: "int64",
+    torch.uint8: "uint8",
+    torch.float8_e4m3fn: "float8_e4m3fn",
 }
 
 
@@ -188,6 +190,67 @@ def attention(*inputs) -> Tuple[Tensor, Tensor]:
     if through_dispatcher():
         return forward(*inputs)
     return _EagerAttention.apply(*inputs)
+
+
+# ---------------------------------------------------------------- FP8 forward
+
+
+def _dequantized(x: Tensor, descale: Optional[Tensor]) -> Tensor:
+    """An e4m3 ``[b, n, heads, d]`` tensor's values in f32: codes times their (batch, KV head)
+    descale."""
+    xf = x.to(torch.float32)
+    if descale is None:
+        return xf
+    b, _, heads, _ = x.shape
+    per_head = descale.repeat_interleave(heads // descale.shape[1], dim=1)
+    return xf * per_head.view(b, 1, heads, 1)
+
+
+def _forward_e4m3_impl(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_descale: Optional[Tensor],
+    k_descale: Optional[Tensor],
+    v_descale: Optional[Tensor],
+    mask: str,
+    softmax_scale: Optional[float],
+) -> Tuple[Tensor, Tensor]:
+    q, k, v = _dense(q), _dense(k), _dense(v)
+    descales = tuple(None if t is None else _dense(t) for t in (q_descale, k_descale, v_descale))
+    if not q.is_cuda:
+        # The CPU computes the exact attention of the values the codes stand for, in f32.
+        xs = (_dequantized(x, d) for x, d in zip((q, k, v), descales))
+        o, lse = _forward_impl(*xs, mask, softmax_scale, None, None)
+        return o.to(torch.bfloat16), lse
+    b, nq, h, d = q.shape
+    o = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    # The kernels' workspace: V transposed (8-bit tensor-core products read K-major operands).
+    vt = torch.empty(_native.e4m3_workspace_len(b, k.shape[1], k.shape[2], d), dtype=torch.uint8, device=q.device)
+    _native.forward_e4m3(
+        _desc(q), _desc(k), _desc(v), *(None if t is None else _desc(t) for t in descales),
+        _desc(vt), _desc(o), _desc(lse), mask, softmax_scale, None, _stream(q),
+    )  # fmt: skip
+    return o, lse
+
+
+# Inference only: no autograd is registered (the backward of FP8 inputs is not provided).
+forward_e4m3 = torch.library.custom_op("distattn::forward_e4m3", _forward_e4m3_impl, mutates_args=())
+
+
+@forward_e4m3.register_fake
+def _(q, k, v, q_descale, k_descale, v_descale, mask, softmax_scale):
+    b, nq, h, _ = q.shape
+    return q.new_empty(q.shape, dtype=torch.bfloat16), q.new_empty((b, h, nq), dtype=torch.float32)
+
+
+def attention_e4m3(*inputs) -> Tuple[Tensor, Tensor]:
+    """`forward_e4m3` of these inputs: the custom op when torch.compile traces the call, its
+    implementation without the dispatcher when eager."""
+    if through_dispatcher():
+        return forward_e4m3(*inputs)
+    return _forward_e4m3_impl(*inputs)
 
 
 # ---------------------------------------------------------------- decode over a KV cache

@@ -60,8 +60,42 @@ def _result(o: Tensor, lse: Tensor, return_lse: bool) -> Out:
     return (o, lse) if return_lse else o
 
 
+def _descale(name: str, t: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """An FP8 input's descale as float32 ``[batch, kv_heads]`` (a one-element tensor applies to
+    every batch element and head)."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    b, hkv = q.shape[0], k.shape[2]
+    if t.numel() == 1:
+        t = t.reshape(1, 1).expand(b, hkv)
+    if tuple(t.shape) != (b, hkv):
+        raise ValueError(f"{name} must be [batch, kv_heads] = [{b}, {hkv}] (or one element), got {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device}, the inputs on {q.device}")
+    return t.to(torch.float32).contiguous()
+
+
+def _attention_e4m3(q, k, v, mask, softmax_scale, return_lse, descales) -> Out:
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"q is float8_e4m3fn, so {name} must be too, got {t.dtype}")
+    ds = tuple(_descale(n, t, q, k) for n, t in zip(("q_descale", "k_descale", "v_descale"), descales))
+    o, lse = _ops.attention_e4m3(q.contiguous(), k.contiguous(), v.contiguous(), *ds, mask, softmax_scale)
+    return _result(o, lse, return_lse)
+
+
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: str = "full", softmax_scale: Optional[float] = None, return_lse: bool = False
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: str = "full",
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> Out:
     """Exact attention under any mask spec of ``distattn run --help``.
 
@@ -69,6 +103,12 @@ def attention(
     ``docs:A,B,…``, ``docs-causal:A,B,…``, ``prefix:P``, ``prefix-docs:A/P,…``,
     ``shared-question:Q,A1,…``, ``block-causal:B``, ``block-causal-docs:B:A,…`` or
     ``blocks:BQ,BK:0110…``; it applies to every batch element and head.
+
+    FP8: q, k and v may be ``torch.float8_e4m3fn`` (inference; not differentiable), each with
+    an optional float32 descale ``[batch, kv_heads]`` (FlashAttention-3's convention: the real
+    value is the stored one times its descale); O is bfloat16. On an H100/H200 GPU with head dim
+    128 the FP8 kernel runs (P is rounded to e4m3 for P·V); on the CPU, the exact attention of
+    the dequantized values in float32; other GPUs raise.
 
     >>> import torch, distattn
     >>> q, k, v = (torch.randn(1, 300, 4, 64) for _ in range(3))
@@ -80,6 +120,11 @@ def attention(
     if not isinstance(mask, str):
         raise TypeError(f"mask must be a spec string such as 'causal', got {type(mask).__name__}")
     scale = _check_scale(softmax_scale)
+    descales = (q_descale, k_descale, v_descale)
+    if q.dtype == torch.float8_e4m3fn:
+        return _attention_e4m3(q, k, v, mask, scale, return_lse, descales)
+    if any(t is not None for t in descales):
+        raise ValueError(f"descales apply to float8_e4m3fn inputs; q is {q.dtype}")
     o, lse = _ops.attention(q.contiguous(), k.contiguous(), v.contiguous(), mask, scale, None, None)
     return _result(o, lse, return_lse)
 
@@ -92,9 +137,13 @@ def flash_attn_func(
     causal: bool = False,
     window_size: Tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> Out:
     """flash-attn's ``flash_attn_func``: causal aligned bottom-right, windows ``(left, right)``
-    around that diagonal (-1: no limit).
+    around that diagonal (-1: no limit). FP8 inputs with descales as in FlashAttention-3 (see
+    ``attention``).
 
     >>> import torch, distattn
     >>> q = torch.randn(2, 128, 8, 64, dtype=torch.bfloat16)
@@ -103,7 +152,8 @@ def flash_attn_func(
     >>> o.dtype, tuple(lse.shape)
     (torch.bfloat16, (2, 8, 128))
     """
-    return attention(q, k, v, _flash_mask(bool(causal), window_size), softmax_scale, return_lse)
+    mask = _flash_mask(bool(causal), window_size)
+    return attention(q, k, v, mask, softmax_scale, return_lse, q_descale, k_descale, v_descale)
 
 
 def flash_attn_varlen_func(

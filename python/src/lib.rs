@@ -72,6 +72,46 @@ fn forward(
     })
 }
 
+/// FP8 forward (GPU, sm_90a, head dim 128): Q, K, V `float8_e4m3fn` with optional descales
+/// (`[b, hkv]` f32); writes O (bf16 or f16, `[b, nq, h, d]`) and LSE. `vt` is the workspace,
+/// [`e4m3_workspace_len`] uint8 bytes.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, q_descale, k_descale, v_descale, vt, o, lse, mask, softmax_scale, seqlens, stream))]
+#[allow(clippy::too_many_arguments)] // one descriptor per tensor the kernels touch
+fn forward_e4m3(
+    py: Python<'_>,
+    q: TensorDesc,
+    k: TensorDesc,
+    v: TensorDesc,
+    q_descale: Option<TensorDesc>,
+    k_descale: Option<TensorDesc>,
+    v_descale: Option<TensorDesc>,
+    vt: TensorDesc,
+    o: TensorDesc,
+    lse: TensorDesc,
+    mask: &str,
+    softmax_scale: Option<f64>,
+    seqlens: Option<Seqlens>,
+    stream: u64,
+) -> PyResult<()> {
+    let mask = mask.to_string();
+    guarded(py, move || {
+        let out = problem::dtype_of("o", &o)?;
+        let p = Problem::e4m3(&q, &k, &v, out, &mask, seqlens.as_ref(), softmax_scale)?;
+        p.expect("o", &o, &p.q_dims(), p.dtype)?;
+        p.expect("lse", &lse, &p.lse_dims(), DType::F32)?;
+        let descales = [q_descale.as_ref(), k_descale.as_ref(), v_descale.as_ref()];
+        p.forward_e4m3([&q, &k, &v], descales, &vt, [&o, &lse], stream)
+    })
+}
+
+/// Bytes of the FP8 forward's workspace for Q `[b, nq, h, d]` and K `[b, nk, hkv, d]`.
+#[pyfunction]
+fn e4m3_workspace_len(b: usize, nk: usize, hkv: usize, d: usize) -> PyResult<usize> {
+    let shape = distattn::AttnShape::new(b, 1, nk, hkv, hkv, d).map_err(to_py)?;
+    Ok(distattn_cuda::fp8::e4m3_vt_len(&shape))
+}
+
 /// Element counts of a GPU decode's workspace: `(cu_tiles int64, part_o float32, part_lse
 /// float32, counters int32)`, for the call's tensors; any contents.
 #[pyfunction]
@@ -207,6 +247,8 @@ fn cuda_available() -> bool {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward, m)?)?;
+    m.add_function(wrap_pyfunction!(forward_e4m3, m)?)?;
+    m.add_function(wrap_pyfunction!(e4m3_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(decode_workspace, m)?)?;
     m.add_function(wrap_pyfunction!(decode, m)?)?;
     m.add_function(wrap_pyfunction!(decode_plan, m)?)?;

@@ -3,6 +3,7 @@
 
 use distattn::{Attention, AttnOptions, AttnShape, DType, Element, Error, Forward, Mask, MaskSpec, Result};
 use distattn_cuda::external::{ExternalBackward, ExternalForward};
+use distattn_cuda::fp8::{e4m3_vt_len, ExternalE4m3Forward};
 use distattn_cuda::CudaBackend;
 use half::{bf16, f16};
 use std::collections::HashMap;
@@ -11,6 +12,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// A tensor as the Python layer describes it: `(data address, shape, strides in elements,
 /// dtype name, device)`, the device being the CUDA ordinal or −1 for the CPU.
 pub type TensorDesc = (u64, Vec<usize>, Vec<i64>, String, i64);
+
+/// torch's name of the FP8 dtype the FP8 forward takes.
+pub const E4M3: &str = "float8_e4m3fn";
 
 /// Cumulative sequence lengths of packed queries and keys (`cu_seqlens_q`, `cu_seqlens_k`).
 pub type Seqlens = (Vec<i64>, Vec<i64>);
@@ -78,6 +82,43 @@ impl Problem {
                     b_dtype: t.3.clone(),
                 });
             }
+        }
+        Self::checked(q, k, v, dtype, spec, seqlens, softmax_scale)
+    }
+
+    /// An FP8 forward's problem: Q, K and V `float8_e4m3fn`, otherwise as [`Problem::new`];
+    /// `out` is O's dtype.
+    pub fn e4m3(
+        q: &TensorDesc,
+        k: &TensorDesc,
+        v: &TensorDesc,
+        out: DType,
+        spec: &str,
+        seqlens: Option<&Seqlens>,
+        softmax_scale: Option<f64>,
+    ) -> Result<Problem> {
+        for (name, t) in [("q", q), ("k", k), ("v", v)] {
+            if t.3 != E4M3 {
+                return Err(Error::UnsupportedDType(format!(
+                    "{} for {name} of the FP8 forward, which takes {E4M3}",
+                    t.3
+                )));
+            }
+        }
+        Self::checked(q, k, v, out, spec, seqlens, softmax_scale)
+    }
+
+    /// The checks of every call but the inputs' dtypes: devices, layouts, shapes, scale, mask.
+    fn checked(
+        q: &TensorDesc,
+        k: &TensorDesc,
+        v: &TensorDesc,
+        dtype: DType,
+        spec: &str,
+        seqlens: Option<&Seqlens>,
+        softmax_scale: Option<f64>,
+    ) -> Result<Problem> {
+        for (name, t) in [("k", k), ("v", v)] {
             if t.4 != q.4 {
                 return Err(Error::invalid(
                     "devices",
@@ -158,6 +199,53 @@ impl Problem {
             DType::F32 => self.cpu_forward::<f32>(q, k, v, o, lse),
             DType::BF16 => self.cpu_forward::<bf16>(q, k, v, o, lse),
             DType::F16 => self.cpu_forward::<f16>(q, k, v, o, lse),
+        }
+    }
+
+    /// Enqueues the FP8 forward into `o` and `lse` on a GPU: `vt` is its workspace
+    /// ([`distattn_cuda::fp8::e4m3_vt_len`] bytes), `descales` those of Q, K, V (`[b, hkv]`
+    /// f32 each) or `None`.
+    pub fn forward_e4m3(
+        &self,
+        [q, k, v]: [&TensorDesc; 3],
+        descales: [Option<&TensorDesc>; 3],
+        vt: &TensorDesc,
+        [o, lse]: [&TensorDesc; 2],
+        stream: u64,
+    ) -> Result<()> {
+        if self.device < 0 {
+            return Err(Error::invalid("q", "the FP8 forward runs on CUDA tensors"));
+        }
+        let bh = [self.shape.batch, self.shape.kv_heads];
+        for (name, d) in ["q_descale", "k_descale", "v_descale"].into_iter().zip(descales) {
+            if let Some(d) = d {
+                self.expect(name, d, &bh, DType::F32)?;
+            }
+        }
+        if vt.1 != [e4m3_vt_len(&self.shape)] || vt.3 != "uint8" || vt.4 != self.device {
+            return Err(Error::invalid(
+                "vt",
+                format!("must be {} uint8 bytes on the inputs' GPU", e4m3_vt_len(&self.shape)),
+            ));
+        }
+        let addr = |d: Option<&TensorDesc>| d.map_or(0, |d| d.0);
+        let t = ExternalE4m3Forward {
+            q: q.0,
+            k: k.0,
+            v: v.0,
+            vt: vt.0,
+            q_descale: addr(descales[0]),
+            k_descale: addr(descales[1]),
+            v_descale: addr(descales[2]),
+            o: o.0,
+            lse: lse.0,
+        };
+        let gpu = gpu(self.device)?;
+        // SAFETY: as in `forward`: every descriptor was checked against this problem (the
+        // inputs by `Problem::e4m3`, the outputs by the caller, the descales and the workspace
+        // above), on this GPU, and `stream` is torch's current stream there.
+        unsafe {
+            gpu.forward_e4m3_external(&gpu.borrow_stream(stream), self.dtype, &t, &self.shape, &self.mask, &self.opts)
         }
     }
 
