@@ -19,38 +19,19 @@ captured in a CUDA graph (GPU time, as a serving loop runs it); and by Nsight Co
 bytes read ÷ time; the probe is a bf16 sum over 4 GiB, timed the same two ways.
 """
 import argparse
-import csv
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import distattn
+from kernel_timing import kernels_per_call, marked_call, timed
 
 D, DT = 128, torch.bfloat16
 GIB = 1 << 30
-
-
-def timed(fn, min_seconds=1.0):
-    """Median ms per call: CUDA events around each call, after 3 warm-up calls, at least 10
-    calls and `min_seconds`."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times, start = [], time.perf_counter()
-    while len(times) < 10 or time.perf_counter() - start < min_seconds:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def cases(quick, only=None):
@@ -171,21 +152,13 @@ def kernel_pass(out_dir, quick, only):
     """One call of each (case, impl) after a warm-up, between two marker kernels
     (torch.cuda._sleep's spin kernel); the order goes to OUT_DIR/kernel_pass.json."""
     order = []
-    marker = lambda: torch.cuda._sleep(1000)  # noqa: E731
     x, sum_fn = probe()
-    sum_fn()
-    marker()
-    sum_fn()
-    marker()
+    marked_call(sum_fn)
     order.append(("probe", "sum"))
     del x
     for name, lengths, h, hkv, page in cases(quick, only):
         for impl, fn in impls(lengths, h, hkv, page):
-            fn()
-            torch.cuda.synchronize()
-            marker()
-            fn()
-            marker()
+            marked_call(fn)
             order.append((name, impl))
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -194,29 +167,10 @@ def kernel_pass(out_dir, quick, only):
         json.dump(order, f)
 
 
-def ncu_durations(path):
-    """(kernel name, ns) of every kernel of an ncu --csv report, in launch order."""
-    with open(path) as f:
-        lines = [l for l in f if l.startswith('"')]
-    out = []
-    for r in csv.DictReader(lines):
-        if r.get("Metric Name") == "gpu__time_duration.sum":
-            out.append((r["Kernel Name"], float(r["Metric Value"].replace(",", ""))))
-    return out
-
-
 def table(out_dir, ncu_csv):
     res = json.load(open(os.path.join(out_dir, "decode_bench.json")))
     order = json.load(open(os.path.join(out_dir, "kernel_pass.json")))
-    kernels = ncu_durations(ncu_csv)
-    # The kernels between each pair of markers (the spin kernel), in the pass's order.
-    segments = [[]]
-    for name, ns in kernels:
-        if "spin_kernel" in name:
-            segments.append([])
-        else:
-            segments[-1].append((name, ns))
-    groups = segments[1::2][: len(order)]
+    groups = kernels_per_call(ncu_csv, len(order))
     kern = {}
     for (case, impl), ks in zip(order, groups):
         kern[(case, impl)] = {"total_us": sum(ns for _, ns in ks) / 1e3,
