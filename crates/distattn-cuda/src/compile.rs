@@ -224,10 +224,10 @@ impl KernelConfig {
     pub fn has_e4m3_forward(&self) -> bool {
         self.fwd_wg && self.head_dim == 128
     }
-    /// Dynamic shared memory of the FP8 forward, bytes: Q; K and V^T in 2 stages (one byte an
-    /// element); 1 KB to align the base; 9 mbarriers.
+    /// Dynamic shared memory of the FP8 forward, bytes: Q; K and V^T in 3 stages (one byte an
+    /// element); 1 KB to align the base; 13 mbarriers.
     pub fn e4m3_fwd_smem(&self) -> usize {
-        5 * self.fwd_bm() * self.head_dim + 1024 + 128
+        7 * self.fwd_bm() * self.head_dim + 1024 + 13 * 8
     }
     /// Dynamic shared memory of the dK/dV kernel, bytes.
     pub fn bwd_smem(&self) -> usize {

@@ -7,7 +7,8 @@
 // (transpose_v_e4m3, below), with the keys of every 32-key block in the order in which the
 // score accumulators already sit in the threads: P goes from accumulators to the A operand of
 // P V without a shuffle. Per-(batch, KV head) descales fold into the score scale (Q, K) and the
-// output scale (V).
+// output scale (V). Its products take half the bf16 ones' time, so the softmax dominates: each
+// consumer keeps the next score tile in flight (fwd_consume_ahead) and issues without turns.
 
 // The key of position pos of a permuted row of V^T (pos < 32 within its block): the A operand
 // of a k = 32 step wants, in thread t's bytes 0..3, keys 4t..4t+3, where the score accumulators
@@ -20,6 +21,9 @@ __device__ __forceinline__ int e4m3_key_of(int pos) {
 struct FwdE4m3 {
     // Tiles are one 128-byte swizzled column block: a head dim of 128 bytes.
     static constexpr u32 Q_BYTES = FW_BM * D, TILE_BYTES = FW_BN * D;
+    // Two score tiles in flight, which need the next key tile a step earlier: a third stage.
+    static constexpr bool SCORES_AHEAD = true, TURNS = false;
+    static constexpr int STAGES = 3;
     using PFrag = u32[FW_BN / 32][4];
     __device__ static __forceinline__ void load_q(u32 dst, const TmaMap* m, u32 bar, int q0, int h, int b) {
         tma_box(dst, m, bar, 0, q0, h, b);
