@@ -6,7 +6,9 @@ Drop-in for flash-attn's functions (``flash_attn_func``, ``flash_attn_varlen_fun
 …). Every function is differentiable in q, k and v, and is a ``torch.library`` custom op
 (``torch.ops.distattn.forward`` / ``backward``) that ``torch.compile(fullgraph=True)`` traces.
 CPU tensors may be float32, bfloat16 or float16; CUDA tensors bfloat16 or float16, computed on
-the tensors' GPU and torch's current stream. The LSE is in natural log.
+the tensors' GPU and torch's current stream. The LSE is in natural log. For inference,
+``flash_attn_func`` and ``attention`` also take float8_e4m3fn q, k, v with FlashAttention-3's
+descales (the FP8 kernel on H100/H200 at head dim 128; bfloat16 O).
 
 Submodules: ``distattn.distributed`` (``ContextParallel``: one sequence split over the ranks of
 a ``torch.distributed`` group by any of distattn's strategies), ``distattn.checkpoint``
