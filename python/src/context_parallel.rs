@@ -272,17 +272,19 @@ impl CpRank {
             let placement = KvPlacement::from_spec(placement, capacity, world)?;
             let queries = if prefill { Queries::WithKeys } else { Queries::AtHome };
             let step = ServingStep::new(&placement, &reqs, queries, heads, kv_heads, head_dim)?;
-            // Choosing plans both candidates; a named strategy is planned once, by `placed`.
-            let chosen = match strategy {
+            // Each strategy is planned once: `auto` plans both candidates and keeps the chosen
+            // plan, a named one is planned by `placed`; the forward's program reuses that plan.
+            let attn = match strategy {
                 "auto" => {
                     let opts = PlanOptions { layout: Some(step.layout.clone()), ..PlanOptions::default() };
                     let both = [Strategy::PassQ, Strategy::Ring];
-                    least_traffic(&both, world, &step.shape, &step.mask, DType::BF16, &opts)?.strategy
+                    let plan = least_traffic(&both, world, &step.shape, &step.mask, DType::BF16, &opts)?;
+                    RankAttention::placed_plan(plan, step.mask, rank)?
                 }
-                s => s.parse()?,
-            };
-            let attn = RankAttention::placed(step.shape, step.mask, step.layout, chosen, world, rank)?
-                .scale(softmax_scale.map(|s| s as f32))?;
+                s => RankAttention::placed(step.shape, step.mask, step.layout, s.parse()?, world, rank)?,
+            }
+            .scale(softmax_scale.map(|s| s as f32))?;
+            let chosen = attn.strategy();
             Ok((attn, chosen))
         };
         let (attn, chosen) = build().map_err(crate::to_py)?;

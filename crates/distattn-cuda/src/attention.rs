@@ -30,7 +30,13 @@ impl CudaBackend {
     }
 
     /// The buffer's address after checking its length and alignment.
-    fn checked_ptr<U>(&self, name: &str, buf: &impl DevicePtr<U>, expected: usize, shape: &AttnShape) -> Result<u64> {
+    pub(crate) fn checked_ptr<U>(
+        &self,
+        name: &str,
+        buf: &impl DevicePtr<U>,
+        expected: usize,
+        shape: &AttnShape,
+    ) -> Result<u64> {
         shape.check_len(name, buf.len(), expected)?;
         let p = buf.device_ptr(self.stream()).0;
         if !p.is_multiple_of(16) {
@@ -119,7 +125,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn checked_mut_ptr<U>(
+    pub(crate) fn checked_mut_ptr<U>(
         &self,
         name: &str,
         buf: &mut impl DevicePtrMut<U>,

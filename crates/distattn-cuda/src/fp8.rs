@@ -74,15 +74,10 @@ impl CudaBackend {
     ) -> Result<()> {
         self.check_e4m3(T::DTYPE, shape, mask)?;
         let s = self.stream();
-        let ptr = |name: &str, buf: &dyn Fn() -> (usize, u64), n: usize| {
-            let (len, p) = buf();
-            shape.check_len(name, len, n)?;
-            aligned(name, p)
-        };
         let bh = shape.batch * shape.kv_heads;
         let (qd, kd, vd) = match descales {
             Some(d) => {
-                let base = ptr("descales", &|| (d.len(), d.device_ptr(s).0), 3 * bh)?;
+                let base = self.checked_ptr("descales", d, 3 * bh, shape)?;
                 (base, base + 4 * bh as u64, base + 8 * bh as u64)
             }
             None => (0, 0, 0),
@@ -91,21 +86,15 @@ impl CudaBackend {
         // before the forward, later on `s`, reads it; nothing else sees the buffer.
         let vt = unsafe { s.alloc::<u8>(e4m3_vt_len(shape)) }.map_err(driver_err("allocating V^T"))?;
         let t = ExternalE4m3Forward {
-            q: ptr("q", &|| (q.len(), q.device_ptr(s).0), shape.q_elems())?,
-            k: ptr("k", &|| (k.len(), k.device_ptr(s).0), shape.kv_elems())?,
-            v: ptr("v", &|| (v.len(), v.device_ptr(s).0), shape.kv_elems())?,
+            q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
+            k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
+            v: self.checked_ptr("v", v, shape.kv_elems(), shape)?,
             vt: vt.device_ptr(s).0,
             q_descale: qd,
             k_descale: kd,
             v_descale: vd,
-            o: {
-                shape.check_len("o", o.len(), shape.q_elems())?;
-                aligned("o", o.device_ptr_mut(s).0)?
-            },
-            lse: {
-                shape.check_len("lse", lse.len(), shape.lse_elems())?;
-                aligned("lse", lse.device_ptr_mut(s).0)?
-            },
+            o: self.checked_mut_ptr("o", o, shape.q_elems(), shape)?,
+            lse: self.checked_mut_ptr("lse", lse, shape.lse_elems(), shape)?,
         };
         // SAFETY: every address was checked above to hold what `shape` says, aligned, in
         // buffers of this context used on the compute stream; vt was allocated above with
@@ -182,7 +171,11 @@ impl CudaBackend {
     ) -> Result<()> {
         let kern = self.kernels(dtype, shape.head_dim)?;
         let cfg = kern.cfg;
-        let e = kern.e4m3.as_ref().ok_or_else(|| Error::Internal("the FP8 forward was not loaded".into()))?;
+        let e = kern.e4m3.as_ref().ok_or_else(|| {
+            backend_err(
+                "the FP8 forward runs on the warp-specialized pipeline, which DISTATTN_KCFG's fwd_wg=0 turns off",
+            )
+        })?;
         let k_pad = k_pad(shape.k_len);
         let tp = TransposeVParams {
             v: t.v,

@@ -38,6 +38,9 @@ pub struct RankAttention {
     layout: Layout,
     /// Prepared programs by (pass, dtype), built on first use.
     programs: Mutex<Vec<Arc<PreparedRank>>>,
+    /// The forward plan built when the problem was checked, kept for the first forward
+    /// program: a plan's steps do not depend on the dtype, only its buffers' sizes do.
+    forward_plan: Mutex<Option<Plan>>,
 }
 
 impl RankAttention {
@@ -91,8 +94,17 @@ impl RankAttention {
         Self::planned(shape, mask, strategy, world, rank, plan_opts)
     }
 
-    /// Checks the problem against the strategy by planning its forward once, and keeps the
-    /// layout.
+    /// As [`RankAttention::placed`], from the forward plan the caller already built with its
+    /// placement (`planner::least_traffic`'s choice, say), which is not planned again.
+    pub fn placed_plan(plan: Plan, mask: Mask, rank: usize) -> Result<Self> {
+        if plan.pass != Pass::Forward {
+            return Err(Error::invalid("plan", format!("a forward plan is needed, not a {:?} one", plan.pass)));
+        }
+        let plan_opts = PlanOptions { layout: Some(plan.layout.clone()), ..PlanOptions::default() };
+        Self::with_plan(plan, mask, plan_opts, rank)
+    }
+
+    /// Checks the problem against the strategy by planning its forward once.
     fn planned(
         shape: AttnShape,
         mask: Mask,
@@ -101,20 +113,26 @@ impl RankAttention {
         rank: usize,
         plan_opts: PlanOptions,
     ) -> Result<Self> {
-        if rank >= world {
-            return Err(Error::invalid("rank", format!("{rank} is not a rank of a world of {world}")));
-        }
         let plan = build(strategy, world, &shape, &mask, DType::F32, &plan_opts.with_pass(Pass::Forward))?;
+        Self::with_plan(plan, mask, plan_opts, rank)
+    }
+
+    /// Rank `rank` of a checked forward plan, built with `plan_opts`.
+    fn with_plan(plan: Plan, mask: Mask, plan_opts: PlanOptions, rank: usize) -> Result<Self> {
+        if rank >= plan.world {
+            return Err(Error::invalid("rank", format!("{rank} is not a rank of a world of {}", plan.world)));
+        }
         Ok(RankAttention {
-            shape,
+            shape: plan.shape,
             mask,
             opts: AttnOptions::default(),
-            strategy,
+            strategy: plan.strategy,
             plan_opts,
-            world,
+            world: plan.world,
             rank,
-            layout: plan.layout,
+            layout: plan.layout.clone(),
             programs: Mutex::new(Vec::new()),
+            forward_plan: Mutex::new(Some(plan)),
         })
     }
 
@@ -170,7 +188,16 @@ impl RankAttention {
         if let Some(p) = programs.iter().find(|p| p.pass == pass && p.dtype == dtype) {
             return Ok(p.clone());
         }
-        let plan = build(self.strategy, self.world, &self.shape, &self.mask, dtype, &self.plan_opts.with_pass(pass))?;
+        let kept = match pass {
+            Pass::Forward => {
+                self.forward_plan.lock().map_err(|_| Error::Internal("the plan was poisoned".into()))?.take()
+            }
+            _ => None,
+        };
+        let plan = match kept {
+            Some(plan) => Plan { dtype, ..plan },
+            None => build(self.strategy, self.world, &self.shape, &self.mask, dtype, &self.plan_opts.with_pass(pass))?,
+        };
         self.check_shards(&plan)?;
         let prog = Arc::new(distattn_exec::prepare(&plan, self.rank, &self.mask)?);
         programs.push(prog.clone());

@@ -145,3 +145,72 @@ fn bad_ranks_and_shapes_are_errors() {
     let me = RankAttention::new(shape, mask, Strategy::Ulysses, 4, 0);
     assert!(me.and_then(|m| m.program(Pass::Forward, DType::BF16)).is_err());
 }
+
+/// Rows `tokens` of a `[b, n, heads, d]` tensor of `n` tokens per batch element.
+fn rows_of(x: &[f32], n: usize, row: usize, batch: usize, tokens: &TokenSet) -> Vec<f32> {
+    let mut out = Vec::new();
+    for b in 0..batch {
+        for r in tokens.to_runs() {
+            out.extend_from_slice(&x[(b * n + r.start) * row..(b * n + r.end) * row]);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_serving_step_runs_the_plan_chosen_by_traffic() {
+    use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
+    use distattn::planner::least_traffic;
+    use distattn::PlanOptions;
+    let (mut rng, seed) = seeded_rng("serving_step_plan");
+    let world = 3;
+    let requests = [
+        StepRequest { home: 0, cached: 130, new: 1 },
+        StepRequest { home: 2, cached: 7, new: 1 },
+        StepRequest { home: 1, cached: 260, new: 1 },
+    ];
+    let placement = KvPlacement::interleaved(16, world).unwrap();
+    let step = ServingStep::new(&placement, &requests, Queries::AtHome, 4, 2, 16).unwrap();
+    let shape = step.shape;
+    let [q, k, v] =
+        [shape.q_elems(), shape.kv_elems(), shape.kv_elems()].map(|n| cast::<f32>(&uniform(&mut rng, n, -1.0, 1.0)));
+    let want = reference::forward(&q, &k, &v, &shape, &step.mask, &Default::default()).unwrap();
+    let opts = PlanOptions { layout: Some(step.layout.clone()), ..Default::default() };
+    // Chosen (and costed) in bf16, run in f32: a plan's steps do not depend on the dtype.
+    let plan =
+        least_traffic(&[Strategy::PassQ, Strategy::Ring], world, &shape, &step.mask, DType::BF16, &opts).unwrap();
+    assert_eq!(plan.strategy, Strategy::PassQ, "decode moves the queries");
+    let (qrow, kvrow) = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim);
+    let results = run_ranks(world, Duration::from_secs(30), |comm: &ThreadComm| {
+        let me = RankAttention::placed_plan(plan.clone(), step.mask.clone(), comm.rank())?;
+        let (t, kt) = (me.tokens().clone(), me.kv_tokens().clone());
+        let cpu = CpuBackend;
+        let [o, _lse] = me.forward(
+            &cpu,
+            comm,
+            DType::F32,
+            cpu.upload(&rows_of(&q, shape.q_len, qrow, shape.batch, &t))?,
+            cpu.upload(&rows_of(&k, shape.k_len, kvrow, shape.batch, &kt))?,
+            cpu.upload(&rows_of(&v, shape.k_len, kvrow, shape.batch, &kt))?,
+        )?;
+        Ok((t, cpu.download_f32(&o)?))
+    })
+    .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    let mut o = vec![0f32; shape.q_elems()];
+    for (t, o_r) in &results {
+        put_rows(o_r, &shape, shape.heads, t, &mut o);
+    }
+    let e = rel_err(&o, &want.o);
+    assert!(e < 1e-5, "seed {seed}: O error {e}");
+    let backward = distattn::planner::build(
+        Strategy::PassQ,
+        world,
+        &shape,
+        &step.mask,
+        DType::F32,
+        &opts.with_pass(Pass::Backward),
+    )
+    .unwrap();
+    let err = RankAttention::placed_plan(backward, step.mask.clone(), 0).err().unwrap();
+    assert!(err.to_string().contains("forward plan"), "{err}");
+}
