@@ -123,22 +123,21 @@ def make_case(seed, device, dtypes, head_dims, max_len, kinds=("flash", "varlen"
     return Case(name, q, k, v, keep, call, lambda o, lse: (o, lse), scale)
 
 
-def check(case, tol, lse_tol, backward=True):
-    """Runs the case forward (and backward) and asserts its errors against float64."""
+def check(case, tol, lse_tol):
+    """Runs the case forward and backward and asserts its errors against float64."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v))
     o, lse = case.call(q, k, v)
     assert o.dtype == q.dtype and o.shape == q.shape and lse.dtype == torch.float32
     d_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(7)).to(o.dtype).to(o.device)
     bo, blse = case.batched(o, lse)
     bq, bk, bv = (case.batched(t, None)[0] for t in (q, k, v))
-    bd_o = case.batched(d_o, None)[0].cpu() if backward else None
+    bd_o = case.batched(d_o, None)[0].cpu()
     ro, rlse, grads = f64.attention(bq, bk, bv, case.keep, case.scale, bd_o, bo.cpu())
     errs = {"o": f64.rel_err(bo, ro), "lse": f64.lse_err(blse, rlse)}
-    if backward:
-        o.backward(d_o)
-        for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), grads):
-            assert got.dtype == q.dtype and got.shape == (q if name == "dq" else k).shape
-            errs[name] = f64.rel_err(case.batched(got, None)[0], ref)
+    o.backward(d_o)
+    for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), grads):
+        assert got.dtype == q.dtype and got.shape == (q if name == "dq" else k).shape
+        errs[name] = f64.rel_err(case.batched(got, None)[0], ref)
     bad = {n: e for n, e in errs.items() if e > (lse_tol if n == "lse" else tol)}
     desc = f"{case.name} q{tuple(case.q.shape)} k{tuple(case.k.shape)} {case.q.dtype} scale={case.scale}"
     assert not bad, f"{desc}: errors {errs} over tolerance {tol} (lse {lse_tol})"

@@ -69,8 +69,8 @@ def rel(x, r):
 
 def check_case(case_id, device, dtype, h, hkv, s, page_size, causal, new):
     gen = torch.Generator().manual_seed(BASE_SEED + case_id)
-    dims = [32, 64, 128] if device == "cpu" else [64, 128, 256]  # (the CUDA kernels' head dims)
-    b, d = int(torch.randint(1, 5, (1,), generator=gen)), dims[case_id % 3]
+    dims = [32, 64, 128] if device == "cpu" else [64, 128, 192, 256]  # (the CUDA kernels' head dims)
+    b, d = int(torch.randint(1, 5, (1,), generator=gen)), dims[case_id % len(dims)]
     lengths = torch.randint(0, 400, (b,), generator=gen).tolist()
     q, kc, vc, knew, vnew, table = paged_case(gen, b, s, h, hkv, d, page_size, lengths, new, dtype, device)
     kc0, vc0 = kc.clone(), vc.clone()

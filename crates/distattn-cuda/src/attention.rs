@@ -96,8 +96,8 @@ impl CudaBackend {
     ) -> Result<()> {
         let kern = self.kernels(dtype, shape.head_dim)?;
         let tiles = self.tiles(mask, cfg.fwd_bm(), cfg.fwd_bn, false)?;
-        let p = fwd_params(s, t, &tiles, shape, opts)?;
-        let launch_cfg = fwd_grid(&tiles, shape, kern.cfg.fwd_threads(), kern.cfg.fwd_smem());
+        let p = fwd_params(s, t, &tiles, shape, opts, self.sm_count())?;
+        let launch_cfg = fwd_grid(&tiles, shape, kern.cfg.fwd_threads(), kern.cfg.fwd_smem())?;
         let mut launch = s.launch_builder(&kern.fwd);
         launch.arg(&p);
         let maps;
@@ -140,15 +140,17 @@ impl CudaBackend {
         Ok(p)
     }
 
-    /// The kernel configuration of a backward pass, or the error saying the head dim has none.
+    /// The kernel configuration of a backward pass, or the error saying why this GPU cannot run
+    /// it (its shared memory is too small for the backward's tiles at this head dim).
     pub(crate) fn backward_config(&self, dtype: DType, shape: &AttnShape, mask: &Mask) -> Result<KernelConfig> {
         let cfg = self.check_common(dtype, shape, mask)?;
-        if !cfg.has_backward() {
-            return Err(Error::UnsupportedHeadDim {
-                head_dim: shape.head_dim,
-                backend: "cuda (backward)",
-                supported: "64, 96, 128".into(),
-            });
+        if self.kernels(dtype, shape.head_dim)?.dkdv.is_none() {
+            return Err(backend_err(format!(
+                "the backward at head dim {} needs {} bytes of shared memory, the GPU allows {}",
+                shape.head_dim,
+                cfg.bwd_smem(),
+                self.max_smem()
+            )));
         }
         Ok(cfg)
     }
@@ -230,9 +232,12 @@ impl CudaBackend {
             n_tiles: tiles.n_major as i32,
             scale_log2: scale * LOG2E,
             scale,
+            group: launch_group(&tiles, cfg.bwd_parts(), shape, self.sm_count()),
+            pad_: 0,
         };
+        let blocks = tiles.n_major * cfg.bwd_parts() * shape.kv_heads * shape.batch;
         let launch_cfg = LaunchConfig {
-            grid_dim: (tiles.n_major as u32, shape.kv_heads as u32, shape.batch as u32),
+            grid_dim: (grid_x(blocks)?, 1, 1),
             block_dim: (cfg.bwd_threads() as u32, 1, 1),
             shared_mem_bytes: cfg.bwd_smem() as u32,
         };
@@ -403,13 +408,15 @@ impl CudaBackend {
     }
 }
 
-/// The forward kernels' parameters for the tensors at `t`, the tile plan `tiles` and `shape`.
+/// The forward kernels' parameters for the tensors at `t`, the tile plan `tiles` and `shape`,
+/// on a GPU of `sms` multiprocessors.
 pub(crate) fn fwd_params(
     s: &CudaStream,
     t: &ForwardPtrs,
     tiles: &DeviceTiles,
     shape: &AttnShape,
     opts: &AttnOptions,
+    sms: usize,
 ) -> Result<FwdParams> {
     Ok(FwdParams {
         q: t.q,
@@ -428,18 +435,43 @@ pub(crate) fn fwd_params(
         kv_heads: shape.kv_heads as i32,
         n_tiles: tiles.n_major as i32,
         scale_log2: opts.scale_for(shape.head_dim)? * LOG2E,
-        pad_: 0,
+        group: launch_group(tiles, shape.heads / shape.kv_heads, shape, sms),
     })
 }
 
-/// A forward kernel's launch: x is the query tile x the query head within its KV head's group
-/// (see fwd_block in kernels/params.cuh), y the KV head, z the batch.
-pub(crate) fn fwd_grid(tiles: &DeviceTiles, shape: &AttnShape, threads: usize, smem: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((tiles.n_major * (shape.heads / shape.kv_heads)) as u32, shape.kv_heads as u32, shape.batch as u32),
+/// A forward kernel's launch: one block per (query tile, head, batch), in the order of
+/// fwd_block (kernels/params.cuh).
+pub(crate) fn fwd_grid(tiles: &DeviceTiles, shape: &AttnShape, threads: usize, smem: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: (grid_x(tiles.n_major * shape.heads * shape.batch)?, 1, 1),
         block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: smem as u32,
+    })
+}
+
+/// The (batch, KV head) pairs per group of the launch order (grid_slot in kernels/params.cuh)
+/// for the tile plan `tiles` with `subs` blocks a major tile on `sms` multiprocessors. Where
+/// tiles differ in work, the fewest pairs whose blocks make two waves of one block per
+/// multiprocessor, so that the last group's heavy blocks start while two waves of others run
+/// beside them, and no more, so a group's shared tiles stay in the L2. (A list-scheduling
+/// simulation of causal 4k-16k backwards puts the tail within 5 % of a perfect balance from
+/// there, and up to 60 % above it with one pair a group; on an H100 the GQA 32/8 causal 4k
+/// backward went from 1.030 to 0.773 ms.) Where every tile has the same work, one pair a group
+/// (groups cost the d 64 forward without a mask 2-3 %).
+pub(crate) fn launch_group(tiles: &DeviceTiles, subs: usize, shape: &AttnShape, sms: usize) -> i32 {
+    let pairs = shape.batch * shape.kv_heads;
+    if tiles.uniform {
+        return 1;
     }
+    (2 * sms).div_ceil((tiles.n_major * subs).max(1)).clamp(1, pairs.max(1)) as i32
+}
+
+/// A one-dimensional grid of `blocks` blocks (at most 2^31 - 1).
+fn grid_x(blocks: usize) -> Result<u32> {
+    u32::try_from(blocks)
+        .ok()
+        .filter(|&b| b < 1 << 31)
+        .ok_or_else(|| backend_err(format!("{blocks} blocks exceed a launch grid's 2^31 - 1")))
 }
 
 /// Device addresses of a forward launch's tensors (`o_f32` may be 0: no f32 copy of O).

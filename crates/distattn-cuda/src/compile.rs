@@ -39,8 +39,8 @@ pub(crate) fn backend_err(reason: impl Into<String>) -> Error {
     Error::Backend { backend: "cuda", reason: reason.into() }
 }
 
-/// Head dimensions the kernels support (forward; backward: all but 256).
-pub const HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
+/// Head dimensions the kernels support, forward and backward.
+pub const HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
 
 /// Compile-time parameters of one module (one dtype, one head dim).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -89,23 +89,27 @@ impl KernelConfig {
         let (fwd_warps, fwd_mr, fwd_bn) = match head_dim {
             64 | 128 => (4, 2, 64),
             96 => (4, 2, 32),
-            256 => (4, 1, 32),
+            192 | 256 => (4, 1, 32),
             _ => {
                 return Err(Error::UnsupportedHeadDim {
                     head_dim,
                     backend: "cuda",
-                    supported: "64, 96, 128, 256".into(),
+                    supported: "64, 96, 128, 192, 256".into(),
                 })
             }
         };
-        let bwd_bm = if head_dim == 96 { 64 } else { 32 };
+        // 64 query rows where the head dim splits into parts of 48 columns per dQ warp
+        // (flash_bwd_dkdv's DQ_DC), else 32.
+        let bwd_bm = if matches!(head_dim, 96 | 192) { 64 } else { 32 };
         let mut c = KernelConfig {
             dtype,
             head_dim,
             fwd_warps,
             fwd_mr,
             fwd_bn,
-            bwd_warps: 8,
+            // Above d 128, 4 warps (64 keys) fit the backward's K, V, Q and dO tiles into sm_80's
+            // shared memory; for_arch takes 8 where there is more.
+            bwd_warps: if head_dim > 128 { 4 } else { 8 },
             bwd_bm,
             bwd_v2: false,
             bwd_wg: false,
@@ -132,8 +136,9 @@ impl KernelConfig {
     }
 
     /// The configuration for an NVRTC target: the v2 backward on sm_90 and newer (it needs
-    /// 173 KB of shared memory at d 128), unless `DISTATTN_KCFG` says `bwd_v2=0`; on sm_90a
-    /// at d 64 and 128 the warpgroup-MMA kernels, unless it says `bwd_wg=0` / `fwd_wg=0`.
+    /// 173 KB of shared memory at d 128), unless `DISTATTN_KCFG` says `bwd_v2=0`, and 8-warp
+    /// blocks above d 128; on sm_90a at d 64 and 128 the warpgroup-MMA kernels, unless it says
+    /// `bwd_wg=0` / `fwd_wg=0`.
     pub fn for_arch(mut self, arch: &str) -> Self {
         let major: u32 = arch
             .trim_start_matches("sm_")
@@ -148,6 +153,19 @@ impl KernelConfig {
             self.bwd_v2 = true;
             self.bwd_bm = 64;
             self.bwd_warps = 8;
+        }
+        if major >= 90 && self.head_dim > 128 {
+            // Room for 8-warp blocks: 128 query rows x 64 keys forward (H100, 16 heads x 16k
+            // causal: d 192 -16 %, d 256 -4 % against 4 warps x 32 keys), 128 keys backward.
+            for (key, field, v) in [
+                ("fwd_warps", &mut self.fwd_warps, 8),
+                ("fwd_bn", &mut self.fwd_bn, 64),
+                ("bwd_warps", &mut self.bwd_warps, 8),
+            ] {
+                if !o.contains_key(key) {
+                    *field = v;
+                }
+            }
         }
         self.dec_stages = self.decode_stages_within(match major {
             90.. => 220 * 1024,
@@ -204,8 +222,14 @@ impl KernelConfig {
     pub fn bwd_bn(&self) -> usize {
         16 * self.bwd_warps
     }
-    pub fn has_backward(&self) -> bool {
-        self.head_dim <= 128
+    /// Blocks per key tile of the dK/dV kernel: above d 128, flash_bwd_dkdv splits dK and dV
+    /// (which a warp holds in registers) into column halves, one block each.
+    pub fn bwd_parts(&self) -> usize {
+        if self.head_dim > 128 {
+            2
+        } else {
+            1
+        }
     }
     fn lds(&self) -> usize {
         self.head_dim + 8
@@ -678,12 +702,10 @@ mod tests {
     fn configs_and_smem_fit_sm80() {
         for c in KernelConfig::all() {
             assert!(c.fwd_smem() <= 163 * 1024, "{c:?} fwd smem {}", c.fwd_smem());
-            if c.has_backward() {
-                assert!(c.bwd_smem() <= 163 * 1024, "{c:?} bwd smem {}", c.bwd_smem());
-                let h = c.for_arch("sm_90a");
-                assert!(h.fwd_smem() <= 227 * 1024, "{h:?} fwd smem {}", h.fwd_smem());
-                assert!(h.bwd_smem() <= 227 * 1024, "{h:?} bwd smem {}", h.bwd_smem());
-            }
+            assert!(c.bwd_smem() <= 163 * 1024, "{c:?} bwd smem {}", c.bwd_smem());
+            let h = c.for_arch("sm_90a");
+            assert!(h.fwd_smem() <= 227 * 1024, "{h:?} fwd smem {}", h.fwd_smem());
+            assert!(h.bwd_smem() <= 227 * 1024, "{h:?} bwd smem {}", h.bwd_smem());
             assert_eq!(c.fwd_bn % 32, 0);
         }
         assert!(matches!(KernelConfig::new(DType::BF16, 80), Err(Error::UnsupportedHeadDim { .. })));

@@ -36,6 +36,9 @@ pub(crate) struct DeviceTiles {
     pub tiles: CudaSlice<i32>,
     pub bits: CudaSlice<u32>,
     pub n_major: usize,
+    /// Whether every major tile lists the same number of tiles (no tile is heavier than
+    /// another: the launch order needs no heavy-first grouping, launch_group).
+    pub uniform: bool,
 }
 
 /// (mask hash, bm, bn, by key)
@@ -207,7 +210,9 @@ impl CudaBackend {
         let k = Kernels {
             cfg,
             fwd: f(cfg.fwd_kernel())?,
-            dkdv: if cfg.has_backward() { Some(f(cfg.dkdv_kernel())?) } else { None },
+            // (A GPU without room for the backward's tiles still runs the forward; the backward
+            // says why it cannot run: CudaBackend::backward_config.)
+            dkdv: if cfg.bwd_smem() <= self.max_smem { Some(f(cfg.dkdv_kernel())?) } else { None },
             decode: f("flash_decode")?,
             e4m3: if cfg.has_e4m3_forward() {
                 Some(E4m3Kernels { fwd: f("flash_fwd_e4m3")?, transpose_v: f("transpose_v_e4m3")? })
@@ -217,11 +222,10 @@ impl CudaBackend {
             _module: module.clone(),
         };
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        if cfg.fwd_smem() > self.max_smem || (cfg.has_backward() && cfg.bwd_smem() > self.max_smem) {
+        if cfg.fwd_smem() > self.max_smem {
             return Err(backend_err(format!(
-                "head dim {head_dim} needs {} / {} bytes of shared memory, the GPU allows {}",
+                "the forward at head dim {head_dim} needs {} bytes of shared memory, the GPU allows {}",
                 cfg.fwd_smem(),
-                cfg.bwd_smem(),
                 self.max_smem
             )));
         }
@@ -286,7 +290,8 @@ impl CudaBackend {
         } else {
             self.stream.clone_htod(&tp.bits).map_err(driver_err("uploading a tile plan"))?
         };
-        let dp = Arc::new(DeviceTiles { ptr: up_i(&tp.ptr)?, tiles: up_i(&flat)?, bits, n_major: tp.n_major });
+        let uniform = tp.ptr.windows(3).all(|w| w[1] - w[0] == w[2] - w[1]);
+        let dp = Arc::new(DeviceTiles { ptr: up_i(&tp.ptr)?, tiles: up_i(&flat)?, bits, n_major: tp.n_major, uniform });
         // Once per mask: the plan is read by kernels on whatever stream the caller launches on,
         // which the upload's stream does not order.
         self.stream.synchronize().map_err(driver_err("uploading a tile plan"))?;

@@ -198,7 +198,7 @@ impl CudaBackend {
         let tiles = self.tiles(mask, cfg.fwd_bm(), cfg.fwd_bn, false)?;
         let f = ForwardPtrs { q: t.q, k: t.k, v: t.v, o: t.o, o_f32: 0, lse: t.lse };
         let p = E4m3FwdParams {
-            f: fwd_params(s, &f, &tiles, shape, opts)?,
+            f: fwd_params(s, &f, &tiles, shape, opts, self.sm_count())?,
             q_descale: t.q_descale,
             k_descale: t.k_descale,
             v_descale: t.v_descale,
@@ -220,7 +220,7 @@ impl CudaBackend {
         // what `shape` says (the contract); the tile plan was built for this mask and the
         // kernel's tile sizes and stays alive until the launch (an evicted plan is freed after
         // every stream's work); sizes fit the i32 fields (check_common).
-        unsafe { launch.launch(fwd_grid(&tiles, shape, cfg.fwd_threads(), cfg.e4m3_fwd_smem())) }
+        unsafe { launch.launch(fwd_grid(&tiles, shape, cfg.fwd_threads(), cfg.e4m3_fwd_smem())?) }
             .map_err(driver_err("launching the FP8 forward kernel"))?;
         Ok(())
     }

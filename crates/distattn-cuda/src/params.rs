@@ -61,7 +61,8 @@ kernel_params! {
         kv_heads: i32,
         n_tiles: i32,
         scale_log2: f32,
-        pad_: i32,
+        // (batch, KV head) pairs per group of the launch order (launch_group)
+        group: i32,
     }
 
     /// The FP8 forward's (`flash_fwd_e4m3`): the forward's, and per-(batch, KV head) f32
@@ -105,6 +106,9 @@ kernel_params! {
         n_tiles: i32,
         scale_log2: f32,
         scale: f32,
+        // (batch, KV head) pairs per group of the launch order (launch_group)
+        group: i32,
+        pad_: i32,
     }
 
     /// The row delta's (`delta_o_elem`, `delta_o_f32`).
@@ -262,7 +266,7 @@ mod tests {
     fn layout_asserts_cover_every_field() {
         let header = compile::KERNEL_HEADERS.iter().find(|(n, _)| *n == "params.cuh").unwrap().1;
         let structs = cpp_structs(header);
-        assert_eq!(structs["BwdParams"].len(), 20, "{:?}", structs["BwdParams"]);
+        assert_eq!(structs["BwdParams"].len(), 22, "{:?}", structs["BwdParams"]);
         assert_eq!(structs["TmaMap"], ["v"]);
         let roots = [ModuleKind::Flash(KernelConfig::new(DType::BF16, 128).unwrap()), ModuleKind::Aux(DType::BF16)]
             .map(|k| k.root().1);

@@ -62,7 +62,7 @@ fn decode_matches_f64_on_ragged_paged_batches() {
         }
     }
     // Every head dim, f16, 16 rows (8/1: 128 rows per KV head, 8 blocks), a request without keys.
-    for d in [64, 96, 128, 256] {
+    for d in [64, 96, 128, 192, 256] {
         let shape = DecodeShape::new(3, 16, 8, 1, d).unwrap();
         let case = DecodeCase::random(&mut rng, shape, 16, &[0, 5, 700]);
         check::<f16>(&gpu, &case, &DecodeOptions { causal: true, ..Default::default() }, seed);

@@ -22,18 +22,38 @@ struct FwdParams {
     const u32* bits;
     int batch, q_len, k_len, heads, kv_heads, n_tiles;
     float scale_log2;
-    int pad_;
+    int group; // (batch, KV head) pairs per group of the launch order (grid_slot)
 };
 
-// A forward block's query tile, head, KV head and batch. Grid: (query tile x query head within
-// its KV head's group, KV head, batch). Heavy (late causal) tiles first; the G query heads of a
-// KV head run side by side, so the K/V tiles they all read are fetched from memory once (long
-// sequences outgrow the L2).
+// The launch order of the attention kernels' one-dimensional grids. Blocks start in launch
+// order, so the order decides which blocks form the tail. The (batch, KV head) pairs are taken
+// in groups of `group` (the last group also takes the remainder); a group's blocks go
+// rank-major (rank 0: the tile with the most work under a causal mask) over its pairs and each
+// pair's `subs` blocks. A group's blocks share their K/V (forward) or Q/dO (backward) through
+// the L2, which one pair per group would keep best (long sequences outgrow the L2); but then the
+// last pair's heaviest blocks start late and run alone at the end. The host makes a group at
+// least two waves of blocks (launch_group in attention.rs), so the heavy blocks of the last
+// group start while others still run.
+struct GridSlot { int rank, pair, sub; };
+__device__ __forceinline__ GridSlot grid_slot(int n_ranks, int subs, int pairs, int group) {
+    const int n_groups = max(1, pairs / group);
+    const unsigned per_group = (unsigned)(group * n_ranks * subs);
+    const int gi = min((int)(blockIdx.x / per_group), n_groups - 1), first = gi * group;
+    const int width = (gi == n_groups - 1 ? pairs - first : group) * subs; // blocks per rank in this group
+    const int r = blockIdx.x - gi * per_group;
+    const int rank = r / width, w = r - rank * width;
+    return {rank, first + w / subs, w % subs};
+}
+
+// A forward block's query tile, head, KV head and batch: rank = query tile from the last (the
+// heaviest under a causal mask), subs = the G query heads of a KV head, which read the same
+// K/V tiles side by side.
 struct FwdBlock { int qt, h, kvh, b; };
 __device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p) {
-    const int G = p.heads / p.kv_heads, kvh = blockIdx.y;
-    const int rank = blockIdx.x / G, hg = blockIdx.x % G; // (unsigned division: cheaper)
-    return {p.n_tiles - 1 - rank, kvh * G + hg, kvh, (int)blockIdx.z};
+    const int G = p.heads / p.kv_heads;
+    const GridSlot s = grid_slot(p.n_tiles, G, p.batch * p.kv_heads, p.group);
+    const int kvh = s.pair % p.kv_heads;
+    return {p.n_tiles - 1 - s.rank, kvh * G + s.sub, kvh, s.pair / p.kv_heads};
 }
 
 // The FP8 forward's (`flash_fwd_e4m3`): the forward's (q, k, v: e4m3, v transposed; o: the
@@ -68,6 +88,8 @@ struct BwdParams {
     const u32* bits;     // rows = BWD_BM query rows, BWD_BN key bits per row
     int batch, q_len, k_len, heads, kv_heads, n_tiles;
     float scale_log2, scale;
+    int group; // (batch, KV head) pairs per group of the launch order (grid_slot)
+    int pad_;
 };
 
 // A tensor map (CUtensorMap, encoded on the host) describes a [batch][rows][heads][D] tensor

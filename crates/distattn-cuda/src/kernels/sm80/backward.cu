@@ -10,15 +10,20 @@
 #define BWD_BN (16 * BWD_WARPS)
 #define BWD_NT (32 * BWD_WARPS)
 #define LDSS (BWD_BM + 8)
+
+#if !BWD_V2 // the one-warp-per-16-keys kernel (sm_80; head dims 96, 192, 256)
+// A warp holds dK and dV of its 16 keys in registers, which room allows for up to 128 columns:
+// above that, each key tile has BWD_PARTS blocks, block part c owning dK, dV and dQ columns
+// c * BWD_DC.. (S^T and dP^T, over all D columns, are computed by every part).
+#define BWD_DC (D > 128 ? D / 2 : D)
+#define BWD_PARTS (D / BWD_DC)
 #define DQ_RG (BWD_BM / 16)          // dQ row groups of 16
 #define DQ_CP (BWD_WARPS / DQ_RG)    // dQ column parts
-#define DQ_DC (D / DQ_CP)            // dQ columns per warp
-#define DQ_PASSES (DQ_DC % 32 == 0 ? DQ_DC / 32 : 1)
+#define DQ_DC (BWD_DC / DQ_CP)       // dQ columns per warp
+// dQ passes of 32 columns where they divide a warp's columns; else one pass, or above d 128
+// (where dK and dV leave fewer registers) passes of 16.
+#define DQ_PASSES (DQ_DC % 32 == 0 ? DQ_DC / 32 : D > 128 ? DQ_DC / 16 : 1)
 #define DQ_PC (DQ_DC / DQ_PASSES)     // columns per pass
-
-#if D <= 128 // the dK/dV kernel holds dK and dV in registers: head dims up to 128
-
-#if !BWD_V2 // the one-warp-per-16-keys kernel (sm_80, head dim 96)
 // acc = A B^T for one warp: A's 16 rows at a_addr, B's BWD_BM rows at b_addr (addresses carry
 // the lane's ldmatrix offset), both D wide with row stride LDS. The v1 backward's S^T = K Q^T
 // and dP^T = V dO^T.
@@ -39,10 +44,10 @@ __device__ __forceinline__ void mma_warp_16xbm(float (&acc)[BWD_BM / 8][4], u32 
     }
 }
 
-// acc (16 x D) += P B for one warp: P its BWD_BM-column f32 accumulators (packed here into the
-// A operand), B the BWD_BM rows of D columns at b_addr (lane offset included), read transposed.
-// The v1 backward's dV += P^T dO and dK += dS^T Q.
-__device__ __forceinline__ void mma_warp_pb(float (&acc)[D / 8][4], const float (&pm)[BWD_BM / 8][4], u32 b_addr) {
+// acc (16 x BWD_DC) += P B for one warp: P its BWD_BM-column f32 accumulators (packed here into
+// the A operand), B the BWD_BM rows of BWD_DC columns at b_addr (lane offset and the part's
+// first column included), read transposed. The v1 backward's dV += P^T dO and dK += dS^T Q.
+__device__ __forceinline__ void mma_warp_pb(float (&acc)[BWD_DC / 8][4], const float (&pm)[BWD_BM / 8][4], u32 b_addr) {
 #pragma unroll
     for (int kk = 0; kk < BWD_BM / 16; ++kk) {
         u32 a[4];
@@ -51,7 +56,7 @@ __device__ __forceinline__ void mma_warp_pb(float (&acc)[D / 8][4], const float 
         a[2] = pack2(pm[2 * kk + 1][0], pm[2 * kk + 1][1]);
         a[3] = pack2(pm[2 * kk + 1][2], pm[2 * kk + 1][3]);
 #pragma unroll
-        for (int dj = 0; dj < D / 16; ++dj) {
+        for (int dj = 0; dj < BWD_DC / 16; ++dj) {
             u32 b0, b1, b2, b3;
             ldsm_x4a_t(b0, b1, b2, b3, b_addr + 2 * (kk * 16 * LDS + dj * 16));
             mma16816(acc[2 * dj], a, b0, b1);
@@ -70,8 +75,10 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
     float* lse_s = (float*)(dSs + BWD_BN * LDSS); // 2 stages
     float* del_s = lse_s + 2 * BWD_BM;            // 2 stages
 
-    const int kt = p.n_tiles - 1 - blockIdx.x;
-    const int kvh = blockIdx.y, b = blockIdx.z;
+    const GridSlot slot = grid_slot(p.n_tiles, BWD_PARTS, p.batch * p.kv_heads, p.group);
+    const int kt = slot.rank; // key tile 0 first: the heaviest under a causal mask
+    const int kvh = slot.pair % p.kv_heads, b = slot.pair / p.kv_heads;
+    const int dc0 = slot.sub * BWD_DC; // this part's first dK/dV/dQ column
     const int G = p.heads / p.kv_heads;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -106,9 +113,9 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
     if (total > 0) load_item(0, 0);
     cp_async_commit();
 
-    float dk[D / 8][4], dv[D / 8][4];
+    float dk[BWD_DC / 8][4], dv[BWD_DC / 8][4];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
+    for (int i = 0; i < BWD_DC / 8; ++i) {
         dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
         dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
     }
@@ -161,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
             }
         }
         // dV += P^T dO
-        mma_warp_pb(dv, sp, dost + laneA);
+        mma_warp_pb(dv, sp, dost + laneA + 2 * dc0);
         // dP^T = V dO^T
         float dp[BWD_BM / 8][4];
         mma_warp_16xbm(dp, vrow, dost + laneB);
@@ -178,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
             *(u32*)(dSs + (warp * 16 + g + 8) * LDSS + c) = pack2(sp[j][2], sp[j][3]);
         }
         // dK += dS^T Q
-        mma_warp_pb(dk, sp, qst + laneA);
+        mma_warp_pb(dk, sp, qst + laneA + 2 * dc0);
         __syncthreads();
         // dQ (BWD_BM x D) += scale * dS K, split over warps, accumulated with f32 atomics;
         // each warp's DQ_DC columns in DQ_PASSES passes to bound register pressure.
@@ -187,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
             const int qrow0 = te.x * BWD_BM + rg * 16 + g;
 #pragma unroll 1
             for (int pass = 0; pass < DQ_PASSES; ++pass) {
-                const int c0 = cp * DQ_DC + pass * DQ_PC;
+                const int c0 = dc0 + cp * DQ_DC + pass * DQ_PC;
                 float dq[DQ_PC / 8][4];
 #pragma unroll
                 for (int i = 0; i < DQ_PC / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
@@ -224,9 +231,9 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
     for (int r = 0; r < 2; ++r) {
         const int key = k0 + warp * 16 + g + 8 * r;
         if (key < p.k_len) {
-            const size_t off = (((size_t)b * p.k_len + key) * p.kv_heads + kvh) * D + 2 * t;
+            const size_t off = (((size_t)b * p.k_len + key) * p.kv_heads + kvh) * D + dc0 + 2 * t;
 #pragma unroll
-            for (int i = 0; i < D / 8; ++i) {
+            for (int i = 0; i < BWD_DC / 8; ++i) {
                 *(u32*)(p.dk + off + i * 8) = pack2(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
                 *(u32*)(p.dv + off + i * 8) = pack2(dv[i][2 * r], dv[i][2 * r + 1]);
             }
@@ -283,8 +290,9 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
     // Key tile 0 first: with a causal mask it has the most query tiles, so the heaviest blocks
     // start first and the lightest fill the tail (+6.5 % causal at 16k, no change without a
     // mask).
-    const int kt = blockIdx.x;
-    const int kvh = blockIdx.y, b = blockIdx.z;
+    const GridSlot slot = grid_slot(p.n_tiles, 1, p.batch * p.kv_heads, p.group);
+    const int kt = slot.rank;
+    const int kvh = slot.pair % p.kv_heads, b = slot.pair / p.kv_heads;
     const int G = p.heads / p.kv_heads;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -490,5 +498,4 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
             }
         }
 }
-#endif
 #endif

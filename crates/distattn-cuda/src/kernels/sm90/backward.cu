@@ -49,8 +49,9 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     float* lse_s = (float*)(smem_raw + (lse_a - raw));
     float* del_s = (float*)(smem_raw + (del_a - raw));
 
-    const int kt = blockIdx.x; // key tile 0 first: the heaviest under a causal mask
-    const int kvh = blockIdx.y, b = blockIdx.z;
+    const GridSlot slot = grid_slot(p.n_tiles, 1, p.batch * p.kv_heads, p.group);
+    const int kt = slot.rank; // key tile 0 first: the heaviest under a causal mask
+    const int kvh = slot.pair % p.kv_heads, b = slot.pair / p.kv_heads;
     const int G = p.heads / p.kv_heads;
     const int tid = threadIdx.x, wg = warpgroup_index(), wi = (tid >> 5) & 3, lane = tid & 31;
     const int k0 = kt * WG_BN;

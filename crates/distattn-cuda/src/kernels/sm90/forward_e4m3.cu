@@ -62,7 +62,8 @@ struct FwdE4m3 {
 extern "C" __global__ void __launch_bounds__(384, 1)
 flash_fwd_e4m3(const E4m3FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                const __grid_constant__ TmaMap tvt) {
-    const int bh = blockIdx.z * p.f.kv_heads + blockIdx.y; // (batch, KV head), as fwd_block maps the grid
+    const FwdBlock fb = fwd_block(p.f);
+    const int bh = fb.b * p.f.kv_heads + fb.kvh;
     const float qd = p.q_descale ? p.q_descale[bh] : 1.f;
     const float kd = p.k_descale ? p.k_descale[bh] : 1.f;
     const float vd = p.v_descale ? p.v_descale[bh] : 1.f;
