@@ -137,8 +137,8 @@ impl KernelConfig {
 
     /// The configuration for an NVRTC target: the v2 backward on sm_90 and newer (it needs
     /// 173 KB of shared memory at d 128), unless `DISTATTN_KCFG` says `bwd_v2=0`, and 8-warp
-    /// blocks above d 128; on sm_90a at d 64 and 128 the warpgroup-MMA kernels, unless it says
-    /// `bwd_wg=0` / `fwd_wg=0`.
+    /// blocks above d 128; on sm_90a the warpgroup-MMA kernels (forward at d 64, 128, 192 and
+    /// 256, backward at d 64 and 128), unless it says `bwd_wg=0` / `fwd_wg=0`.
     pub fn for_arch(mut self, arch: &str) -> Self {
         let major: u32 = arch
             .trim_start_matches("sm_")
@@ -155,8 +155,9 @@ impl KernelConfig {
             self.bwd_warps = 8;
         }
         if major >= 90 && self.head_dim > 128 {
-            // Room for 8-warp blocks: 128 query rows x 64 keys forward (H100, 16 heads x 16k
-            // causal: d 192 -16 %, d 256 -4 % against 4 warps x 32 keys), 128 keys backward.
+            // Room for 8-warp blocks: 128 keys backward; the mma.sync forward (where the
+            // warpgroup one below does not run) 128 query rows x 64 keys (on an H100, 16 heads x
+            // 16k causal: d 192 -16 %, d 256 -4 % against 4 warps x 32 keys).
             for (key, field, v) in [
                 ("fwd_warps", &mut self.fwd_warps, 8),
                 ("fwd_bn", &mut self.fwd_bn, 64),
@@ -175,13 +176,14 @@ impl KernelConfig {
         if let Some(&n) = o.get("dec_stages") {
             self.dec_stages = n;
         }
-        let wgmma = arch == "sm_90a" && matches!(self.head_dim, 64 | 128);
-        self.bwd_wg = wgmma && self.bwd_v2 && !off("bwd_wg");
-        if wgmma && !off("fwd_wg") {
+        let hopper = arch == "sm_90a";
+        self.bwd_wg = hopper && matches!(self.head_dim, 64 | 128) && self.bwd_v2 && !off("bwd_wg");
+        if hopper && matches!(self.head_dim, 64 | 128 | 192 | 256) && !off("fwd_wg") {
             self.fwd_wg = true;
             self.fwd_warps = 8;
             self.fwd_mr = 1;
-            self.fwd_bn = 128;
+            // (Above d 128, 64-key tiles: two stages of 128 keys would not fit the shared memory.)
+            self.fwd_bn = if self.head_dim > 128 { 64 } else { 128 };
         }
         self
     }
@@ -238,7 +240,7 @@ impl KernelConfig {
     pub fn fwd_smem(&self) -> usize {
         if self.fwd_wg {
             // Q; K and V in 2 stages; 1 KB to align the base; 9 mbarriers.
-            return 5 * self.fwd_bm() * self.head_dim * 2 + 1024 + 128;
+            return (self.fwd_bm() + 4 * self.fwd_bn) * self.head_dim * 2 + 1024 + 128;
         }
         (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2 + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
     }

@@ -1,20 +1,23 @@
 #pragma once
 #include "sm90/primitives.cuh"
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FWD_WG && (D == 128 || D == 64)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FWD_WG && (D == 64 || D == 128 || D == 192 || D == 256)
 // ---------------------------------------------------------------- forward (sm_90a)
-// One block per 128-row query tile. Per 128-key tile and consumer warpgroup (64 rows each):
-// S = Q K^T (shared x shared), online softmax in registers, O += P V with P as the register A
-// operand and V read N-major. The P V product of tile e-1 runs on the tensor cores while the
-// softmax of tile e runs on the other pipes.
+// One block per 128-row query tile. Per key tile (128 keys; 64 above d 128, where O takes 96 or
+// 128 registers a thread and two stages of 128-key tiles would not fit the shared memory) and
+// consumer warpgroup (64 rows each): S = Q K^T (shared x shared),
+// online softmax in registers, O += P V with P as the register A operand and V read N-major.
+// The P V product of tile e-1 runs on the tensor cores while the softmax of tile e runs on the
+// other pipes.
 #define FW_BM 128
-#define FW_BN 128
+#define FW_BN (D > 128 ? 64 : 128)
+#define FW_SN (FW_BN / 2) // score accumulators a consumer thread holds
 #define LAZY_MAX (D == 128) // see fwd_softmax
 
 // Masks and exponentiates one 64 x FW_BN tile of scores (a warpgroup's accumulators) in place,
 // updating the running max m (log2 units) and sum l of the thread's two rows; returns in
 // alpha the factor by which the rows' earlier output must be rescaled.
-__device__ __forceinline__ void fwd_softmax(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
+__device__ __forceinline__ void fwd_softmax(float (&s)[FW_SN], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                             const u32* bits, int moff, int rq, int t, float sl2) {
     if (moff >= 0) { // partial tile: apply the bitmask
         constexpr int W = FW_BN / 32;
@@ -59,7 +62,7 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[64], float (&m)[2], float
 }
 
 // P (f32 accumulators) as A fragments: k-step kk covers keys 16kk.. = accumulator blocks 2kk, 2kk+1.
-__device__ __forceinline__ void fwd_pack_p(u32 (&pa)[FW_BN / 16][4], const float (&s)[64]) {
+__device__ __forceinline__ void fwd_pack_p(u32 (&pa)[FW_BN / 16][4], const float (&s)[FW_SN]) {
 #pragma unroll
     for (int kk = 0; kk < FW_BN / 16; ++kk)
 #pragma unroll
@@ -77,8 +80,25 @@ __device__ __forceinline__ void fwd_rescale(float (&o)[D / 2], const float (&alp
 
 __device__ __forceinline__ void fwd_issue_pv(float (&o)[D / 2], const u32 (&pa)[FW_BN / 16][4], u32 vst) {
     const u64 dv = wg_desc(vst, FW_BN * 128, 1024);
+#if D > 128
+    // N = D as two products: N = 128 over O's first 128 columns (V's column blocks 0, 1) and
+    // N = D - 128 over the rest (blocks 2..).
+    float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
+    float(&o_hi)[D / 2 - 64] = *reinterpret_cast<float(*)[D / 2 - 64]>(&o[64]);
+#pragma unroll
+    for (int kk = 0; kk < FW_BN / 16; ++kk) {
+        const u64 lo = wg_desc_add(dv, kk * 16 * 128), hi = wg_desc_add(dv, 2 * FW_BN * 128 + kk * 16 * 128);
+        wgmma_rs_n128<1>(o_lo, pa[kk], lo, 1);
+#if D == 256
+        wgmma_rs_n128<1>(o_hi, pa[kk], hi, 1);
+#else
+        wgmma_rs_n64<1>(o_hi, pa[kk], hi, 1);
+#endif
+    }
+#else
 #pragma unroll
     for (int kk = 0; kk < FW_BN / 16; ++kk) wgmma_rs_nD<1>(o, pa[kk], wg_desc_add(dv, kk * 16 * 128), 1);
+#endif
 }
 
 // Normalises (and multiplies by o_scale) and writes the thread's two output rows (row, row + 8)
@@ -122,10 +142,10 @@ struct FwdHalf {
     __device__ static __forceinline__ void load_v(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
         tma_load_rows<FW_BN>(dst, m, bar, k0, kvh, b);
     }
-    __device__ static __forceinline__ void qk(float (&s)[64], u32 qs, int cw, u32 ks) {
+    __device__ static __forceinline__ void qk(float (&s)[FW_SN], u32 qs, int cw, u32 ks) {
         wg_gemm_kmajor(s, qs, FW_BM, 64 * cw, ks, FW_BN);
     }
-    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[64]) { fwd_pack_p(pa, s); }
+    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[FW_SN]) { fwd_pack_p(pa, s); }
     __device__ static __forceinline__ void pv(float (&o)[D / 2], const PFrag& pa, u32 vs) { fwd_issue_pv(o, pa, vs); }
 };
 
@@ -180,7 +200,7 @@ struct FwdTurns {
 
 // The scores of tile 0, waited for (both consumers start so).
 template <class Ops, class Turns>
-__device__ __forceinline__ void fwd_first_scores(const FwdPipe<Ops>& sp, const Turns& turn, float (&s)[64], int cw,
+__device__ __forceinline__ void fwd_first_scores(const FwdPipe<Ops>& sp, const Turns& turn, float (&s)[FW_SN], int cw,
                                                  int lane) {
     mbar_wait(sp.full_q, 0);
     sp.wait_k(0);
@@ -216,7 +236,7 @@ __device__ __forceinline__ void fwd_consume(const FwdParams& p, const FwdPipe<Op
                                             int cw, int rq, int t, int lane, float sl2) {
     typename Ops::PFrag pa;
     const FwdTurns<Ops::TURNS> turn(cw);
-    float s[64];
+    float s[FW_SN];
     fwd_first_scores(sp, turn, s, cw, lane);
     fwd_softmax(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0].y, rq, t, sl2);
     Ops::pack_p(pa, s);
@@ -252,7 +272,7 @@ __device__ __forceinline__ void fwd_consume_ahead(const FwdParams& p, const FwdP
                                                   int n, int cw, int rq, int t, int lane, float sl2) {
     typename Ops::PFrag pa;
     const FwdTurns<Ops::TURNS> turn(cw);
-    float s[64], sn[64]; // S(i), S(i+1)
+    float s[FW_SN], sn[FW_SN]; // S(i), S(i+1)
     fwd_first_scores(sp, turn, s, cw, lane);
     // Step 0: S(1) under the softmax of tile 0.
     sp.wait_k(1);
@@ -267,7 +287,7 @@ __device__ __forceinline__ void fwd_consume_ahead(const FwdParams& p, const FwdP
     wg_pin(sn);
     sp.release_k(1, lane);
 #pragma unroll
-    for (int j = 0; j < 64; ++j) s[j] = sn[j];
+    for (int j = 0; j < FW_SN; ++j) s[j] = sn[j];
     for (int i = 1; i < n - 1; ++i) {
         sp.wait_k(i + 1);
         sp.wait_v(i - 1);
@@ -287,7 +307,7 @@ __device__ __forceinline__ void fwd_consume_ahead(const FwdParams& p, const FwdP
         fwd_rescale(r.o, r.alpha);
         Ops::pack_p(pa, s);
 #pragma unroll
-        for (int j = 0; j < 64; ++j) s[j] = sn[j];
+        for (int j = 0; j < FW_SN; ++j) s[j] = sn[j];
     }
     // Step n - 1: no scores left to issue.
     sp.wait_v(n - 2);
@@ -377,4 +397,4 @@ flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_
              const __grid_constant__ TmaMap tv) {
     fwd_ws<FwdHalf>(p, &tq, &tk, &tv, p.scale_log2, 1.f);
 }
-#endif // FWD_WG && (D == 128 || D == 64)
+#endif // FWD_WG && (D == 64 || D == 128 || D == 192 || D == 256)

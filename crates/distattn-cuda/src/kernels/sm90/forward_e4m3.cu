@@ -35,14 +35,14 @@ struct FwdE4m3 {
     __device__ static __forceinline__ void load_v(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
         tma_box(dst, m, bar, k0, 0, kvh, b);
     }
-    __device__ static __forceinline__ void qk(float (&s)[64], u32 qs, int cw, u32 ks) {
+    __device__ static __forceinline__ void qk(float (&s)[FW_SN], u32 qs, int cw, u32 ks) {
         const u64 da = wg_desc(qs + 64 * cw * 128, 16, 1024), db = wg_desc(ks, 16, 1024);
         wgmma_e4m3_ss_n128_z(s, da, db);
 #pragma unroll
         for (int kk = 1; kk < D / 32; ++kk) wgmma_e4m3_ss_n128(s, wg_desc_add(da, 32 * kk), wg_desc_add(db, 32 * kk));
     }
     // k-step kk covers accumulator column blocks 4kk..4kk+3 (see e4m3_key_of).
-    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[64]) {
+    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[FW_SN]) {
 #pragma unroll
         for (int kk = 0; kk < FW_BN / 32; ++kk) {
             const float* x = s + 16 * kk;
