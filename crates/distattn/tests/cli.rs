@@ -733,3 +733,23 @@ fn two_nodes_of_two_ranks_on_one_host_get_one_world() {
         "node-rank",
     );
 }
+
+#[test]
+fn bench_decode_over_a_spread_cache_reports_both_and_checks_its_options() {
+    let base = ["bench", "--decode", "--seqs", "200", "--head-dims", "32", "--dtypes", "f32", "--repeats", "1"];
+    let out =
+        distattn(&[&base[..], &["--world", "2", "--batch", "3", "--placement", "pages:16", "--json", "-"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{report}");
+    assert_eq!((rows[0]["strategy"].as_str(), rows[0]["ranks"].as_u64()), (Some("single"), Some(1)));
+    assert_eq!((rows[1]["strategy"].as_str(), rows[1]["ranks"].as_u64()), (Some("pass-q"), Some(2)));
+    assert_eq!(rows[1]["placement"], "pages:16");
+    assert!(rows[1]["scaling_eff"].as_f64().unwrap() > 0.0, "{report}");
+    assert!(report["check"].as_str().unwrap().contains("spread over 2 CPU ranks"), "{report}");
+    one_line_error(&distattn(&[&base[..], &["--world", "2", "--placement", "stripes"]].concat()), "placement");
+    one_line_error(&distattn(&[&base[..], &["--gpus", "4096"]].concat()), "--gpus 4096 needs 4096 CUDA GPUs");
+    one_line_error(&distattn(&[&base[..], &["--gpus", "2", "--world", "2"]].concat()), "pass one of them");
+    one_line_error(&distattn(&["bench", "--decode", "--seqs", "2", "--q-rows", "4"]), "--q-rows");
+}

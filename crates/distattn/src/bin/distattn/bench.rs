@@ -81,8 +81,10 @@ pub struct BenchArgs {
     /// Time decode attention over a paged KV cache instead: --seqs are the context lengths
     /// (every request of the batch that long; CPU default 4096,32768, CUDA 32768,131072),
     /// --heads/--kv-heads default to 32/8, causal, one step planned and run layer after layer,
-    /// with the K/V bytes read per second.
-    #[arg(long, conflicts_with_all = ["world", "gpus", "timelines", "forward_only"])]
+    /// with the K/V bytes read per second. With --world P (CPU ranks) or --gpus P (bf16) also
+    /// the step over a cache spread over P ranks (pass-q: the queries travel), request i homed
+    /// on rank i mod P, and its time against one device's.
+    #[arg(long, conflicts_with_all = ["timelines", "forward_only"])]
     decode: bool,
     /// With --decode: query rows per request (1 to 16).
     #[arg(long, default_value_t = 1, requires = "decode")]
@@ -90,6 +92,10 @@ pub struct BenchArgs {
     /// With --decode: tokens per page of the KV cache.
     #[arg(long, default_value_t = 16, requires = "decode")]
     page_size: usize,
+    /// With --decode and --world/--gpus: how a request's cache is dealt out to the ranks
+    /// (contiguous, contiguous:N or pages:N; see `distattn plan --help`).
+    #[arg(long, default_value = "contiguous", requires = "decode")]
+    placement: String,
 }
 
 /// One measured row, in the format shared by every distattn benchmark.
@@ -374,6 +380,21 @@ fn time_cuda<T: CudaElement>(
     Ok((fwd, Some(bwd)))
 }
 
+/// The GPU ranks' timing of `r`'s strategy and plan: `repeats` runs (and with `timeline` one more,
+/// recorded), forward and with `backward` backward.
+pub(crate) fn gpu_bench(r: &Ranks, backward: bool, repeats: usize, timeline: bool) -> GpuBench {
+    GpuBench {
+        strategy: r.strategy,
+        world: r.world,
+        first_gpu: r.first_gpu,
+        plan: r.plan.clone(),
+        timeout: r.timeout,
+        backward,
+        repeats,
+        timeline,
+    }
+}
+
 /// Times forward (and backward unless `forward_only`) of one configuration; milliseconds, and
 /// with `timeline` the GPU ranks' timelines of one more run.
 fn time_exec(
@@ -386,17 +407,12 @@ fn time_exec(
     match attn.execution() {
         Execution::GpuRanks(r) => {
             // Ranks, communicators and plans set up once; inputs generated on the GPUs.
-            let bench = GpuBench {
-                strategy: r.strategy,
-                world: r.world,
-                first_gpu: r.first_gpu,
-                plan: r.plan.clone(),
-                timeout: r.timeout,
-                backward: !forward_only,
-                repeats,
-                timeline,
-            };
-            let g = time_gpu_strategy(&bench, attn.shape(), attn.mask(), attn.options())?;
+            let g = time_gpu_strategy(
+                &gpu_bench(r, !forward_only, repeats, timeline),
+                attn.shape(),
+                attn.mask(),
+                attn.options(),
+            )?;
             return Ok((g.fwd_ms, g.bwd_ms, g.timelines));
         }
         Execution::Cuda(gpu) => {
@@ -428,6 +444,34 @@ fn time_exec(
 
 pub fn bench(mut args: BenchArgs) -> Result<()> {
     if args.decode {
+        let spread = match (args.world, args.gpus) {
+            (_, Some(0)) => bail!("--gpus must be at least 1"),
+            (w, Some(g)) if w > 1 && g > 1 => {
+                bail!("--world times in-process CPU ranks and --gpus local GPUs: pass one of them")
+            }
+            (_, Some(g)) if g > 1 => {
+                if args.backend == BackendArg::Cpu {
+                    bail!("--gpus runs on the GPUs: drop --backend cpu");
+                }
+                let found = distattn_cuda::gpu_count();
+                if found < g {
+                    bail!("--gpus {g} needs {g} CUDA GPUs; {found} found");
+                }
+                Some(crate::decode_bench::Spread { ranks: g, on_gpus: true, placement: args.placement.clone() })
+            }
+            (w, _) if w > 1 => {
+                // One device's step on the CPU too, so the two compare.
+                if args.backend == BackendArg::Auto {
+                    args.backend = BackendArg::Cpu;
+                }
+                Some(crate::decode_bench::Spread { ranks: w, on_gpus: false, placement: args.placement.clone() })
+            }
+            _ => None,
+        };
+        if let Some(s) = &spread {
+            // A bad placement spec fails before any work.
+            distattn::kv_placement::KvPlacement::from_spec(&s.placement, 1, s.ranks)?;
+        }
         let gpu = args.backend != BackendArg::Cpu && distattn_cuda::cuda_available();
         if args.seqs.is_empty() {
             args.seqs = if gpu { vec![32768, 131072] } else { vec![4096, 32768] };
@@ -449,6 +493,7 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
             repeats: args.repeats,
             json: args.json,
             seed: args.seed,
+            spread,
         });
     }
     let gpus = args.gpus.unwrap_or(0);

@@ -1,16 +1,21 @@
 //! `distattn bench --decode`: decode attention over a paged KV cache, one step planned and then
-//! run as one layer after another, with the bytes of K and V read per second.
+//! run as one layer after another, with the bytes of K and V read per second; with
+//! `--world P` / `--gpus P` also the same step over a KV cache spread over P ranks
+//! (DistAttention: a pass-q plan, so the queries travel and the cache stays).
 
 use crate::run::BackendArg;
-use anyhow::Result;
+use crate::tensors;
+use anyhow::{bail, Result};
 use distattn::decode::{decode, DecodeOptions, DecodeShape};
-use distattn::{DType, Element, Execution};
+use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
+use distattn::{Attention, DType, Element, Execution, HostTensor, PlanOptions, Ranks, Strategy};
 use distattn_cuda::decode::DecodeBuffers;
 use distattn_cuda::{CudaBackend, CudaElement};
+use distattn_nccl::time_gpu_strategy;
 use distattn_testkit::decode::{reference, DecodeCase};
 use distattn_testkit::{cast, lse_err, rel_err};
 use half::{bf16, f16};
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -29,11 +34,29 @@ pub struct DecodeBench {
     pub repeats: usize,
     pub json: Option<PathBuf>,
     pub seed: u64,
+    /// The step also over a cache spread over ranks.
+    pub spread: Option<Spread>,
+}
+
+/// A decode step over a KV cache spread over `ranks` ranks: in-process CPU ranks, or local
+/// GPUs with NCCL. Request `i` is homed on rank `i mod ranks`; its cache is dealt out by
+/// `placement` (a `KvPlacement::from_spec` spec).
+pub struct Spread {
+    pub ranks: usize,
+    pub on_gpus: bool,
+    pub placement: String,
 }
 
 #[derive(Serialize)]
 struct Row {
     backend: String,
+    /// `single` (one device, the paged decode kernel) or `pass-q` (the cache spread over ranks).
+    strategy: String,
+    /// Devices (CPU ranks or GPUs) the step ran on.
+    ranks: usize,
+    /// The spread cache's placement.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    placement: Option<String>,
     batch: usize,
     context: usize,
     q_rows: usize,
@@ -44,8 +67,11 @@ struct Row {
     dtype: String,
     /// Milliseconds per layer (the step planned once).
     ms: f64,
-    /// K and V bytes read per second.
+    /// K and V bytes read per second (all ranks together).
     gb_per_s: f64,
+    /// One device's time over `ranks` times this one's (where one device's was measured).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scaling_eff: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -111,44 +137,204 @@ fn time_cpu<T: Element>(case: &DecodeCase, opts: &DecodeOptions, repeats: usize)
     })
 }
 
+/// One decode step of `requests` over a cache spread over `s.ranks` ranks, as the attention
+/// problem the interpreter runs (a pass-q plan over the placed layout).
+fn spread_step(s: &Spread, requests: &[StepRequest], heads: usize, kv_heads: usize, d: usize) -> Result<Attention> {
+    let capacity = requests.iter().map(|r| r.cached + r.new).max().unwrap_or(1).max(1);
+    let placement = KvPlacement::from_spec(&s.placement, capacity, s.ranks)?;
+    let step = ServingStep::new(&placement, requests, Queries::AtHome, heads, kv_heads, d)?;
+    let ranks = Ranks {
+        plan: PlanOptions { layout: Some(step.layout.clone()), ..Default::default() },
+        ..Ranks::new(s.ranks, Strategy::PassQ)
+    };
+    let exec = if s.on_gpus { Execution::GpuRanks(ranks) } else { Execution::CpuRanks(ranks) };
+    Ok(Attention::new(step.shape, step.mask)?.on(exec))
+}
+
+fn random_inputs(rng: &mut rand::rngs::StdRng, attn: &Attention, dtype: DType) -> [HostTensor; 3] {
+    let sh = attn.shape();
+    let mut t = |rows: usize, heads: usize| {
+        let n = sh.batch * rows * heads * sh.head_dim;
+        let vals: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        HostTensor::from_f32(vec![sh.batch, rows, heads, sh.head_dim], &vals, dtype)
+    };
+    [t(sh.q_len, sh.heads), t(sh.k_len, sh.kv_heads), t(sh.k_len, sh.kv_heads)]
+}
+
+/// A ragged decode batch (homes on different ranks, one request without cached keys) over the
+/// spread cache against the f64 reference.
+fn check_spread(s: &Spread, seed: u64) -> Result<String> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5EED);
+    let p = s.ranks;
+    let requests: Vec<StepRequest> = [700, 0, 33, 1500]
+        .iter()
+        .enumerate()
+        .map(|(i, &cached)| StepRequest { home: (i * 3) % p, cached, new: 1 })
+        .collect();
+    let attn = spread_step(s, &requests, 8, 2, 64)?;
+    let dtypes: &[(DType, f64)] =
+        if s.on_gpus { &[(DType::BF16, 1e-2)] } else { &[(DType::F32, 1e-5), (DType::BF16, 1e-2)] };
+    let mut errs = Vec::new();
+    for &(dtype, tol) in dtypes {
+        let [q, k, v] = random_inputs(&mut rng, &attn, dtype);
+        let got = tensors::forward(&attn, &q, &k, &v)?;
+        let want = distattn_testkit::reference::forward(
+            &q.to_f32(),
+            &k.to_f32(),
+            &v.to_f32(),
+            attn.shape(),
+            attn.mask(),
+            attn.options(),
+        )?;
+        let (eo, el) = (rel_err(&got.o, &want.o), lse_err(&got.lse, &want.lse));
+        anyhow::ensure!(
+            eo <= tol && el <= 1e-3,
+            "spread decode check failed: {dtype} O error {eo:.1e}, LSE error {el:.1e}"
+        );
+        errs.push(format!("{dtype} O rel err {eo:.1e}, LSE {el:.1e}"));
+    }
+    Ok(format!(
+        "check (decode batch of 4 over a cache spread over {p} {}, {}, pass-q) vs f64: {}",
+        if s.on_gpus { "GPUs" } else { "CPU ranks" },
+        s.placement,
+        errs.join("; ")
+    ))
+}
+
+/// Median milliseconds of one spread step: on GPUs from a barrier to the slowest rank's end,
+/// inputs generated on the GPUs; on CPU ranks around the whole call.
+fn time_spread(attn: &Attention, dtype: DType, repeats: usize, rng: &mut rand::rngs::StdRng) -> Result<f64> {
+    match attn.execution() {
+        Execution::GpuRanks(r) => {
+            if dtype != DType::BF16 {
+                bail!("--decode --gpus times bf16 caches, not {dtype}");
+            }
+            let bench = crate::bench::gpu_bench(r, false, repeats, false);
+            Ok(time_gpu_strategy(&bench, attn.shape(), attn.mask(), attn.options())?.fwd_ms)
+        }
+        _ => {
+            let [q, k, v] = random_inputs(rng, attn, dtype);
+            median(repeats, || {
+                let t = Instant::now();
+                tensors::forward(attn, &q, &k, &v)?;
+                Ok(t.elapsed().as_secs_f64() * 1e3)
+            })
+        }
+    }
+}
+
+/// The host's available memory (Linux: MemAvailable of /proc/meminfo), bytes.
+fn host_memory_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 pub fn run(a: DecodeBench) -> Result<()> {
+    if a.lengths.iter().any(|&c| c < a.q_rows) {
+        bail!("every context length (--seqs) must hold the step's {} new tokens (--q-rows)", a.q_rows);
+    }
     let exec = a.backend.execution(DType::BF16)?;
     let gpu = match &exec {
         Execution::Cuda(g) => Some(g.clone()),
         _ => None,
     };
-    let device = match &gpu {
-        Some(g) => format!("cuda: {}", g.device_name()),
-        None => crate::bench::cpu_name(),
+    let device = match (&gpu, &a.spread) {
+        (Some(g), Some(s)) if s.on_gpus => format!("cuda: {} x {}", g.device_name(), s.ranks),
+        (Some(g), _) => format!("cuda: {}", g.device_name()),
+        (None, _) => crate::bench::cpu_name(),
     };
     eprintln!("{device}");
-    let check = check(gpu.as_deref(), a.seed)?;
+    let mut check = check(gpu.as_deref(), a.seed)?;
     eprintln!("{check}");
+    if let Some(s) = &a.spread {
+        let c = check_spread(s, a.seed)?;
+        eprintln!("{c}");
+        check = format!("{check}; {c}");
+    }
     let to_stderr = a.json.as_ref().is_some_and(|p| p.as_os_str() == "-");
     let say = |line: String| if to_stderr { eprintln!("{line}") } else { println!("{line}") };
     say(format!(
-        "{:<8} {:>5} {:>9} {:>6} {:>9} {:>4} {:>5} {:<5} {:>10} {:>8}",
-        "backend", "batch", "context", "q_rows", "heads", "d", "page", "dtype", "ms/layer", "GB/s"
+        "{:<8} {:<7} {:>5} {:>5} {:>9} {:>6} {:>9} {:>4} {:>5} {:<5} {:>10} {:>8} {:>6}",
+        "backend",
+        "strat",
+        "ranks",
+        "batch",
+        "context",
+        "q_rows",
+        "heads",
+        "d",
+        "page",
+        "dtype",
+        "ms/layer",
+        "GB/s",
+        "eff"
     ));
+    let print = |r: &Row| {
+        say(format!(
+            "{:<8} {:<7} {:>5} {:>5} {:>9} {:>6} {:>9} {:>4} {:>5} {:<5} {:>10.4} {:>8.1} {:>6}",
+            r.backend,
+            r.strategy,
+            r.ranks,
+            r.batch,
+            r.context,
+            r.q_rows,
+            format!("{}/{}", r.heads, r.kv_heads),
+            r.head_dim,
+            r.page_size,
+            r.dtype,
+            r.ms,
+            r.gb_per_s,
+            r.scaling_eff.map_or(String::new(), |e| format!("{:.0}%", e * 100.0))
+        ))
+    };
     let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
     let opts = DecodeOptions { causal: true, ..Default::default() };
     let mut rows = Vec::new();
     for &context in &a.lengths {
         for &d in &a.head_dims {
             let shape = DecodeShape::new(a.batch, a.q_rows, a.heads, a.kv_heads, d)?;
-            let case = DecodeCase::random(&mut rng, shape, a.page_size, &vec![context; a.batch]);
+            // One device's case is generated on the host (f32, then cast): beside a spread cache,
+            // a context too large for this host's memory is timed spread only.
+            let host_bytes = 2 * a.batch * context * a.kv_heads * d * (4 + 4);
+            let case = match (&a.spread, host_memory_available()) {
+                (Some(_), Some(avail)) if host_bytes > avail / 2 => {
+                    eprintln!(
+                        "one device, context {context}: its inputs ({:.0} GB) are built on the host, which has {:.0} GB \
+                         available: timed spread only",
+                        host_bytes as f64 / 1e9,
+                        avail as f64 / 1e9
+                    );
+                    None
+                }
+                _ => Some(DecodeCase::random(&mut rng, shape, a.page_size, &vec![context; a.batch])),
+            };
             for &dtype in &a.dtypes {
-                let ms = match (&gpu, dtype) {
-                    (Some(g), DType::BF16) => time_gpu::<bf16>(g, &case, &opts, a.repeats)?,
-                    (Some(g), DType::F16) => time_gpu::<f16>(g, &case, &opts, a.repeats)?,
-                    (Some(_), d) => anyhow::bail!("the CUDA decode takes bf16 or f16, not {d}"),
-                    (None, DType::F32) => time_cpu::<f32>(&case, &opts, a.repeats)?,
-                    (None, DType::BF16) => time_cpu::<bf16>(&case, &opts, a.repeats)?,
-                    (None, DType::F16) => time_cpu::<f16>(&case, &opts, a.repeats)?,
+                let single = case.as_ref().map(|case| match (&gpu, dtype) {
+                    (Some(g), DType::BF16) => time_gpu::<bf16>(g, case, &opts, a.repeats),
+                    (Some(g), DType::F16) => time_gpu::<f16>(g, case, &opts, a.repeats),
+                    (Some(_), d) => Err(anyhow::anyhow!("the CUDA decode takes bf16 or f16, not {d}")),
+                    (None, DType::F32) => time_cpu::<f32>(case, &opts, a.repeats),
+                    (None, DType::BF16) => time_cpu::<bf16>(case, &opts, a.repeats),
+                    (None, DType::F16) => time_cpu::<f16>(case, &opts, a.repeats),
+                });
+                // A context beyond one device is what a spread cache is for: say so, go on.
+                let single = match single {
+                    None => None,
+                    Some(Ok(ms)) => Some(ms),
+                    Some(Err(e)) if a.spread.is_some() => {
+                        eprintln!("one device, context {context}: {e:#}");
+                        None
+                    }
+                    Some(Err(e)) => return Err(e),
                 };
                 let bytes = 2.0 * (a.batch * context * a.kv_heads * d * dtype.size()) as f64;
-                let row = Row {
+                let row = |strategy: &str, ranks: usize, placement: Option<String>, ms: f64, eff: Option<f64>| Row {
                     backend: if gpu.is_some() { "cuda" } else { "cpu" }.into(),
+                    strategy: strategy.into(),
+                    ranks,
+                    placement,
                     batch: a.batch,
                     context,
                     q_rows: a.q_rows,
@@ -159,21 +345,22 @@ pub fn run(a: DecodeBench) -> Result<()> {
                     dtype: dtype.to_string(),
                     ms,
                     gb_per_s: bytes / ms / 1e6,
+                    scaling_eff: eff,
                 };
-                say(format!(
-                    "{:<8} {:>5} {:>9} {:>6} {:>9} {:>4} {:>5} {:<5} {:>10.4} {:>8.1}",
-                    row.backend,
-                    row.batch,
-                    row.context,
-                    row.q_rows,
-                    format!("{}/{}", row.heads, row.kv_heads),
-                    row.head_dim,
-                    row.page_size,
-                    row.dtype,
-                    row.ms,
-                    row.gb_per_s
-                ));
-                rows.push(row);
+                if let Some(ms) = single {
+                    rows.push(row("single", 1, None, ms, None));
+                    print(&rows[rows.len() - 1]);
+                }
+                if let Some(s) = &a.spread {
+                    let requests: Vec<StepRequest> = (0..a.batch)
+                        .map(|i| StepRequest { home: i % s.ranks, cached: context - a.q_rows, new: a.q_rows })
+                        .collect();
+                    let attn = spread_step(s, &requests, a.heads, a.kv_heads, d)?;
+                    let ms = time_spread(&attn, dtype, a.repeats, &mut rng)?;
+                    let eff = single.map(|t| t / (s.ranks as f64 * ms));
+                    rows.push(row("pass-q", s.ranks, Some(s.placement.clone()), ms, eff));
+                    print(&rows[rows.len() - 1]);
+                }
             }
         }
     }

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Decode over a KV cache spread over this machine's GPUs (DistAttention, issue "serving beyond
+# one GPU"): `distattn bench --decode --gpus P` for P = 2 and 4 (those present), batch 1 and 16,
+# 32/8 heads, d 128, bf16, contiguous and interleaved (16-token pages) placements, each step
+# against one GPU's paged decode kernel in the same run (contexts that do not fit one GPU say so
+# and are timed spread only). Writes OUT/decode-P<gpus>-b<batch>-<placement>.json and a log.
+#   bench/gpu_serve.sh OUT [CONTEXTS]      (default 1048576,4194304)
+# Env: DISTATTN_BIN (default target/release/distattn, built with
+# `cargo build --release -p distattn --features cli`).
+set -uo pipefail
+OUT=${1:?usage: bench/gpu_serve.sh OUT [CONTEXTS]}
+CONTEXTS=${2:-1048576,4194304}
+cd "$(dirname "$0")/.."
+source bench/gpu_env.sh
+BIN=${DISTATTN_BIN:-target/release/distattn}
+mkdir -p "$OUT"
+NGPU=$(nvidia-smi -L | wc -l)
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/nvidia-smi.txt"
+rc=0
+for P in 2 4; do
+  [ "$P" -le "$NGPU" ] || { echo "== $P GPUs: only $NGPU here, skipped"; continue; }
+  for B in 1 16; do
+    for PL in contiguous pages:16; do
+      name="decode-P$P-b$B-${PL/:/}"
+      echo "== $name"
+      "$BIN" bench --decode --gpus "$P" --batch "$B" --seqs "$CONTEXTS" --head-dims 128 --heads 32 --kv-heads 8 \
+        --placement "$PL" --repeats 5 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" || rc=1
+    done
+  done
+done
+exit $rc
