@@ -10,7 +10,7 @@
 # skipped or shortened to end within it), PROBE_SEQS (default 524288; empty = no probe),
 # MASKS (';'-separated, default causal: the distattn benchmark runs each; PyTorch's context
 # parallel runs causal only), KV_HEADS (default 8), STAGES (default check,bench,kill,torch,probe),
-# TORCH_CONFIGS (default: every flash/cuDNN rotation and the Ulysses baseline), DISTATTN_COMMIT.
+# TORCH_CONFIGS (default: every flash/cuDNN rotation and the Ulysses baseline on both backends), DISTATTN_COMMIT.
 # Writes OUTDIR/check/ (the GPU tests' logs), distattn.json, timelines.json, torch.json, probe.json,
 # multigpu.json ({device, date, commit, rows}: distattn + torch rows) and prints a summary last.
 set -uo pipefail
@@ -69,8 +69,8 @@ fi
 
 if want torch && [ "$(left)" -gt 60 ]; then
   stage "PyTorch context parallel + Ulysses (budget $(left) s)"
-  CONFIGS=${TORCH_CONFIGS:-allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash}
-  [ "$(left)" -lt 150 ] && CONFIGS="allgather-flash,alltoall-flash,ulysses-flash"
+  CONFIGS=${TORCH_CONFIGS:-allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash,ulysses-cudnn}
+  [ "$(left)" -lt 150 ] && CONFIGS="alltoall-cudnn,ulysses-cudnn"
   TPROBE=""
   [ "$(left)" -gt 200 ] && TPROBE="$PROBE_SEQS"
   # Own process group, so that the spawned ranks end with it (killed by its id on overrun).
@@ -121,7 +121,12 @@ for seq in sorted({r["seq"] for r in rows}):
             if tt:
                 bt = max(tt, key=lambda r: r["tflops"]); s += f" | best torch-cp {bt['strategy']} {bt['tflops_per_gpu']:.1f}/GPU ratio {bd['tflops']/bt['tflops']:.2f}x"
             if uu:
-                s += f" | torch-ulysses {uu[0]['tflops_per_gpu']:.1f}/GPU ratio {bd['tflops']/uu[0]['tflops']:.2f}x"
+                bu = max(uu, key=lambda r: r["tflops"]); s += f" | best torch-ulysses {bu['strategy']} {bu['tflops_per_gpu']:.1f}/GPU ratio {bd['tflops']/bu['tflops']:.2f}x"
+                du = [r for r in dd if r["strategy"] == "ulysses"]
+                if du:
+                    s += f" | distattn ulysses / best torch-ulysses {du[0]['tflops']/bu['tflops']:.2f}x"
+            bp = max(tt + uu, key=lambda r: r["tflops"])
+            s += f" | best peer {bp['impl']} {bp['strategy']}: {bd['tflops']/bp['tflops']:.2f}x"
             if bd.get("scaling_eff"):
                 s += f" | distattn vs own 1-GPU kernel {100*bd['scaling_eff']:.0f}%"
             print(s)

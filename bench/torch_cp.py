@@ -4,8 +4,9 @@
 * torch-cp: PyTorch's context parallel (torch.distributed.tensor.experimental.context_parallel)
   with each rotate method (set_rotate_method: "allgather", "alltoall") and SDPA backend (flash,
   cuDNN); causal load balancing is PyTorch's default.
-* torch-ulysses: all-to-all from sequence to head sharding, SDPA (flash) on the full sequence,
-  all-to-all back (autograd through both).
+* torch-ulysses: all-to-all from sequence to head sharding, SDPA (flash or cuDNN: configs
+  ulysses-flash, ulysses-cudnn) on the full sequence, all-to-all back (autograd through both);
+  the yunchang / DeepSpeed-Ulysses layout.
 
 usage: torch_cp.py --world 4 --seqs 32768,131072 --passes fwd,fwdbwd --heads 32 --kv-heads 8
                    --out FILE [--iters 3] [--probe-seqs 524288] [--configs ...]
@@ -116,7 +117,7 @@ def sdpa(q, k, v, gqa):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def run_ulysses(args, seq, fwdbwd, P, rank):
+def run_ulysses(args, seq, fwdbwd, P, rank, backend):
     B, H, Hkv, D = 1, args.heads, args.kv_heads, 128
     s = seq // P
     g = torch.Generator(device="cuda").manual_seed(rank)
@@ -125,7 +126,7 @@ def run_ulysses(args, seq, fwdbwd, P, rank):
     res = {}
     for gqa in ("native", "expanded"):
         def step():
-            with sdpa_kernel([BACKENDS["flash"]]):
+            with sdpa_kernel([BACKENDS[backend]]):
                 if fwdbwd:
                     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
                     o = head_to_seq(sdpa(seq_to_head(qq, P), seq_to_head(kk, P), seq_to_head(vv, P), gqa), P)
@@ -209,11 +210,11 @@ def worker(rank, args, port, out_q):
             WARM, args.iters = 0, 1
         torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
-        if c == "ulysses-flash":
-            r = run_ulysses(args, seq, fwdbwd, P, rank)
+        rot, be = c.split("-")
+        if rot == "ulysses":
+            r = run_ulysses(args, seq, fwdbwd, P, rank, be)
             imp = "torch-ulysses"
         else:
-            rot, be = c.split("-")
             r = run_cp(args, seq, fwdbwd, P, rank, rot, be, mesh)
             imp = "torch-cp"
         mem = torch.cuda.max_memory_allocated() / 1e9
@@ -246,7 +247,7 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--configs", default="allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash")
+    ap.add_argument("--configs", default="allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash,ulysses-cudnn")
     ap.add_argument("--probe-seqs", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
