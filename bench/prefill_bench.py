@@ -9,7 +9,7 @@ forward against PyTorch SDPA's cuDNN and flash backends, timed both ways in the 
   prefill_bench.py OUT_DIR --accuracy                  FP8 / bf16 / cuDNN errors against f64
 
 Cases: batch 1, bf16, causal and full masks, MHA 16/16 and GQA 32/8 heads, head dims 128, 64,
-256 and 192, 4k to 64k tokens (named d128-16/16-causal-4k ...). Each side takes its own layout, built before timing (distattn [b, n, h,
+256, 192 and 96, 4k to 64k tokens (named d128-16/16-causal-4k ...). Each side takes its own layout, built before timing (distattn [b, n, h,
 d]; SDPA [b, h, n, d], GQA through `enable_gqa`). Forward = one attention call; backward = the
 autograd backward of a retained graph (distattn: row delta, dK/dV with dQ accumulation, dQ
 conversion; SDPA: whatever its backend launches). FP8 = distattn's e4m3 forward with
@@ -39,7 +39,7 @@ SEQS = [4096, 8192, 16384, 32768, 65536]
 def cases(quick, only=None):
     """(name, n, mask, h, hkv, d)."""
     out = []
-    for d in (128, 64, 256, 192):
+    for d in (128, 64, 256, 192, 96):
         for h, hkv in ((16, 16), (32, 8)):
             for mask in ("causal", "full"):
                 for n in SEQS:

@@ -53,13 +53,15 @@ pub struct KernelConfig {
     pub fwd_bn: usize,
     pub bwd_warps: usize,
     pub bwd_bm: usize,
-    /// Backward with every GEMM tiled over the 8 warps (`flash_bwd_dkdv2`; sm_90+, d 64/128).
+    /// Backward with every GEMM tiled over the 8 warps (`flash_bwd_dkdv2`; sm_90+, d 64/128;
+    /// on sm_90a also set at d 96, for the tile plan of `flash_bwd_ws`).
     pub bwd_v2: bool,
     /// Backward on warpgroup MMAs, warp-specialized with TMA loads (`flash_bwd_ws`; sm_90a,
-    /// d 64/128).
+    /// d 64/96/128).
     pub bwd_wg: bool,
     /// Forward on warpgroup MMAs, warp-specialized with TMA loads (`flash_fwd_ws`; sm_90a,
-    /// d 64/128): a producer warp and 2 consumer warpgroups x 64 rows, 128-key tiles.
+    /// every head dim): a producer warp and 2 consumer warpgroups x 64 rows, 128-key tiles
+    /// (64 above d 128).
     pub fwd_wg: bool,
     /// Warps of the decode kernel (`flash_decode`), 16 keys of each K/V tile each.
     pub dec_warps: usize,
@@ -137,8 +139,8 @@ impl KernelConfig {
 
     /// The configuration for an NVRTC target: the v2 backward on sm_90 and newer (it needs
     /// 173 KB of shared memory at d 128), unless `DISTATTN_KCFG` says `bwd_v2=0`, and 8-warp
-    /// blocks above d 128; on sm_90a the warpgroup-MMA kernels (forward at d 64, 128, 192 and
-    /// 256, backward at d 64 and 128), unless it says `bwd_wg=0` / `fwd_wg=0`.
+    /// blocks above d 128; on sm_90a the warpgroup-MMA kernels (forward at every head dim,
+    /// backward at d 64, 96 and 128), unless it says `bwd_wg=0` / `fwd_wg=0`.
     pub fn for_arch(mut self, arch: &str) -> Self {
         let major: u32 = arch
             .trim_start_matches("sm_")
@@ -177,8 +179,14 @@ impl KernelConfig {
             self.dec_stages = n;
         }
         let hopper = arch == "sm_90a";
-        self.bwd_wg = hopper && matches!(self.head_dim, 64 | 128) && self.bwd_v2 && !off("bwd_wg");
-        if hopper && matches!(self.head_dim, 64 | 128 | 192 | 256) && !off("fwd_wg") {
+        if hopper && self.head_dim == 96 && !off("bwd_v2") && !off("bwd_wg") {
+            // The warpgroup backward on tiles padded to 128 columns (v2's tile plan).
+            self.bwd_v2 = true;
+            self.bwd_bm = 64;
+            self.bwd_warps = 8;
+        }
+        self.bwd_wg = hopper && matches!(self.head_dim, 64 | 96 | 128) && self.bwd_v2 && !off("bwd_wg");
+        if hopper && !off("fwd_wg") {
             self.fwd_wg = true;
             self.fwd_warps = 8;
             self.fwd_mr = 1;
@@ -239,8 +247,9 @@ impl KernelConfig {
     /// Dynamic shared memory of the forward kernel, bytes.
     pub fn fwd_smem(&self) -> usize {
         if self.fwd_wg {
-            // Q; K and V in 2 stages; 1 KB to align the base; 9 mbarriers.
-            return (self.fwd_bm() + 4 * self.fwd_bn) * self.head_dim * 2 + 1024 + 128;
+            // Q; K and V in 2 stages (tiles of whole 64-column blocks: d 96 pads to 128); 1 KB
+            // to align the base; 9 mbarriers.
+            return (self.fwd_bm() + 4 * self.fwd_bn) * self.head_dim.next_multiple_of(64) * 2 + 1024 + 128;
         }
         (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2 + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
     }
@@ -258,9 +267,9 @@ impl KernelConfig {
     /// Dynamic shared memory of the dK/dV kernel, bytes.
     pub fn bwd_smem(&self) -> usize {
         if self.bwd_wg {
-            // K, V; Q, dO in 2 stages; dS^T twice; dQ (f32) of both consumers; LSE and delta
-            // in 2 stages; 1 KB to align the base; 9 mbarriers.
-            let d = self.head_dim;
+            // K, V; Q, dO in 2 stages (tiles of whole 64-column blocks); dS^T twice; dQ (f32) of
+            // both consumers; LSE and delta in 2 stages; 1 KB to align the base; 9 mbarriers.
+            let d = self.head_dim.next_multiple_of(64);
             return (2 * 128 * d + 4 * 64 * d + 2 * 128 * 64) * 2 + 2 * 64 * 64 * 4 + 4 * 64 * 4 + 1024 + 128;
         }
         // dS^T (v1); P^T and dS^T, double-buffered (v2)

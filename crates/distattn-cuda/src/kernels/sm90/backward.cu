@@ -1,16 +1,18 @@
 #include "sm90/primitives.cuh"
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && BWD_WG && (D == 128 || D == 64)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && BWD_WG && (D == 128 || D == 96 || D == 64)
 // ---------------------------------------------------------------- backward (sm_90a)
 // Same job and tile plan as flash_bwd_dkdv2 (one block per 128-key tile, a loop over the
 // 64-row query "items" of every query head of the KV head). Consumer warpgroup c owns keys
 // 64c..64c+63:
 //   S^T = K Q^T, dP^T = V dO^T      (shared x shared, 64 x 64 per warpgroup)
 //   P^T, dS^T = P^T (dP^T - delta)  (registers, reused as the A operand:)
-//   dV += P^T dO, dK += dS^T Q      (registers x shared, 64 x D per warpgroup)
+//   dV += P^T dO, dK += dS^T Q      (registers x shared, 64 x DK per warpgroup)
 //   dQ = dS K                       (dS^T through shared memory; d 128: warpgroup w takes dQ
 //                                    columns 64w.. over all 128 keys; d 64: all columns over
 //                                    its own 64 keys, so only its own dS^T rows)
+// At d 96 the tiles have DK = 128 columns (primitives.cuh): the padded columns of Q, K, V, dO
+// are zeros, so they add nothing to S^T and dP^T, and dK, dV, dQ's padded columns are not stored.
 // The block is warp-specialized: warpgroup 0 moves memory (warp 0 brings K and V once and, per
 // item, Q and dO with TMA and the item's LSE and delta rows with plain loads, into BS_STAGES
 // stages signalled by mbarriers; warp 1 adds each item's dQ, left by the consumers in shared
@@ -34,11 +36,11 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
              const __grid_constant__ TmaMap tdq) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 raw = smem_u32(smem_raw);
-    const u32 Ks = (raw + 1023) & ~1023u;            // [WG_BN][D]
-    const u32 Vs = Ks + WG_BN * D * 2;               // [WG_BN][D]
-    const u32 Qs = Vs + WG_BN * D * 2;               // BS_STAGES x [WG_BM][D]
-    const u32 dOs = Qs + BS_STAGES * WG_BM * D * 2;  // BS_STAGES x [WG_BM][D]
-    const u32 dSs = dOs + BS_STAGES * WG_BM * D * 2; // 2 x [WG_BN][WG_BM], dS^T
+    const u32 Ks = (raw + 1023) & ~1023u;             // [WG_BN][DK]
+    const u32 Vs = Ks + WG_BN * DK * 2;               // [WG_BN][DK]
+    const u32 Qs = Vs + WG_BN * DK * 2;               // BS_STAGES x [WG_BM][DK]
+    const u32 dOs = Qs + BS_STAGES * WG_BM * DK * 2;  // BS_STAGES x [WG_BM][DK]
+    const u32 dSs = dOs + BS_STAGES * WG_BM * DK * 2; // 2 x [WG_BN][WG_BM], dS^T
     const u32 dQs = dSs + 2 * WG_BN * WG_BM * 2;     // 2 consumers x 2 x [WG_BM][32] f32, swizzled
     const u32 lse_a = dQs + 2 * WG_BM * 64 * 4;      // BS_STAGES x [WG_BM] f32
     const u32 del_a = lse_a + BS_STAGES * WG_BM * 4; // BS_STAGES x [WG_BM] f32
@@ -57,7 +59,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const int k0 = kt * WG_BN;
     const int e0 = p.tile_ptr[kt], ne = p.tile_ptr[kt + 1] - e0;
     const int total = G * ne;
-    constexpr u32 ITEM_BYTES = 2 * WG_BM * D * 2;
+    constexpr u32 ITEM_BYTES = 2 * WG_BM * DK * 2;
 
     if (tid == 0) {
         mbar_init(full_kv, 1);
@@ -74,12 +76,12 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     __syncthreads();
 
     // Registers: 384 x 168 at launch, rebalanced (the d 128 consumers need 240).
-    constexpr int PROD_REGS = D == 128 ? 24 : 40, CONS_REGS = D == 128 ? 240 : 232;
+    constexpr int PROD_REGS = DK == 128 ? 24 : 40, CONS_REGS = DK == 128 ? 240 : 232;
     if (wg == 0) {
         reg_dealloc<PROD_REGS>();
         if (wi == 0 && total > 0) { // loads
             if (lane == 0) {
-                mbar_expect_tx(full_kv, 2 * WG_BN * D * 2);
+                mbar_expect_tx(full_kv, 2 * WG_BN * DK * 2);
                 tma_load_rows<WG_BN>(Ks, &tk, full_kv, k0, kvh, b);
                 tma_load_rows<WG_BN>(Vs, &tv, full_kv, k0, kvh, b);
             }
@@ -104,8 +106,8 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
                 __syncwarp();
                 if (lane == 0) { // the arrival releases the rows stored above with the copies' bytes
                     mbar_expect_tx(full + 8 * st, ITEM_BYTES);
-                    tma_load_rows<WG_BM>(Qs + st * WG_BM * D * 2, &tq, full + 8 * st, qt * WG_BM, h, b);
-                    tma_load_rows<WG_BM>(dOs + st * WG_BM * D * 2, &tdo, full + 8 * st, qt * WG_BM, h, b);
+                    tma_load_rows<WG_BM>(Qs + st * WG_BM * DK * 2, &tq, full + 8 * st, qt * WG_BM, h, b);
+                    tma_load_rows<WG_BM>(dOs + st * WG_BM * DK * 2, &tdo, full + 8 * st, qt * WG_BM, h, b);
                 }
                 if (++ei == ne) { ei = 0; ++h; }
             }
@@ -118,7 +120,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
                 for (int c = 0; c < 2; ++c) {
                     mbar_wait(dq_full + 8 * c, it & 1);
                     for (int cb = 0; cb < 2; ++cb)
-                        tma_reduce_add<WG_BM>(&tdq, dQs + (2 * c + cb) * WG_BM * 128, (D == 128 ? 64 * c : 0) + 32 * cb,
+                        tma_reduce_add<WG_BM>(&tdq, dQs + (2 * c + cb) * WG_BM * 128, (DK == 128 ? 64 * c : 0) + 32 * cb,
                                               qt * WG_BM, h, b);
                     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
                     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
@@ -135,9 +137,9 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const int g = lane >> 2, t = lane & 3;
     const int rk = 64 * cw + 16 * wi + g; // this thread's key rows in the tile: rk, rk + 8
 
-    float dk[D / 2], dv[D / 2];
+    float dk[DK / 2], dv[DK / 2];
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    for (int i = 0; i < DK / 2; ++i) dk[i] = dv[i] = 0.f;
     // This thread's staged dQ pairs: rows 16wi + g (+8), columns 8i + 2t, in box i / 4 at 16-byte
     // chunk (2(i % 4) + t / 2) ^ g (the row's swizzle; rows g and g + 8 share it). Rows g and g ^ 1
     // would hit the same banks if stored in the same order, so store k writes column block
@@ -150,7 +152,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         const int st = it % BS_STAGES, ph = (it / BS_STAGES) & 1;
         const int2 te = te_next;
         if (it + 1 < total) te_next = p.tiles[e0 + (it + 1) % ne];
-        const u32 qst = Qs + st * WG_BM * D * 2, dost = dOs + st * WG_BM * D * 2;
+        const u32 qst = Qs + st * WG_BM * DK * 2, dost = dOs + st * WG_BM * DK * 2;
         const u32 dsb = dSs + (it & 1) * WG_BN * WG_BM * 2;
         const float* lse_st = lse_s + st * WG_BM;
         const float* ndel_st = del_s + st * WG_BM; // minus delta
@@ -207,7 +209,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
             pa[j >> 1][(j & 1) * 2] = pack2(s[4 * j], s[4 * j + 1]);
             pa[j >> 1][(j & 1) * 2 + 1] = pack2(s[4 * j + 2], s[4 * j + 3]);
         }
-        // dV += P^T dO (B = dO, N-major: D columns in D/64 blocks of WG_BM rows).
+        // dV += P^T dO (B = dO, N-major: DK columns in DK/64 blocks of WG_BM rows).
         const u64 ddo = wg_desc(dost, WG_BM * 128, 1024);
         wg_fence();
 #pragma unroll
@@ -228,7 +230,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         }
         fence_async_smem();
         float dq[32];
-#if D == 128
+#if DK == 128
         named_sync(1, 256); // dS^T of both warpgroups is in shared memory
         // dQ[:, 64cw..] = dS K[:, 64cw..]: A = dS (M-major: dS^T rows are keys), B = K (N-major).
         const u64 dds = wg_desc(dsb, WG_BN * 128, 1024), dk_b = wg_desc(Ks + cw * WG_BN * 128, WG_BN * 128, 1024);
@@ -291,4 +293,4 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         }
     }
 }
-#endif // BWD_WG && (D == 128 || D == 64)
+#endif // BWD_WG && (D == 128 || D == 96 || D == 64)

@@ -1,9 +1,9 @@
 #pragma once
 #include "sm90/primitives.cuh"
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FWD_WG && (D == 64 || D == 128 || D == 192 || D == 256)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FWD_WG && (D == 64 || D == 96 || D == 128 || D == 192 || D == 256)
 // ---------------------------------------------------------------- forward (sm_90a)
-// One block per 128-row query tile. Per key tile (128 keys; 64 above d 128, where O takes 96 or
+// One block per 128-row query tile (d 96: tiles of DK = 128 columns, see primitives.cuh). Per key tile (128 keys; 64 above d 128, where O takes 96 or
 // 128 registers a thread and two stages of 128-key tiles would not fit the shared memory) and
 // consumer warpgroup (64 rows each): S = Q K^T (shared x shared),
 // online softmax in registers, O += P V with P as the register A operand and V read N-major.
@@ -69,16 +69,16 @@ __device__ __forceinline__ void fwd_pack_p(u32 (&pa)[FW_BN / 16][4], const float
         for (int f = 0; f < 4; ++f) pa[kk][f] = pack2(s[8 * kk + 2 * f], s[8 * kk + 2 * f + 1]);
 }
 
-__device__ __forceinline__ void fwd_rescale(float (&o)[D / 2], const float (&alpha)[2]) {
+__device__ __forceinline__ void fwd_rescale(float (&o)[DK / 2], const float (&alpha)[2]) {
     if (LAZY_MAX && !__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) return; // (the usual case)
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
+    for (int i = 0; i < D / 8; ++i) { // (O's padded columns, past D, stay 0)
         o[4 * i] *= alpha[0]; o[4 * i + 1] *= alpha[0];
         o[4 * i + 2] *= alpha[1]; o[4 * i + 3] *= alpha[1];
     }
 }
 
-__device__ __forceinline__ void fwd_issue_pv(float (&o)[D / 2], const u32 (&pa)[FW_BN / 16][4], u32 vst) {
+__device__ __forceinline__ void fwd_issue_pv(float (&o)[DK / 2], const u32 (&pa)[FW_BN / 16][4], u32 vst) {
     const u64 dv = wg_desc(vst, FW_BN * 128, 1024);
 #if D > 128
     // N = D as two products: N = 128 over O's first 128 columns (V's column blocks 0, 1) and
@@ -103,7 +103,7 @@ __device__ __forceinline__ void fwd_issue_pv(float (&o)[D / 2], const u32 (&pa)[
 
 // Normalises (and multiplies by o_scale) and writes the thread's two output rows (row, row + 8)
 // of O (and the optional f32 copy) and their LSE.
-__device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D / 2], const float (&m)[2],
+__device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[DK / 2], const float (&m)[2],
                                           const float (&l)[2], int b, int h, int row0, int t, float o_scale) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -126,10 +126,10 @@ __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D
     }
 }
 
-// The operations of the bf16/f16 pipeline: Q, K and V tiles in [rows][D] (D/64 swizzled column
+// The operations of the bf16/f16 pipeline: Q, K and V tiles in [rows][DK] (DK/64 swizzled column
 // blocks), k = 16 products, P packed in pairs.
 struct FwdHalf {
-    static constexpr u32 Q_BYTES = FW_BM * D * 2, TILE_BYTES = FW_BN * D * 2;
+    static constexpr u32 Q_BYTES = FW_BM * DK * 2, TILE_BYTES = FW_BN * DK * 2;
     static constexpr int STAGES = 2;
     static constexpr bool SCORES_AHEAD = false, TURNS = true;
     using PFrag = u32[FW_BN / 16][4];
@@ -146,7 +146,7 @@ struct FwdHalf {
         wg_gemm_kmajor(s, qs, FW_BM, 64 * cw, ks, FW_BN);
     }
     __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[FW_SN]) { fwd_pack_p(pa, s); }
-    __device__ static __forceinline__ void pv(float (&o)[D / 2], const PFrag& pa, u32 vs) { fwd_issue_pv(o, pa, vs); }
+    __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) { fwd_issue_pv(o, pa, vs); }
 };
 
 // The shared-memory pipeline of a forward block: the query tile, STAGES key and value tiles,
@@ -178,7 +178,7 @@ struct FwdPipe {
 
 // What a consumer thread carries: its rows' output accumulators, running max and sum.
 struct FwdRows {
-    float o[D / 2];
+    float o[DK / 2];
     float m[2], l[2], alpha[2];
 };
 
@@ -379,7 +379,7 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const TmaMap* tq, con
 
     FwdRows r;
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) r.o[i] = 0.f;
+    for (int i = 0; i < DK / 2; ++i) r.o[i] = 0.f;
     r.m[0] = r.m[1] = NEG_INF;
     r.l[0] = r.l[1] = 0.f;
     const int n = e1 - e0;
@@ -397,4 +397,4 @@ flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_
              const __grid_constant__ TmaMap tv) {
     fwd_ws<FwdHalf>(p, &tq, &tk, &tv, p.scale_log2, 1.f);
 }
-#endif // FWD_WG && (D == 64 || D == 128 || D == 192 || D == 256)
+#endif // FWD_WG && (D == 64 || D == 96 || D == 128 || D == 192 || D == 256)

@@ -52,7 +52,7 @@ struct FwdE4m3 {
             pa[kk][3] = pack4_e4m3(x[10], x[11], x[14], x[15]);
         }
     }
-    __device__ static __forceinline__ void pv(float (&o)[D / 2], const PFrag& pa, u32 vs) {
+    __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) {
         const u64 dv = wg_desc(vs, 16, 1024);
 #pragma unroll
         for (int kk = 0; kk < FW_BN / 32; ++kk) wgmma_e4m3_rs_n128(o, pa[kk], wg_desc_add(dv, 32 * kk));

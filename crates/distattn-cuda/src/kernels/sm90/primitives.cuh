@@ -82,12 +82,16 @@ __device__ __forceinline__ void tma_box(u32 dst, const TmaMap* map, u32 bar, int
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
         ::"r"(dst), "l"((u64)map), "r"(bar), "r"(c0), "r"(r0), "r"(h), "r"(b) : "memory");
 }
+// The head dim of the warpgroup kernels' shared-memory tiles: whole 64-column (128-byte) swizzled
+// blocks. At d 96 the tiles are padded to 128 columns: TMA fills the columns past the tensor's
+// end with zeros, which add nothing to Q K^T, and P V's padded columns are not stored.
+#define DK ((D + 63) / 64 * 64)
 // Copies rows r0..r0+R-1 of (head h, batch b) of a bf16/f16 tensor into the swizzled tile at
-// dst (D/64 boxes).
+// dst (DK/64 boxes).
 template <int R>
 __device__ __forceinline__ void tma_load_rows(u32 dst, const TmaMap* map, u32 bar, int r0, int h, int b) {
 #pragma unroll
-    for (int cb = 0; cb < D / 64; ++cb) tma_box(dst + cb * R * 128, map, bar, cb * 64, r0, h, b);
+    for (int cb = 0; cb < DK / 64; ++cb) tma_box(dst + cb * R * 128, map, bar, cb * 64, r0, h, b);
 }
 // Registers per thread handed between warpgroups (warp-specialized kernels).
 template <int N>
@@ -188,7 +192,7 @@ template <int NA, bool ACC = false>
 __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_rows, int a_row0, u32 b, int b_rows) {
     const u64 da0 = wg_desc(a + a_row0 * 128, 16, 1024), db0 = wg_desc(b, 16, 1024);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < DK / 16; ++kk) {
         const u64 da = wg_desc_add(da0, (kk >> 2) * a_rows * 128 + (kk & 3) * 32);
         const u64 db = wg_desc_add(db0, (kk >> 2) * b_rows * 128 + (kk & 3) * 32);
         // (a k-step index of 0 starts from zero)
@@ -233,8 +237,8 @@ __device__ __forceinline__ u32 pack4_e4m3(float x0, float x1, float x2, float x3
     return (u32)lo | ((u32)hi << 16);
 }
 
-// The register-A product whose N is the head dim (O += P V, dV += P^T dO, dK += dS^T Q).
-#if D == 128
+// The register-A product whose N is the tiles' head dim (O += P V, dV += P^T dO, dK += dS^T Q).
+#if DK == 128
 #define wgmma_rs_nD wgmma_rs_n128
 #else
 #define wgmma_rs_nD wgmma_rs_n64
