@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 import f64  # noqa: E402
 
-STRATEGIES = ["ring", "zigzag", "striped", "balanced", "ulysses", "hybrid", "allgather", "dispatch"]
+# (double-ring:1: an outer ring only, so every block crosses between the inner rings of one rank)
+STRATEGIES = ["ring", "zigzag", "striped", "balanced", "ulysses", "hybrid", "double-ring:1", "allgather", "dispatch"]
 
 
 def _free_port():

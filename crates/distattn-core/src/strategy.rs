@@ -21,6 +21,10 @@ pub enum Strategy {
     /// USP: Ulysses in groups of `ulysses_degree` adjacent ranks, ring across the groups.
     /// `0` picks a degree.
     Hybrid { ulysses_degree: usize },
+    /// Double ring (LoongTrain): inner rings of `inner` adjacent ranks (a node), an outer ring
+    /// across them that moves each block once per inner ring. `0` picks the size (the ranks
+    /// per node when known).
+    DoubleRing { inner: usize },
     /// All-gather K and V once; backward reduce-scatters dK and dV.
     Allgather,
     /// Mask-aware dispatch: query chunks balanced by kept area, K/V chunks sent only where
@@ -36,13 +40,14 @@ pub enum Strategy {
 
 impl Strategy {
     /// Every strategy (hybrid with an automatic degree).
-    pub const ALL: [Strategy; 9] = [
+    pub const ALL: [Strategy; 10] = [
         Strategy::Ring,
         Strategy::Zigzag,
         Strategy::Striped,
         Strategy::Balanced,
         Strategy::Ulysses,
         Strategy::Hybrid { ulysses_degree: 0 },
+        Strategy::DoubleRing { inner: 0 },
         Strategy::Allgather,
         Strategy::Dispatch,
         Strategy::PassQ,
@@ -58,7 +63,14 @@ impl Strategy {
 
     /// Whether the strategy circulates K/V on a ring (and so has two backward variants).
     pub fn is_ring(self) -> bool {
-        matches!(self, Strategy::Ring | Strategy::Zigzag | Strategy::Striped | Strategy::Hybrid { .. })
+        matches!(
+            self,
+            Strategy::Ring
+                | Strategy::Zigzag
+                | Strategy::Striped
+                | Strategy::Hybrid { .. }
+                | Strategy::DoubleRing { .. }
+        )
     }
 }
 
@@ -72,6 +84,8 @@ impl fmt::Display for Strategy {
             Strategy::Ulysses => write!(f, "ulysses"),
             Strategy::Hybrid { ulysses_degree: 0 } => write!(f, "hybrid"),
             Strategy::Hybrid { ulysses_degree } => write!(f, "hybrid:{ulysses_degree}"),
+            Strategy::DoubleRing { inner: 0 } => write!(f, "double-ring"),
+            Strategy::DoubleRing { inner } => write!(f, "double-ring:{inner}"),
             Strategy::Allgather => write!(f, "allgather"),
             Strategy::Dispatch => write!(f, "dispatch"),
             Strategy::PassQ => write!(f, "pass-q"),
@@ -98,17 +112,25 @@ impl FromStr for Strategy {
                 };
                 return Ok(Strategy::Hybrid { ulysses_degree: u });
             }
+            "double-ring" | "doublering" | "loongtrain" => {
+                let inner = if arg.is_empty() {
+                    0
+                } else {
+                    arg.parse().map_err(|_| bad("expected double-ring:I with I the ranks of an inner ring"))?
+                };
+                return Ok(Strategy::DoubleRing { inner });
+            }
             "allgather" | "all-gather" => Strategy::Allgather,
             "dispatch" | "magi" => Strategy::Dispatch,
             "pass-q" | "passq" | "distattention" => Strategy::PassQ,
             _ => {
                 return Err(bad(
-                    "unknown strategy; expected ring, zigzag, striped, balanced, ulysses, hybrid[:U], allgather, dispatch or pass-q",
+                    "unknown strategy; expected ring, zigzag, striped, balanced, ulysses, hybrid[:U], double-ring[:I], allgather, dispatch or pass-q",
                 ))
             }
         };
         if !arg.is_empty() {
-            return Err(bad("only hybrid takes an argument"));
+            return Err(bad("only hybrid and double-ring take an argument"));
         }
         Ok(st)
     }
@@ -122,6 +144,7 @@ mod tests {
     fn strategy_names_round_trip() {
         let mut all = Strategy::ALL.to_vec();
         all.push(Strategy::Hybrid { ulysses_degree: 2 });
+        all.push(Strategy::DoubleRing { inner: 4 });
         for s in all {
             assert_eq!(s.to_string().parse::<Strategy>().unwrap(), s);
         }
@@ -134,5 +157,7 @@ mod tests {
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
         assert!(e.to_string().starts_with("invalid strategy 'spiral': unknown strategy"), "{e}");
         assert!("ring:2".parse::<Strategy>().is_err());
+        assert_eq!("loongtrain:2".parse::<Strategy>().unwrap(), Strategy::DoubleRing { inner: 2 });
+        assert!("double-ring:x".parse::<Strategy>().is_err());
     }
 }

@@ -42,6 +42,10 @@ fn strategies(p: usize) -> Vec<Strategy> {
     ];
     let u = if p.is_multiple_of(2) { 2 } else { p };
     v.push(Strategy::Hybrid { ulysses_degree: u });
+    // Inner rings of 2 (two or more outer steps at even P) and of 1 (every block crosses the
+    // outer ring; each rank starts inner rings with others' blocks).
+    v.push(Strategy::DoubleRing { inner: u });
+    v.push(Strategy::DoubleRing { inner: 1 });
     v
 }
 

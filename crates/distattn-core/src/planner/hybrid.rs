@@ -109,7 +109,7 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
         let name = if r_deg == 1 { "local".to_string() } else { format!("ring/{u}") };
         match &sliced {
             PassBufs::Forward(own) => ring::forward(b, 1, &ring_members, own, &name),
-            PassBufs::Backward(own) => ring::backward(b, 1, &ring_members, own, &name),
+            PassBufs::Backward(own) => ring::backward(b, 1, &[ring::BwdRing::own(&ring_members)], own, own, &name),
         }
     }
     if u_deg == 1 {

@@ -6,6 +6,7 @@ mod allgather;
 mod balanced;
 mod builder;
 mod dispatch;
+mod double_ring;
 mod hybrid;
 mod pass_q;
 mod ring;
@@ -13,6 +14,7 @@ mod ulysses;
 mod zigzag;
 
 pub use dispatch::dispatch_layout;
+pub use double_ring::default_inner_ring;
 pub use hybrid::default_ulysses_degree;
 
 use crate::plan::{Plan, PlanOptions};
@@ -73,6 +75,7 @@ pub fn build(
         Strategy::Balanced => balanced::plan(&mut b),
         Strategy::Ulysses => ulysses::plan(&mut b),
         Strategy::Hybrid { ulysses_degree } => hybrid::plan(&mut b, ulysses_degree),
+        Strategy::DoubleRing { inner } => double_ring::plan(&mut b, inner),
         Strategy::Allgather => allgather::plan(&mut b),
         Strategy::Dispatch => dispatch::plan(&mut b),
         Strategy::PassQ => pass_q::plan(&mut b),

@@ -23,7 +23,9 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let members: Vec<usize> = (0..b.world).collect();
     match b.declare_pass(layout) {
         PassBufs::Forward(bufs) => forward(b, &bufs),
-        PassBufs::Backward(bufs) => ring::backward(b, 0, &members, &bufs, "pass-q backward"),
+        PassBufs::Backward(bufs) => {
+            ring::backward(b, 0, &[ring::BwdRing::own(&members)], &bufs, &bufs, "pass-q backward")
+        }
     }
     Ok(())
 }

@@ -21,7 +21,7 @@ pub(super) fn over_layout(b: &mut Builder, layout: Layout, name: &str) -> Result
     let members: Vec<usize> = (0..b.world).collect();
     match b.declare_pass(layout) {
         PassBufs::Forward(bufs) => forward(b, 0, &members, &bufs, name),
-        PassBufs::Backward(bufs) => backward(b, 0, &members, &bufs, name),
+        PassBufs::Backward(bufs) => backward(b, 0, &[BwdRing::own(&members)], &bufs, &bufs, name),
     }
     Ok(())
 }
@@ -58,29 +58,48 @@ pub(super) fn forward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[
     }
 }
 
-/// Backward ring among `members`; `bufs[r]` is rank r's own shard and accumulators. Uses
-/// steps `step0 .. step0 + members.len()`.
-///
-/// The gradient of a travelling block does not travel with it: at step 0 a member adds into
-/// its own accumulators, and at a later step it computes into a fresh buffer that goes straight
-/// back to the block's owner (phase 1), which adds it after its next step's compute. So no
-/// step waits for a neighbour's previous compute, only for inputs sent a step ahead; just the
-/// last step's partials are waited for, at the end.
-pub(super) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &[BwdBufs], name: &str) {
-    let n = members.len();
-    if n == 1 {
-        b.label(step0, format!("{name} 0"));
-        b.bwd(members[0], step0, bufs[members[0]]);
-        return;
+/// A ring of a backward pass: its members (ranks, in ring order) and, per member, the rank
+/// that owns the travelling side of the block the member starts with (the member itself,
+/// except in a double ring's later outer steps).
+pub(super) struct BwdRing {
+    pub members: Vec<usize>,
+    pub owners: Vec<usize>,
+}
+
+impl BwdRing {
+    /// A ring whose members start with their own blocks.
+    pub fn own(members: &[usize]) -> BwdRing {
+        BwdRing { members: members.to_vec(), owners: members.to_vec() }
     }
+}
+
+/// Backward rings of equal length on disjoint ranks, side by side; `own[r]` is rank r's own
+/// shard and accumulators, and each member starts with `start[member]` (its own, or in a double
+/// ring a block that came from elsewhere). Uses steps `step0 .. step0 + ring length`.
+///
+/// The gradient of a travelling block does not travel with it: a member computing with its own
+/// block adds into its own accumulators; with another's it computes into a fresh buffer that
+/// goes straight back to the block's owner (phase 1), which adds it after its next step's
+/// compute. So no step waits for a neighbour's previous compute, only for inputs sent a step
+/// ahead; just the last step's partials are waited for, at the end. Every ring's compute of a
+/// step is emitted before any partial of it is sent (an owner may be in another ring).
+pub(super) fn backward(
+    b: &mut Builder,
+    step0: usize,
+    rings: &[BwdRing],
+    start: &[BwdBufs],
+    own: &[BwdBufs],
+    name: &str,
+) {
+    let n = rings.first().map_or(0, |r| r.members.len());
     // What travels: the K/V side (gradients dK, dV) or the query side (Q, dO, LSE, D; dQ).
     let travelling = b.opts.ring_backward;
     let what = match travelling {
         RingBackward::KvCirculate => "kv",
         RingBackward::QCirculate => "q,dO,lse,D",
     };
-    // held[i]: the buffers member i computes with at this step.
-    let mut held: Vec<BwdBufs> = members.iter().map(|&r| bufs[r]).collect();
+    // held[ring][i]: the buffers member i computes with at this step.
+    let mut held: Vec<Vec<BwdBufs>> = rings.iter().map(|g| g.members.iter().map(|&r| start[r]).collect()).collect();
     // Partials received in the previous step: (rank, received buffer, its accumulator there).
     let mut pending: Vec<(usize, BufId, BufId)> = Vec::new();
     for t in 0..n {
@@ -88,39 +107,47 @@ pub(super) fn backward(b: &mut Builder, step0: usize, members: &[usize], bufs: &
         b.label(step, step_label(name, t, what));
         let mut next = held.clone();
         if t + 1 < n {
-            for (i, own) in held.iter().enumerate() {
-                let to = (i + 1) % n;
-                let (from_rank, to_rank) = (members[i], members[to]);
-                match travelling {
-                    RingBackward::KvCirculate => next[to].kv = b.transfer_set(step, 0, from_rank, to_rank, own.kv),
-                    RingBackward::QCirculate => next[to].query = b.transfer_set(step, 0, from_rank, to_rank, own.query),
+            for (g, ring) in rings.iter().enumerate() {
+                for (i, own_block) in held[g].iter().enumerate() {
+                    let to = (i + 1) % n;
+                    let (from_rank, to_rank) = (ring.members[i], ring.members[to]);
+                    match travelling {
+                        RingBackward::KvCirculate => {
+                            next[g][to].kv = b.transfer_set(step, 0, from_rank, to_rank, own_block.kv)
+                        }
+                        RingBackward::QCirculate => {
+                            next[g][to].query = b.transfer_set(step, 0, from_rank, to_rank, own_block.query)
+                        }
+                    }
                 }
             }
         }
         // (computing rank, owner rank, partial gradient, the owner's accumulator)
         let mut partials = Vec::new();
-        for (i, &block) in held.iter().enumerate() {
-            let rank = members[i];
-            let owner = members[(i + n - t % n) % n];
-            let mut block = block;
-            if t > 0 {
-                if b.area(rank, block.query.q, block.kv.k) == 0 {
-                    continue;
+        for (g, ring) in rings.iter().enumerate() {
+            for (i, &block) in held[g].iter().enumerate() {
+                let rank = ring.members[i];
+                let owner = ring.owners[(i + n - t % n) % n];
+                let mut block = block;
+                if owner != rank {
+                    if b.area(rank, block.query.q, block.kv.k) == 0 {
+                        continue;
+                    }
+                    // The visiting side's gradients go into fresh buffers, sent back to its owner.
+                    let owner_grads = own[owner].grads;
+                    let mut partial = |acc: BufId| {
+                        let desc = b.desc(owner, acc).clone();
+                        let part = b.alloc(rank, step, desc, Fill::Zero);
+                        partials.push((rank, owner, part, acc));
+                        part
+                    };
+                    block.grads = match travelling {
+                        RingBackward::KvCirculate => GradBufs { dkv: owner_grads.dkv.map(&mut partial), ..block.grads },
+                        RingBackward::QCirculate => GradBufs { dq: partial(owner_grads.dq), ..block.grads },
+                    };
                 }
-                // The visiting side's gradients go into fresh buffers, sent back to its owner.
-                let owner_grads = bufs[owner].grads;
-                let mut partial = |acc: BufId| {
-                    let desc = b.desc(owner, acc).clone();
-                    let part = b.alloc(rank, step, desc, Fill::Zero);
-                    partials.push((rank, owner, part, acc));
-                    part
-                };
-                block.grads = match travelling {
-                    RingBackward::KvCirculate => GradBufs { dkv: owner_grads.dkv.map(&mut partial), ..block.grads },
-                    RingBackward::QCirculate => GradBufs { dq: partial(owner_grads.dq), ..block.grads },
-                };
+                b.bwd(rank, step, block);
             }
-            b.bwd(rank, step, block);
         }
         // The previous step's partials, added after this step's compute (they had it to arrive).
         add_pending(b, step, &mut pending);

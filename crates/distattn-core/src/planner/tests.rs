@@ -247,3 +247,39 @@ fn hybrid_keeps_all_to_alls_inside_nodes() {
     // Without the node structure, 16 ranks pick U = 8.
     assert_eq!(super::default_ulysses_degree(16, &shape, None), 8);
 }
+
+#[test]
+fn double_ring_crosses_nodes_once_per_outer_step() {
+    // P = 8 as 2 nodes of 4: a ring crosses a node at every step; the double ring's forward
+    // only at the start of its first outer step, its backward also to return partials.
+    let shape = AttnShape::new(1, 4096, 4096, 8, 8, 64).unwrap();
+    let mask = Mask::causal(4096, 4096).unwrap();
+    let node = |r: usize| r / 4;
+    let crossing_steps = |s: Strategy, opts: &PlanOptions| {
+        let plan = build(s, 8, &shape, &mask, DType::BF16, opts).unwrap();
+        plan.validate().unwrap();
+        let mut steps = std::collections::BTreeSet::new();
+        for (r, prog) in plan.ranks.iter().enumerate() {
+            for (step, ops) in prog.steps.iter().enumerate() {
+                for op in ops {
+                    if let crate::plan::Op::Comm { sends, .. } = op {
+                        if sends.iter().any(|&(to, _)| node(to) != node(r)) {
+                            steps.insert(step);
+                        }
+                    }
+                }
+            }
+        }
+        steps.len()
+    };
+    let fwd = PlanOptions::forward();
+    assert_eq!(crossing_steps(Strategy::Zigzag, &fwd), 7);
+    assert_eq!(crossing_steps(Strategy::DoubleRing { inner: 4 }, &fwd), 1);
+    let per_node = PlanOptions { ranks_per_node: Some(4), ..PlanOptions::forward() };
+    assert_eq!(crossing_steps(Strategy::DoubleRing { inner: 0 }, &per_node), 1, "the node size is the default");
+    assert_eq!(super::default_inner_ring(8, None), 4);
+    assert_eq!(super::default_inner_ring(7, None), 7);
+    assert_eq!(super::default_inner_ring(16, Some(8)), 8);
+    let e = build(Strategy::DoubleRing { inner: 3 }, 8, &shape, &mask, DType::BF16, &fwd).unwrap_err();
+    assert!(e.to_string().contains("does not divide"), "{e}");
+}

@@ -9,12 +9,17 @@ use crate::plan::Layout;
 use crate::Result;
 
 pub(super) fn plan(b: &mut Builder) -> Result<()> {
+    let layout = layout(b);
+    ring::over_layout(b, layout, "zigzag")
+}
+
+/// The zig-zag layout over all ranks, cut inside every document when the options give them.
+pub(super) fn layout(b: &Builder) -> Layout {
     let (q, k, p) = (b.shape.q_len, b.shape.k_len, b.world);
-    let layout = match &b.opts.documents {
+    match &b.opts.documents {
         Some(lens) if q == k && lens.iter().sum::<usize>() == q => Layout::doc_zigzag(lens, p),
         _ => Layout::zigzag(q, k, p),
-    };
-    ring::over_layout(b, layout, "zigzag")
+    }
 }
 
 pub(super) fn plan_striped(b: &mut Builder) -> Result<()> {

@@ -86,7 +86,8 @@ pub struct RunArgs {
 /// The context-parallel strategy and its planner options, for running and for planning.
 #[derive(Args, Clone)]
 pub struct StrategyArgs {
-    /// Context-parallel strategy: ring, zigzag, striped, balanced, ulysses, hybrid, allgather, dispatch, pass-q.
+    /// Context-parallel strategy: ring, zigzag, striped, balanced, ulysses, hybrid[:U], double-ring[:I], allgather,
+    /// dispatch, pass-q.
     #[arg(long, default_value = "zigzag")]
     pub strategy: Strategy,
     /// Ulysses group size of the hybrid strategy (default: the largest that divides heads and world).
