@@ -53,8 +53,7 @@ pub struct KernelConfig {
     pub fwd_bn: usize,
     pub bwd_warps: usize,
     pub bwd_bm: usize,
-    /// Backward with every GEMM tiled over the 8 warps (`flash_bwd_dkdv2`; sm_90+, d 64/128;
-    /// on sm_90a also set at d 96, for the tile plan of `flash_bwd_ws`).
+    /// Backward with every GEMM tiled over the 8 warps (`flash_bwd_dkdv2`; sm_90+, d 64/128).
     pub bwd_v2: bool,
     /// Backward on warpgroup MMAs, warp-specialized with TMA loads (`flash_bwd_ws`; sm_90a,
     /// d 64/96/128).
@@ -179,13 +178,13 @@ impl KernelConfig {
             self.dec_stages = n;
         }
         let hopper = arch == "sm_90a";
-        if hopper && self.head_dim == 96 && !off("bwd_v2") && !off("bwd_wg") {
-            // The warpgroup backward on tiles padded to 128 columns (v2's tile plan).
-            self.bwd_v2 = true;
+        // (`bwd_v2=0` keeps the mma.sync v1 backward, as it does off Hopper.)
+        self.bwd_wg = hopper && matches!(self.head_dim, 64 | 96 | 128) && !off("bwd_v2") && !off("bwd_wg");
+        if self.bwd_wg {
+            // Its tile plan: 128 keys (8 warps' worth) x 64 query rows.
             self.bwd_bm = 64;
             self.bwd_warps = 8;
         }
-        self.bwd_wg = hopper && matches!(self.head_dim, 64 | 96 | 128) && self.bwd_v2 && !off("bwd_wg");
         if hopper && !off("fwd_wg") {
             self.fwd_wg = true;
             self.fwd_warps = 8;

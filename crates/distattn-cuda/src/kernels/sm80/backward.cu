@@ -11,7 +11,7 @@
 #define BWD_NT (32 * BWD_WARPS)
 #define LDSS (BWD_BM + 8)
 
-#if !BWD_V2 // the one-warp-per-16-keys kernel (sm_80; head dims 96, 192, 256)
+#if !BWD_V2 && !BWD_WG // the one-warp-per-16-keys kernel (sm_80; above d 128 everywhere)
 // A warp holds dK and dV of its 16 keys in registers, which room allows for up to 128 columns:
 // above that, each key tile has BWD_PARTS blocks, block part c owning dK, dV and dQ columns
 // c * BWD_DC.. (S^T and dP^T, over all D columns, are computed by every part).

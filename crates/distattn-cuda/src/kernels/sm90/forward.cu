@@ -329,14 +329,14 @@ __device__ __forceinline__ void fwd_consume_ahead(const FwdParams& p, const FwdP
 // and the K/V tiles with TMA into Ops::STAGES stages each, signalled by mbarriers; warpgroups 1
 // and 2 (240 registers) compute 64 rows each (fwd_consume or, with Ops::SCORES_AHEAD,
 // fwd_consume_ahead) and release a stage as soon as the product reading it has completed.
-// The tiles' layouts and products come from Ops (FwdHalf; FwdE4m3 in forward_e4m3.cu); sl2 is
-// the scale of the scores in log2 units and o_scale multiplies the output.
+// The tiles' layouts and products come from Ops (FwdHalf; FwdE4m3 in forward_e4m3.cu); fb is
+// the block's fwd_block, sl2 the scale of the scores in log2 units and o_scale multiplies the
+// output.
 template <class Ops>
-__device__ __forceinline__ void fwd_ws(const FwdParams& p, const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
-                                       const float sl2, const float o_scale) {
+__device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, const TmaMap* tq, const TmaMap* tk,
+                                       const TmaMap* tv, const float sl2, const float o_scale) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const FwdPipe<Ops> sp(smem_u32(smem_raw));
-    const FwdBlock fb = fwd_block(p);
     const int qt = fb.qt, h = fb.h, kvh = fb.kvh, b = fb.b;
     const int tid = threadIdx.x, wg = warpgroup_index();
     const int q0 = qt * FW_BM;
@@ -395,6 +395,6 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const TmaMap* tq, con
 extern "C" __global__ void __launch_bounds__(384, 1)
 flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
              const __grid_constant__ TmaMap tv) {
-    fwd_ws<FwdHalf>(p, &tq, &tk, &tv, p.scale_log2, 1.f);
+    fwd_ws<FwdHalf>(p, fwd_block(p), &tq, &tk, &tv, p.scale_log2, 1.f);
 }
 #endif // FWD_WG && (D == 64 || D == 96 || D == 128 || D == 192 || D == 256)

@@ -67,7 +67,7 @@ flash_fwd_e4m3(const E4m3FwdParams p, const __grid_constant__ TmaMap tq, const _
     const float qd = p.q_descale ? p.q_descale[bh] : 1.f;
     const float kd = p.k_descale ? p.k_descale[bh] : 1.f;
     const float vd = p.v_descale ? p.v_descale[bh] : 1.f;
-    fwd_ws<FwdE4m3>(p.f, &tq, &tk, &tvt, p.f.scale_log2 * qd * kd, vd);
+    fwd_ws<FwdE4m3>(p.f, fb, &tq, &tk, &tvt, p.f.scale_log2 * qd * kd, vd);
 }
 
 // V [batch][keys][KV heads][D] -> V^T [batch][KV heads][D][k_pad], keys permuted per 32-key

@@ -147,7 +147,7 @@ fn expand_mask(name: &str, seq: usize) -> Result<MaskSpec> {
     })
 }
 
-fn random_tensor(rng: &mut rand::rngs::StdRng, shape: Vec<usize>, dtype: DType) -> HostTensor {
+pub(crate) fn random_tensor(rng: &mut rand::rngs::StdRng, shape: Vec<usize>, dtype: DType) -> HostTensor {
     let n: usize = shape.iter().product();
     let vals: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     HostTensor::from_f32(shape, &vals, dtype)
@@ -443,31 +443,41 @@ fn time_exec(
 }
 
 pub fn bench(mut args: BenchArgs) -> Result<()> {
+    // Where the ranks run, checked before any work (the decode bench spreads its cache on them).
+    let gpus = args.gpus.unwrap_or(0);
+    if args.gpus == Some(0) {
+        bail!("--gpus must be at least 1");
+    }
+    if gpus > 0 && args.world > 1 {
+        bail!("--world times in-process CPU ranks and --gpus local GPUs: pass one of them");
+    }
+    if gpus > 0 && args.backend == BackendArg::Cpu {
+        bail!("--gpus runs on the GPUs: drop --backend cpu");
+    }
+    if args.timelines.is_some() && gpus < 2 {
+        bail!("--timelines records runs across GPUs: add --gpus N (N >= 2)");
+    }
+    if gpus > 0 {
+        let found = distattn_cuda::gpu_count();
+        if found < gpus {
+            bail!("--gpus {gpus} needs {gpus} CUDA GPUs; {found} found");
+        }
+    }
+    // In-process ranks run on the CPU, and so does the single call they are compared with.
+    if args.world > 1 && args.backend == BackendArg::Auto {
+        args.backend = BackendArg::Cpu;
+    }
     if args.decode {
-        let spread = match (args.world, args.gpus) {
-            (_, Some(0)) => bail!("--gpus must be at least 1"),
-            (w, Some(g)) if w > 1 && g > 1 => {
-                bail!("--world times in-process CPU ranks and --gpus local GPUs: pass one of them")
-            }
-            (_, Some(g)) if g > 1 => {
-                if args.backend == BackendArg::Cpu {
-                    bail!("--gpus runs on the GPUs: drop --backend cpu");
-                }
-                let found = distattn_cuda::gpu_count();
-                if found < g {
-                    bail!("--gpus {g} needs {g} CUDA GPUs; {found} found");
-                }
-                Some(crate::decode_bench::Spread { ranks: g, on_gpus: true, placement: args.placement.clone() })
-            }
-            (w, _) if w > 1 => {
-                // One device's step on the CPU too, so the two compare.
-                if args.backend == BackendArg::Auto {
-                    args.backend = BackendArg::Cpu;
-                }
-                Some(crate::decode_bench::Spread { ranks: w, on_gpus: false, placement: args.placement.clone() })
-            }
+        let spread = match (gpus, args.world) {
+            (g, _) if g > 1 => Some((g, true)),
+            (_, w) if w > 1 => Some((w, false)),
             _ => None,
-        };
+        }
+        .map(|(ranks, on_gpus)| crate::decode_bench::Spread {
+            ranks,
+            on_gpus,
+            placement: args.placement.clone(),
+        });
         if let Some(s) = &spread {
             // A bad placement spec fails before any work.
             distattn::kv_placement::KvPlacement::from_spec(&s.placement, 1, s.ranks)?;
@@ -496,27 +506,7 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
             spread,
         });
     }
-    let gpus = args.gpus.unwrap_or(0);
-    if args.gpus == Some(0) {
-        bail!("--gpus must be at least 1");
-    }
-    if gpus > 0 && args.world > 1 {
-        bail!("--world times in-process CPU ranks and --gpus local GPUs: pass one of them");
-    }
-    if gpus > 0 && args.backend == BackendArg::Cpu {
-        bail!("--gpus runs on the GPUs: drop --backend cpu");
-    }
-    if args.timelines.is_some() && gpus < 2 {
-        bail!("--timelines records runs across GPUs: add --gpus N (N >= 2)");
-    }
-    if gpus > 0 {
-        let found = distattn_cuda::gpu_count();
-        if found < gpus {
-            bail!("--gpus {gpus} needs {gpus} CUDA GPUs; {found} found");
-        }
-    }
-    let backend = if args.world > 1 && args.backend == BackendArg::Auto { BackendArg::Cpu } else { args.backend };
-    let single = backend.execution(DType::BF16)?;
+    let single = args.backend.execution(DType::BF16)?;
     let gpu = matches!(single, Execution::Cuda(_));
     let pick = |given: &mut Vec<usize>, cpu: &[usize], cuda: &[usize]| {
         if given.is_empty() {

@@ -15,7 +15,7 @@ use distattn_nccl::time_gpu_strategy;
 use distattn_testkit::decode::{reference, DecodeCase};
 use distattn_testkit::{cast, lse_err, rel_err};
 use half::{bf16, f16};
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -153,12 +153,10 @@ fn spread_step(s: &Spread, requests: &[StepRequest], heads: usize, kv_heads: usi
 
 fn random_inputs(rng: &mut rand::rngs::StdRng, attn: &Attention, dtype: DType) -> [HostTensor; 3] {
     let sh = attn.shape();
-    let mut t = |rows: usize, heads: usize| {
-        let n = sh.batch * rows * heads * sh.head_dim;
-        let vals: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-        HostTensor::from_f32(vec![sh.batch, rows, heads, sh.head_dim], &vals, dtype)
+    let t = |rng: &mut rand::rngs::StdRng, rows, heads| {
+        crate::bench::random_tensor(rng, vec![sh.batch, rows, heads, sh.head_dim], dtype)
     };
-    [t(sh.q_len, sh.heads), t(sh.k_len, sh.kv_heads), t(sh.k_len, sh.kv_heads)]
+    [t(rng, sh.q_len, sh.heads), t(rng, sh.k_len, sh.kv_heads), t(rng, sh.k_len, sh.kv_heads)]
 }
 
 /// A ragged decode batch (homes on different ranks, one request without cached keys) over the
