@@ -17,21 +17,28 @@ fn out_of_bounds(what: &str, piece: Piece, src: usize, dst: usize) -> Error {
     Error::InvalidPlan(format!("{what} piece {piece:?} outside buffers of {src} and {dst} elements"))
 }
 
+/// Row runs of `pieces`, each checked to lie inside both buffers.
+fn checked_runs<'a>(
+    what: &'a str,
+    pieces: &'a [Piece],
+    src: usize,
+    dst: usize,
+) -> Result<impl Iterator<Item = (usize, usize, usize)> + 'a> {
+    match pieces.iter().find(|p| !p.fits(src, dst)) {
+        Some(&p) => Err(out_of_bounds(what, p, src, dst)),
+        None => Ok(pieces.iter().flat_map(|p| p.row_runs())),
+    }
+}
+
 fn copy_pieces<T: Copy>(src: &[T], dst: &mut [T], pieces: &[Piece]) -> Result<()> {
-    for &(s, d, n) in pieces {
-        if s + n > src.len() || d + n > dst.len() {
-            return Err(out_of_bounds("copy", (s, d, n), src.len(), dst.len()));
-        }
+    for (s, d, n) in checked_runs("copy", pieces, src.len(), dst.len())? {
         dst[d..d + n].copy_from_slice(&src[s..s + n]);
     }
     Ok(())
 }
 
 fn add_pieces<T: Element>(src: &[T], dst: &mut [f32], pieces: &[Piece]) -> Result<()> {
-    for &(s, d, n) in pieces {
-        if s + n > src.len() || d + n > dst.len() {
-            return Err(out_of_bounds("add", (s, d, n), src.len(), dst.len()));
-        }
+    for (s, d, n) in checked_runs("add", pieces, src.len(), dst.len())? {
         for (x, y) in dst[d..d + n].iter_mut().zip(&src[s..s + n]) {
             *x += y.to_f32();
         }

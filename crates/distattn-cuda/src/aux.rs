@@ -14,23 +14,24 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchCo
 use distattn_core::{AttnShape, DType, Error, Result};
 use std::sync::Arc;
 
-/// What the piece kernel does with each `(src offset, dst offset, len)` piece (offsets and
-/// lengths in elements).
+/// What the piece kernel does with each piece's rows (offsets, lengths and strides in the
+/// units the op moves).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PieceOp {
-    /// `dst[d..d+n] = src[s..s+n]`, elements of `elem_bytes` bytes (2 or 4), same type.
-    Copy { elem_bytes: usize },
+    /// `dst[d..d+n] = src[s..s+n]` in units of `unit_bytes` bytes (2, 4, 8 or 16).
+    Copy { unit_bytes: usize },
     /// `dst[d..d+n] += src[s..s+n]` into f32, from f32 or the module's element type.
     Add { src: DType },
 }
 
-/// A list of pieces on the device: `len` `(src offset, dst offset, len)` i64 triples at `ptr`,
-/// the longest piece `max_len` elements (it sizes the grid; every piece is copied whole).
+/// A list of pieces on the device: `len` `(src, dst, len, rows, src stride, dst stride)` i64
+/// sextuples at `ptr`, the largest piece `max_units` units (it sizes the grid; every piece is
+/// moved whole).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PieceList {
     pub ptr: u64,
     pub len: usize,
-    pub max_len: usize,
+    pub max_units: usize,
 }
 
 /// The device addresses of an (O, LSE) pair, both f32: O `[b, tokens, heads, head_dim]`, LSE
@@ -71,6 +72,8 @@ pub struct AuxKernels {
     convert_f32: CudaFunction,
     copy_u16: CudaFunction,
     copy_u32: CudaFunction,
+    copy_u64: CudaFunction,
+    copy_u128: CudaFunction,
     add_f32: CudaFunction,
     add_elem: CudaFunction,
     merge_pieces: CudaFunction,
@@ -101,6 +104,8 @@ impl AuxKernels {
             convert_f32: f("convert_f32")?,
             copy_u16: f("copy_u16")?,
             copy_u32: f("copy_u32")?,
+            copy_u64: f("copy_u64")?,
+            copy_u128: f("copy_u128")?,
             add_f32: f("add_f32")?,
             add_elem: f("add_elem")?,
             merge_pieces: f("merge_pieces")?,
@@ -197,15 +202,18 @@ impl AuxKernels {
     /// Copies or adds the pieces of `list` (`op`) from `src` to `dst`.
     ///
     /// # Safety
-    /// `list.ptr` holds `3 list.len` i64 in the context of `s`; `src` and `dst` are addresses
-    /// there of buffers of `op`'s types (an add's destination is f32) covering every piece.
+    /// `list.ptr` holds `6 list.len` i64 in the context of `s`, in `op`'s units; `src` and `dst`
+    /// are addresses there of buffers of `op`'s types (an add's destination is f32), aligned to
+    /// its unit and covering every piece.
     pub unsafe fn pieces(&self, s: &CudaStream, op: PieceOp, src: u64, dst: u64, list: PieceList) -> Result<()> {
-        let PieceList { ptr: pieces, len: n_pieces, max_len } = list;
+        let PieceList { ptr: pieces, len: n_pieces, max_units } = list;
         let f = match op {
-            PieceOp::Copy { elem_bytes: 2 } => &self.copy_u16,
-            PieceOp::Copy { elem_bytes: 4 } => &self.copy_u32,
-            PieceOp::Copy { elem_bytes } => {
-                return Err(backend_err(format!("piece copies move 2- or 4-byte elements, not {elem_bytes}")))
+            PieceOp::Copy { unit_bytes: 2 } => &self.copy_u16,
+            PieceOp::Copy { unit_bytes: 4 } => &self.copy_u32,
+            PieceOp::Copy { unit_bytes: 8 } => &self.copy_u64,
+            PieceOp::Copy { unit_bytes: 16 } => &self.copy_u128,
+            PieceOp::Copy { unit_bytes } => {
+                return Err(backend_err(format!("piece copies move 2-, 4-, 8- or 16-byte units, not {unit_bytes}")))
             }
             PieceOp::Add { src: DType::F32 } => &self.add_f32,
             PieceOp::Add { src } => {
@@ -213,18 +221,18 @@ impl AuxKernels {
                 &self.add_elem
             }
         };
-        if n_pieces == 0 || max_len == 0 {
+        if n_pieces == 0 || max_units == 0 {
             return Ok(());
         }
-        let y = max_len.div_ceil(256 * 4).clamp(1, 4096) as u32;
+        let y = max_units.div_ceil(256 * 4).clamp(1, 65535) as u32;
         let mut left = n_pieces;
         let mut first = 0usize;
         while left > 0 {
-            let n = left.min(65535 * 1024);
-            let first_piece = pieces + (first * 3 * 8) as u64;
+            let n = left.min(i32::MAX as usize);
+            let first_piece = pieces + (first * 6 * 8) as u64;
             let cfg = LaunchConfig { grid_dim: (n as u32, y, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: the arguments are the kernels' (src, dst, pieces), three u64 addresses; block
-            // x < n reads triple first + x of the list, within its n_pieces (first + n ≤
+            // x < n reads sextuple first + x of the list, within its n_pieces (first + n ≤
             // n_pieces), and moves that piece, inside src and dst under this function's contract.
             unsafe { s.launch_builder(f).arg(&src).arg(&dst).arg(&first_piece).launch(cfg) }
                 .map_err(drv("launching a piece copy"))?;
@@ -312,6 +320,8 @@ mod tests {
                 "convert_f32",
                 "copy_u16",
                 "copy_u32",
+                "copy_u64",
+                "copy_u128",
                 "add_f32",
                 "add_elem",
                 "merge_pieces",

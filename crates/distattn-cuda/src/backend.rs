@@ -25,13 +25,37 @@ fn f32_only(what: &str, bufs: &[&GpuBuf]) -> Result<()> {
 }
 
 fn in_bounds(what: &str, pieces: &[Piece], src: &GpuBuf, dst: &GpuBuf) -> Result<()> {
-    match pieces.iter().find(|&&(s, d, n)| s + n > src.len() || d + n > dst.len()) {
+    match pieces.iter().find(|p| !p.fits(src.len(), dst.len())) {
         Some(p) => Err(Error::InvalidPlan(format!(
             "{what} piece {p:?} outside buffers of {} and {} elements",
             src.len(),
             dst.len()
         ))),
         None => Ok(()),
+    }
+}
+
+/// The widest unit (16, 8 or 4 bytes, else the element's) dividing both addresses and every
+/// offset, length and stride of `pieces`, which count `elem`-byte elements.
+fn copy_unit(elem: usize, src: u64, dst: u64, pieces: &[Piece]) -> usize {
+    let fields = pieces.iter().flat_map(|p| [p.src, p.dst, p.len, p.src_stride, p.dst_stride]);
+    let gcd_elems = fields.fold(0usize, gcd);
+    [16, 8, 4]
+        .into_iter()
+        .find(|&u| {
+            u > elem
+                && src.is_multiple_of(u as u64)
+                && dst.is_multiple_of(u as u64)
+                && (gcd_elems * elem).is_multiple_of(u)
+        })
+        .unwrap_or(elem)
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 
@@ -42,7 +66,7 @@ impl CudaBackend {
             return Ok(());
         }
         let (op, aux_dtype) = match (add, src.dtype(), dst.dtype()) {
-            (false, a, b) if a == b => (PieceOp::Copy { elem_bytes: a.size() }, a),
+            (false, a, b) if a == b => (PieceOp::Copy { unit_bytes: a.size() }, a),
             (true, a, DType::F32) => (PieceOp::Add { src: a }, a),
             (_, a, b) => {
                 return Err(Error::DTypeMismatch {
@@ -54,16 +78,30 @@ impl CudaBackend {
             }
         };
         in_bounds(if add { "add" } else { "copy" }, pieces, src, dst)?;
-        let flat: Vec<i64> = pieces.iter().flat_map(|&(a, b, n)| [a as i64, b as i64, n as i64]).collect();
-        let max = pieces.iter().map(|x| x.2).max().unwrap_or(0);
+        let s = self.lane(lane);
+        let (src_ptr, dst_ptr) = (src.ptr(s), dst.ptr(s));
+        // Copies move the widest unit that every address, offset, length and stride allows.
+        let (op, unit) = match op {
+            PieceOp::Copy { unit_bytes: elem } => {
+                let unit = copy_unit(elem, src_ptr, dst_ptr, pieces);
+                (PieceOp::Copy { unit_bytes: unit }, unit / elem)
+            }
+            add => (add, 1),
+        };
+        let flat: Vec<i64> = pieces
+            .iter()
+            .flat_map(|p| [p.src / unit, p.dst / unit, p.len / unit, p.rows, p.src_stride / unit, p.dst_stride / unit])
+            .map(|x| x as i64)
+            .collect();
+        let max_units = pieces.iter().map(|p| p.len * p.rows / unit).max().unwrap_or(0);
         let list = self.indices(lane, &flat)?;
         let aux = self.aux(aux_dtype)?;
-        let s = self.lane(lane);
-        let piece_list = PieceList { ptr: self.index_ptr(lane, &list), len: pieces.len(), max_len: max };
-        // SAFETY: the list holds the triples, uploaded for this lane's stream (`list` and the cache
-        // keep them; an evicted list is freed in that stream's order, after the kernel); every
-        // piece lies within both buffers (checked above), and their dtypes select `op`.
-        unsafe { aux.pieces(s, op, src.ptr(s), dst.ptr(s), piece_list) }
+        let piece_list = PieceList { ptr: self.index_ptr(lane, &list), len: pieces.len(), max_units };
+        // SAFETY: the list holds the sextuples in `op`'s units, uploaded for this lane's stream
+        // (`list` and the cache keep them; an evicted list is freed in that stream's order, after
+        // the kernel); every piece lies within both buffers (checked above), the unit divides
+        // both addresses (copy_unit), and the dtypes select `op`.
+        unsafe { aux.pieces(s, op, src_ptr, dst_ptr, piece_list) }
     }
 
     /// Forward of one block into f32 (O, LSE) buffers of the block's rows.
@@ -278,5 +316,24 @@ impl Backend for CudaBackend {
         // any element type; all three are used on the compute stream, where this runs.
         unsafe { aux.row_delta(s, o.ptr(s), DType::F32, d_o.ptr(s), delta.ptr(s), rows) }?;
         Ok(delta)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_move_the_widest_unit_every_offset_allows() {
+        // bf16 head slices of d 128 rows: 256-byte rows, 16-byte units.
+        let head_slice = [Piece::strided(256, 0, 256, 100, 1024, 256)];
+        assert_eq!(copy_unit(2, 0, 4096, &head_slice), 16);
+        // An address only 8-byte aligned caps the unit.
+        assert_eq!(copy_unit(2, 8, 4096, &head_slice), 8);
+        // An odd offset leaves the element itself.
+        assert_eq!(copy_unit(2, 0, 0, &[Piece::run(3, 0, 64)]), 2);
+        // f32 LSE rows of 6 elements: 8 bytes.
+        assert_eq!(copy_unit(4, 0, 0, &[Piece::strided(0, 6, 6, 4, 12, 6)]), 8);
+        assert_eq!(copy_unit(4, 0, 0, &[Piece::run(1, 0, 3)]), 4);
     }
 }

@@ -5,10 +5,57 @@
 use distattn_core::plan::BufDesc;
 use distattn_core::AttnShape;
 
-/// `(source offset, destination offset, length)` in elements.
-pub type Piece = (usize, usize, usize);
+/// A strided block of elements moved by one copy or add: `rows` rows of `len` elements, row
+/// `r` starting at `src + r·src_stride` in the source and `dst + r·dst_stride` in the
+/// destination. A head slice of a token run is one piece (a row per token), so a copy's list
+/// stays a few entries long however many tokens it moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Piece {
+    pub src: usize,
+    pub dst: usize,
+    pub len: usize,
+    pub rows: usize,
+    pub src_stride: usize,
+    pub dst_stride: usize,
+}
 
-/// Element pieces copying the (tokens ∩, heads ∩) part of `src` into `dst`.
+impl Piece {
+    /// `rows` rows of `len` elements; rows that follow each other on both sides fold into one.
+    pub fn strided(src: usize, dst: usize, len: usize, rows: usize, src_stride: usize, dst_stride: usize) -> Piece {
+        if rows > 1 && src_stride == len && dst_stride == len {
+            return Piece { src, dst, len: len * rows, rows: 1, src_stride: len * rows, dst_stride: len * rows };
+        }
+        Piece { src, dst, len, rows, src_stride, dst_stride }
+    }
+
+    /// One run of `len` elements.
+    pub fn run(src: usize, dst: usize, len: usize) -> Piece {
+        Piece::strided(src, dst, len, 1, len, len)
+    }
+
+    /// `(source offset, destination offset, length)` of each row.
+    pub fn row_runs(self) -> impl Iterator<Item = (usize, usize, usize)> {
+        (0..self.rows).map(move |r| (self.src + r * self.src_stride, self.dst + r * self.dst_stride, self.len))
+    }
+
+    /// One past the last source and destination elements the piece touches (0 if empty).
+    pub fn ends(&self) -> (usize, usize) {
+        if self.rows == 0 || self.len == 0 {
+            return (0, 0);
+        }
+        let last = self.rows - 1;
+        (self.src + last * self.src_stride + self.len, self.dst + last * self.dst_stride + self.len)
+    }
+
+    /// Whether the piece lies inside a source of `src_len` and a destination of `dst_len` elements.
+    pub fn fits(&self, src_len: usize, dst_len: usize) -> bool {
+        let (s, d) = self.ends();
+        s <= src_len && d <= dst_len
+    }
+}
+
+/// Pieces copying the (tokens ∩, heads ∩) part of `src` into `dst`: one per batch entry and
+/// shared token run.
 pub fn pieces(src: &BufDesc, dst: &BufDesc, shape: &AttnShape) -> Vec<Piece> {
     let tp = src.tokens.pieces_into(&dst.tokens);
     let (h0, h1) = (src.heads.start.max(dst.heads.start), src.heads.end.min(dst.heads.end));
@@ -18,27 +65,24 @@ pub fn pieces(src: &BufDesc, dst: &BufDesc, shape: &AttnShape) -> Vec<Piece> {
     }
     let (ns, nd) = (src.tokens.len(), dst.tokens.len());
     let (hs, hd) = (src.heads.len(), dst.heads.len());
-    if src.tensor.is_stats() {
-        for b in 0..shape.batch {
-            for h in h0..h1 {
-                let (bs, bd) = ((b * hs + h - src.heads.start) * ns, (b * hd + h - dst.heads.start) * nd);
-                out.extend(tp.iter().map(|&(sa, sb, n)| (bs + sa, bd + sb, n)));
-            }
-        }
-        return out;
-    }
-    let d = shape.head_dim;
+    let (hs0, hd0) = (h0 - src.heads.start, h0 - dst.heads.start);
     for b in 0..shape.batch {
         for &(sa, sb, n) in &tp {
-            if hs == h1 - h0 && hd == h1 - h0 {
-                out.push((((b * ns + sa) * hs) * d, ((b * nd + sb) * hd) * d, n * hs * d));
+            out.push(if src.tensor.is_stats() {
+                // [b, heads, tokens]: a row per head.
+                Piece::strided((b * hs + hs0) * ns + sa, (b * hd + hd0) * nd + sb, n, h1 - h0, ns, nd)
             } else {
-                for t in 0..n {
-                    let so = ((b * ns + sa + t) * hs + h0 - src.heads.start) * d;
-                    let dof = ((b * nd + sb + t) * hd + h0 - dst.heads.start) * d;
-                    out.push((so, dof, (h1 - h0) * d));
-                }
-            }
+                // [b, tokens, heads, d]: a row per token.
+                let d = shape.head_dim;
+                Piece::strided(
+                    ((b * ns + sa) * hs + hs0) * d,
+                    ((b * nd + sb) * hd + hd0) * d,
+                    (h1 - h0) * d,
+                    n,
+                    hs * d,
+                    hd * d,
+                )
+            });
         }
     }
     out
@@ -175,6 +219,78 @@ mod tests {
         }
     }
 
+    /// Position → token of a set, by its runs.
+    fn tokens_of(set: &TokenSet) -> Vec<usize> {
+        set.to_runs().into_iter().flatten().collect()
+    }
+
+    #[test]
+    fn strided_pieces_move_exactly_the_shared_elements() {
+        // Per tensor layout, batch 2: every destination element the source shares is written
+        // with the source's value, and no other.
+        let shape = AttnShape::new(2, 40, 40, 6, 6, 3).unwrap();
+        let cases = [
+            (TokenSet::range(0..20), 0..6, TokenSet::range(0..40), 2..5),
+            (TokenSet::from_runs(vec![0..5, 30..40]), 1..4, TokenSet::from_runs(vec![0..8, 28..36]), 0..6),
+            (TokenSet::Strided { start: 1, step: 3, count: 9 }, 0..6, TokenSet::range(0..30), 3..6),
+            (TokenSet::range(10..30), 2..4, TokenSet::range(0..40), 0..6),
+        ];
+        for tensor in [Tensor::Q, Tensor::Lse] {
+            for (st, sh, dt, dh) in cases.clone() {
+                let src = BufDesc::new(tensor, st.clone(), sh.clone());
+                let dst = BufDesc::new(tensor, dt.clone(), dh.clone());
+                let (ns, nd, d) = (st.len(), dt.len(), if tensor.is_stats() { 1 } else { shape.head_dim });
+                let at = |b: usize, t: usize, h: usize, n: usize, hs: usize, c: usize| {
+                    if tensor.is_stats() {
+                        (b * hs + h) * n + t
+                    } else {
+                        ((b * n + t) * hs + h) * d + c
+                    }
+                };
+                let mut out = vec![usize::MAX; dst.elems(&shape)];
+                for (s, o, n) in pieces(&src, &dst, &shape).iter().flat_map(|p| p.row_runs()) {
+                    for i in 0..n {
+                        out[o + i] = s + i;
+                    }
+                }
+                let (src_tokens, dst_tokens) = (tokens_of(&st), tokens_of(&dt));
+                for b in 0..2 {
+                    for (ti, tok) in dst_tokens.iter().enumerate() {
+                        for h in dh.clone() {
+                            for c in 0..d {
+                                let want = match src_tokens.iter().position(|x| x == tok) {
+                                    Some(si) if sh.contains(&h) => at(b, si, h - sh.start, ns, sh.len(), c),
+                                    _ => usize::MAX,
+                                };
+                                assert_eq!(
+                                    out[at(b, ti, h - dh.start, nd, dh.len(), c)],
+                                    want,
+                                    "{tensor:?} {src:?} -> {dst:?}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_head_slice_of_a_run_is_one_piece_and_whole_rows_fold() {
+        let shape = AttnShape::new(1, 64, 64, 8, 8, 4).unwrap();
+        let all = BufDesc::new(Tensor::Q, TokenSet::range(0..64), 0..8);
+        let slice = BufDesc::new(Tensor::Q, TokenSet::range(0..64), 2..4);
+        assert_eq!(pieces(&all, &slice, &shape), vec![Piece::strided(8, 0, 8, 64, 32, 8)]);
+        let half = BufDesc::new(Tensor::Q, TokenSet::range(32..64), 0..8);
+        assert_eq!(
+            pieces(&half, &all, &shape),
+            vec![Piece { src: 0, dst: 1024, len: 1024, rows: 1, src_stride: 1024, dst_stride: 1024 }]
+        );
+        assert_eq!(Piece::strided(0, 0, 0, 5, 3, 3).ends(), (0, 0));
+        assert!(Piece::strided(2, 0, 3, 4, 5, 3).fits(2 + 3 * 5 + 3, 12));
+        assert!(!Piece::strided(2, 0, 3, 4, 5, 3).fits(2 + 3 * 5 + 2, 12));
+    }
+
     #[test]
     fn pieces_copy_the_shared_part() {
         // A [1, 10 tokens, 4 heads, d 2] buffer into one holding tokens 4..14 and heads 1..3.
@@ -183,7 +299,9 @@ mod tests {
         let dst = BufDesc::new(Tensor::Q, TokenSet::range(4..14), 1..3);
         let values: Vec<usize> = (0..src.elems(&shape)).collect();
         let mut out = vec![usize::MAX; dst.elems(&shape)];
-        for (s, d, n) in pieces(&src, &dst, &shape) {
+        let list = pieces(&src, &dst, &shape);
+        assert_eq!(list.len(), 1, "one token run, one piece");
+        for (s, d, n) in list.iter().flat_map(|p| p.row_runs()) {
             out[d..d + n].copy_from_slice(&values[s..s + n]);
         }
         for t in 0..10 {

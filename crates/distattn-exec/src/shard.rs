@@ -15,10 +15,10 @@ fn whole(desc: &BufDesc, shape: &AttnShape) -> BufDesc {
 /// The elements of a full tensor (`[b, n, H, d]`, or `[b, H, n]` for LSE and D) that belong
 /// to a buffer of descriptor `desc`, in the buffer's order.
 pub fn shard<T: Copy>(full: &[T], desc: &BufDesc, shape: &AttnShape) -> Vec<T> {
-    let mut p = pieces(&whole(desc, shape), desc, shape);
-    p.sort_by_key(|x| x.1);
+    let mut runs: Vec<_> = pieces(&whole(desc, shape), desc, shape).into_iter().flat_map(|p| p.row_runs()).collect();
+    runs.sort_by_key(|x| x.1);
     let mut out = Vec::with_capacity(desc.elems(shape));
-    for (s, _, n) in p {
+    for (s, _, n) in runs {
         out.extend_from_slice(&full[s..s + n]);
     }
     out
@@ -26,7 +26,7 @@ pub fn shard<T: Copy>(full: &[T], desc: &BufDesc, shape: &AttnShape) -> Vec<T> {
 
 /// Writes a shard back into the full tensor.
 pub fn unshard_into<T: Copy>(part: &[T], desc: &BufDesc, shape: &AttnShape, full: &mut [T]) {
-    for (s, d, n) in pieces(desc, &whole(desc, shape), shape) {
+    for (s, d, n) in pieces(desc, &whole(desc, shape), shape).into_iter().flat_map(|p| p.row_runs()) {
         full[d..d + n].copy_from_slice(&part[s..s + n]);
     }
 }

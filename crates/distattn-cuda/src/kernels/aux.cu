@@ -70,21 +70,29 @@ extern "C" __global__ void __launch_bounds__(256) convert_f32(const float* src, 
 
 // ---------------------------------------------------------------- piece copies and adds
 
-// For each (s, d, n) triple of `pieces` (blockIdx.x picks the piece, blockIdx.y strides through
-// it): dst[d + i] = src[s + i] (copy, same type) or dst[d + i] += src[s + i] as f32 (ADD), i < n.
+// For each piece of `pieces` (blockIdx.x picks it; six i64: src, dst, len, rows, src stride,
+// dst stride, in elements of the kernel's type), blockIdx.y and the threads stride through its
+// rows × len elements: dst[d + r·ds + i] = src[s + r·ss + i] (copy, same type; the host picks
+// the widest type that every offset allows) or += src as f32 (ADD).
 template <bool ADD, typename S, typename T>
 __device__ __forceinline__ void run_piece(const S* __restrict__ src, T* __restrict__ dst,
                                           const i64* __restrict__ pieces) {
-    const i64 s = pieces[3 * blockIdx.x], d = pieces[3 * blockIdx.x + 1], n = pieces[3 * blockIdx.x + 2];
-    for (i64 i = (i64)blockIdx.y * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.y * blockDim.x) {
-        if constexpr (ADD) dst[d + i] += to_f32(src[s + i]);
-        else dst[d + i] = src[s + i];
+    const i64* p = pieces + 6 * (i64)blockIdx.x;
+    const i64 s = p[0], d = p[1], len = p[2], total = len * p[3], ss = p[4], ds = p[5];
+    for (i64 j = (i64)blockIdx.y * blockDim.x + threadIdx.x; j < total; j += (i64)gridDim.y * blockDim.x) {
+        const i64 r = j / len, i = j - r * len;
+        if constexpr (ADD) dst[d + r * ds + i] += to_f32(src[s + r * ss + i]);
+        else dst[d + r * ds + i] = src[s + r * ss + i];
     }
 }
 extern "C" __global__ void copy_u16(const unsigned short* src, unsigned short* dst, const i64* pieces) {
     run_piece<false>(src, dst, pieces);
 }
 extern "C" __global__ void copy_u32(const u32* src, u32* dst, const i64* pieces) { run_piece<false>(src, dst, pieces); }
+extern "C" __global__ void copy_u64(const unsigned long long* src, unsigned long long* dst, const i64* pieces) {
+    run_piece<false>(src, dst, pieces);
+}
+extern "C" __global__ void copy_u128(const uint4* src, uint4* dst, const i64* pieces) { run_piece<false>(src, dst, pieces); }
 extern "C" __global__ void add_f32(const float* src, float* dst, const i64* pieces) { run_piece<true>(src, dst, pieces); }
 extern "C" __global__ void add_elem(const elem_t* src, float* dst, const i64* pieces) {
     run_piece<true>(src, dst, pieces);
