@@ -8,8 +8,8 @@
 # stage runs them), GPUS (default: all), SEQS (default 32768,131072),
 # STRATEGIES (default zigzag,balanced,ulysses,allgather), BUDGET_S (default 400: later stages are
 # skipped or shortened to end within it), PROBE_SEQS (default 524288; empty = no probe),
-# MASKS (';'-separated, default causal: the distattn benchmark runs each; PyTorch's context
-# parallel runs causal only), KV_HEADS (default 8), STAGES (default check,bench,kill,torch,probe),
+# MASKS (';'-separated, default causal: the distattn benchmark runs each; the PyTorch peers run
+# those of causal and full they support), KV_HEADS (default 8), STAGES (default check,bench,kill,torch,probe),
 # TORCH_CONFIGS (default: every flash/cuDNN rotation and the Ulysses baseline on both backends), DISTATTN_COMMIT.
 # Writes OUTDIR/check/ (the GPU tests' logs), distattn.json, timelines.json, torch.json, probe.json,
 # multigpu.json ({device, date, commit, rows}: distattn + torch rows) and prints a summary last.
@@ -74,7 +74,8 @@ if want torch && [ "$(left)" -gt 60 ]; then
   TPROBE=""
   [ "$(left)" -gt 200 ] && TPROBE="$PROBE_SEQS"
   # Own process group, so that the spawned ranks end with it (killed by its id on overrun).
-  setsid python3 "$HERE/torch_cp.py" --world "$GPUS" --seqs "$SEQS" --passes fwd,fwdbwd \
+  TMASKS=$(echo "$MASKS" | tr ';' '\n' | grep -xE 'causal|full' | paste -sd, -)
+  setsid python3 "$HERE/torch_cp.py" --world "$GPUS" --seqs "$SEQS" --passes fwd,fwdbwd --masks "${TMASKS:-causal}" \
     --heads 32 --kv-heads "$KV_HEADS" --iters 3 --configs "$CONFIGS" --probe-seqs "$TPROBE" --out "$OUT/torch.json" &
   TP=$!; TEND=$(( SECONDS + $(left) - 25 ))
   while kill -0 $TP 2>/dev/null && [ $SECONDS -lt $TEND ]; do sleep 1; done
@@ -110,14 +111,15 @@ for r in sorted(rows, key=lambda r: (r["pass"], r["seq"], -(r.get("tflops_per_gp
     eff = r.get("scaling_eff"); hid = r.get("comm_hidden_frac"); mem = r.get("mem_gb_per_gpu")
     print(f"{r['impl']:15s} {r['strategy']:17s} {str(r.get('mask', 'causal')):22s} {r.get('kv_heads', 8):>3} {r['seq']:>7d} {r['pass']:8s} {r['tflops_per_gpu']:11.1f} {r['ms']:9.2f} "
           f"{(f'{mem:.1f}' if mem is not None else '-'):>7s} {(f'{100*eff:.0f}%' if eff else '-'):>5s} {(f'{100*hid:.0f}%' if hid is not None else '-'):>6s}")
-for seq in sorted({r["seq"] for r in rows}):
+for mask, seq in sorted({(r.get("mask", "causal"), r["seq"]) for r in rows}):
     for ps in ("fwd", "fwd+bwd"):
-        dd = [r for r in rows if r["impl"] == "distattn" and r["seq"] == seq and r["pass"] == ps and r.get("mask", "causal") == "causal"]
-        tt = [r for r in rows if r["impl"] == "torch-cp" and r["seq"] == seq and r["pass"] == ps]
-        uu = [r for r in rows if r["impl"] == "torch-ulysses" and r["seq"] == seq and r["pass"] == ps]
+        same = lambda r, impl: r["impl"] == impl and r["seq"] == seq and r["pass"] == ps and r.get("mask", "causal") == mask
+        dd = [r for r in rows if same(r, "distattn")]
+        tt = [r for r in rows if same(r, "torch-cp")]
+        uu = [r for r in rows if same(r, "torch-ulysses")]
         if dd and (tt or uu):
             bd = max(dd, key=lambda r: r["tflops"])
-            s = f"seq {seq:>7d} {ps:8s}: best distattn {bd['strategy']} {bd['tflops_per_gpu']:.1f}/GPU"
+            s = f"{mask:6s} seq {seq:>7d} {ps:8s}: best distattn {bd['strategy']} {bd['tflops_per_gpu']:.1f}/GPU"
             if tt:
                 bt = max(tt, key=lambda r: r["tflops"]); s += f" | best torch-cp {bt['strategy']} {bt['tflops_per_gpu']:.1f}/GPU ratio {bd['tflops']/bt['tflops']:.2f}x"
             if uu:

@@ -9,7 +9,7 @@
   the yunchang / DeepSpeed-Ulysses layout.
 
 usage: torch_cp.py --world 4 --seqs 32768,131072 --passes fwd,fwdbwd --heads 32 --kv-heads 8
-                   --out FILE [--iters 3] [--probe-seqs 524288] [--configs ...]
+                   --out FILE [--iters 3] [--probe-seqs 524288] [--configs ...] [--masks causal,full]
 Rows: impl, pass, causal, batch, seq, heads, head_dim, dtype, tflops, gpus, strategy, mask,
 kv_heads, tflops_per_gpu, ms, mem_gb_per_gpu, gqa (native / expanded K,V heads).
 """
@@ -46,8 +46,8 @@ WARM = 1  # warm-up iterations (0 for the longest-sequence probe)
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def flops(seq, heads, d, fwdbwd):
-    area = seq * (seq + 1) / 2
+def flops(seq, heads, d, fwdbwd, causal):
+    area = seq * (seq + 1) / 2 if causal else seq * seq
     f = 4.0 * area * d * heads
     return f * (3.5 if fwdbwd else 1.0)
 
@@ -107,17 +107,17 @@ def head_to_seq(o, P):
     return y.permute(1, 2, 0, 3, 4).reshape(B, s, P * h, D)
 
 
-def sdpa(q, k, v, gqa):
+def sdpa(q, k, v, gqa, causal):
     if gqa == "native":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
     if k.shape[1] != q.shape[1]:
         r = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(r, dim=1)
         v = v.repeat_interleave(r, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def run_ulysses(args, seq, fwdbwd, P, rank, backend):
+def run_ulysses(args, seq, fwdbwd, P, rank, backend, causal):
     B, H, Hkv, D = 1, args.heads, args.kv_heads, 128
     s = seq // P
     g = torch.Generator(device="cuda").manual_seed(rank)
@@ -129,11 +129,11 @@ def run_ulysses(args, seq, fwdbwd, P, rank, backend):
             with sdpa_kernel([BACKENDS[backend]]):
                 if fwdbwd:
                     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-                    o = head_to_seq(sdpa(seq_to_head(qq, P), seq_to_head(kk, P), seq_to_head(vv, P), gqa), P)
+                    o = head_to_seq(sdpa(seq_to_head(qq, P), seq_to_head(kk, P), seq_to_head(vv, P), gqa, causal), P)
                     o.backward(do)
                 else:
                     with torch.no_grad():
-                        head_to_seq(sdpa(seq_to_head(q, P), seq_to_head(k, P), seq_to_head(v, P), gqa), P)
+                        head_to_seq(sdpa(seq_to_head(q, P), seq_to_head(k, P), seq_to_head(v, P), gqa, causal), P)
         try:
             ms, ts = timed(step, args.iters)
             res = {"ms": ms, "iters_ms": ts, "gqa": gqa}
@@ -144,7 +144,7 @@ def run_ulysses(args, seq, fwdbwd, P, rank, backend):
     return res
 
 
-def run_cp(args, seq, fwdbwd, P, rank, rotate, backend, mesh):
+def run_cp(args, seq, fwdbwd, P, rank, rotate, backend, mesh, causal):
     context_parallel, set_rotate_method = cp_api()
     B, H, Hkv, D = 1, args.heads, args.kv_heads, 128
     g = torch.Generator(device="cuda").manual_seed(0)  # same full tensors on every rank
@@ -162,11 +162,11 @@ def run_cp(args, seq, fwdbwd, P, rank, rotate, backend, mesh):
                     def step():
                         if fwdbwd:
                             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-                            o = sdpa(qq, kk, vv, gqa)
+                            o = sdpa(qq, kk, vv, gqa, causal)
                             o.backward(do)
                         else:
                             with torch.no_grad():
-                                sdpa(q, k, v, gqa)
+                                sdpa(q, k, v, gqa, causal)
                     ms, ts = timed(step, args.iters)
             res = {"ms": ms, "iters_ms": ts, "gqa": gqa}
             break
@@ -199,12 +199,12 @@ def worker(rank, args, port, out_q):
     configs = args.configs.split(",")
     seqs = [int(s) for s in args.seqs.split(",") if s]
     passes = args.passes.split(",")
-    jobs = [(seq, p, c) for seq in seqs for p in passes for c in configs]
-    jobs += [(int(s), "fwdbwd", configs[0]) for s in args.probe_seqs.split(",") if s]
+    jobs = [(seq, p, c, m) for m in args.masks.split(",") for seq in seqs for p in passes for c in configs]
+    jobs += [(int(s), "fwdbwd", configs[0], "causal") for s in args.probe_seqs.split(",") if s]
     global WARM
     n_main = len(jobs) - len([s for s in args.probe_seqs.split(",") if s])
-    for ji, (seq, p, c) in enumerate(jobs):
-        fwdbwd = p == "fwdbwd"
+    for ji, (seq, p, c, mask) in enumerate(jobs):
+        fwdbwd, causal = p == "fwdbwd", mask == "causal"
         probe = ji >= n_main
         if probe:  # one cold iteration
             WARM, args.iters = 0, 1
@@ -212,25 +212,25 @@ def worker(rank, args, port, out_q):
         t0 = time.time()
         rot, be = c.split("-")
         if rot == "ulysses":
-            r = run_ulysses(args, seq, fwdbwd, P, rank, be)
+            r = run_ulysses(args, seq, fwdbwd, P, rank, be, causal)
             imp = "torch-ulysses"
         else:
-            r = run_cp(args, seq, fwdbwd, P, rank, rot, be, mesh)
+            r = run_cp(args, seq, fwdbwd, P, rank, rot, be, mesh, causal)
             imp = "torch-cp"
         mem = torch.cuda.max_memory_allocated() / 1e9
         memt = torch.tensor([mem], device="cuda")
         dist.all_reduce(memt, op=dist.ReduceOp.MAX)
-        row = {"impl": imp, "pass": "fwd+bwd" if fwdbwd else "fwd", "causal": True, "batch": 1, "seq": seq,
-               "heads": args.heads, "head_dim": 128, "dtype": "bf16", "gpus": P, "strategy": c, "mask": "causal",
+        row = {"impl": imp, "pass": "fwd+bwd" if fwdbwd else "fwd", "causal": causal, "batch": 1, "seq": seq,
+               "heads": args.heads, "head_dim": 128, "dtype": "bf16", "gpus": P, "strategy": c, "mask": mask,
                "kv_heads": args.kv_heads, "mem_gb_per_gpu": memt.item(), "probe": probe}
         if "ms" in r:
-            tf = flops(seq, args.heads, 128, fwdbwd) / r["ms"] / 1e9
+            tf = flops(seq, args.heads, 128, fwdbwd, causal) / r["ms"] / 1e9
             row.update({"tflops": tf, "tflops_per_gpu": tf / P, "ms": r["ms"], "iters_ms": r["iters_ms"], "gqa": r["gqa"]})
         else:
             row.update({"tflops": None, "tflops_per_gpu": None, "error": r.get("error")})
         if rank == 0:
             msg = f"{row['tflops_per_gpu']:.1f} TFLOP/s/GPU {row['ms']:.2f} ms gqa={row['gqa']}" if "ms" in r else f"ERROR {row['error']}"
-            print(f"[torch] {imp:14s} {c:16s} seq {seq:>7} {row['pass']:8s} {msg} mem {row['mem_gb_per_gpu']:.1f} GB ({time.time() - t0:.0f} s)", flush=True)
+            print(f"[torch] {imp:14s} {c:16s} {mask:6s} seq {seq:>7} {row['pass']:8s} {msg} mem {row['mem_gb_per_gpu']:.1f} GB ({time.time() - t0:.0f} s)", flush=True)
             rows.append(row)
             write(args.out, rows)  # partial results survive a later failure
     if rank == 0:
@@ -249,6 +249,7 @@ def main():
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--configs", default="allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash,ulysses-cudnn")
     ap.add_argument("--probe-seqs", default="")
+    ap.add_argument("--masks", default="causal", help="causal and/or full, ','-separated")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     port = 29400 + os.getpid() % 500
