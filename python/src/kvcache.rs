@@ -211,6 +211,7 @@ impl<'a> DecodeCall<'a> {
             max_pages: self.max_pages,
             seqlen_add: self.new_tokens,
             opts: self.opts,
+            row_table: false,
         };
         // SAFETY: every descriptor was checked against this call (shapes, dtypes, device,
         // contiguity; the workspace sized by decode_workspace and planned before the decode, for

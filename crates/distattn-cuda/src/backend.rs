@@ -4,6 +4,7 @@
 
 use crate::aux::{MergeDims, OLse, PieceList, PieceOp};
 use crate::buffer::GpuBuf;
+use crate::decode::decode_runs;
 use crate::device::CudaBackend;
 use crate::{driver_err, CudaElement};
 use cudarc::driver::{sys, CudaEvent};
@@ -61,7 +62,7 @@ fn gcd(a: usize, b: usize) -> usize {
 
 impl CudaBackend {
     /// Copies or adds `pieces` of `src` into `dst` on `lane`.
-    fn run_pieces(&self, lane: Lane, src: &GpuBuf, dst: &GpuBuf, pieces: &[Piece], add: bool) -> Result<()> {
+    pub(crate) fn run_pieces(&self, lane: Lane, src: &GpuBuf, dst: &GpuBuf, pieces: &[Piece], add: bool) -> Result<()> {
         if pieces.is_empty() {
             return Ok(());
         }
@@ -104,7 +105,9 @@ impl CudaBackend {
         unsafe { aux.pieces(s, op, src_ptr, dst_ptr, piece_list) }
     }
 
-    /// Forward of one block into f32 (O, LSE) buffers of the block's rows.
+    /// Forward of one block into f32 (O, LSE) buffers of the block's rows: a decode-shaped block
+    /// (a few rows, a run of keys each) by the split-KV decode kernel, any other by the flash
+    /// kernels.
     fn block_forward<T: CudaElement>(
         &self,
         block: &Block,
@@ -113,6 +116,11 @@ impl CudaBackend {
         o: &mut GpuBuf,
         lse: &mut GpuBuf,
     ) -> Result<()> {
+        if let Some(runs) = decode_runs(block) {
+            if self.decode_blocks(T::DTYPE, block.shape.head_dim).is_ok() {
+                return self.block_decode::<T>(block, &runs, inputs.q, inputs.k, inputs.v, opts, o, lse);
+            }
+        }
         let s = self.stream();
         // The kernel also writes O in the input dtype; the interpreter keeps only the f32 copy.
         let mut o_t = GpuBuf::alloc(s, T::DTYPE, block.shape.q_elems())?;

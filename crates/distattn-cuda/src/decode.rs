@@ -9,15 +9,42 @@
 //! the Python package); [`DecodeBuffers`] holds a step's tensors on the GPU, and
 //! [`CudaBackend::decode_host`] runs a step on host slices.
 
+use crate::buffer::GpuBuf;
 use crate::compile::{backend_err, KernelConfig};
 use crate::device::CudaBackend;
 use crate::params::{AppendParams, DecodeParams};
 use crate::{driver_err, CudaElement};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use distattn_core::decode::{DecodeOptions, DecodeShape, PagedCache, PagedLayout, DECODE_BLOCK_ROWS};
-use distattn_core::{DType, Error, Forward, Result};
+use distattn_core::schedule::Lane;
+use distattn_core::{AttnOptions, DType, Error, Forward, Result};
+use distattn_exec::{Block, Piece};
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
+
+/// Query rows of a block at most which [`decode_runs`] sends to the decode kernel: each row
+/// reads its keys on its own there, so rows sharing keys pay for each other's reads.
+pub(crate) const DECODE_BLOCK_MAX_ROWS: usize = 64;
+
+/// For a block of a few query rows each of which keeps one run of keys (or none), as a decode
+/// step's block over a spread cache's part does, each row's `(first key, keys)`; `None` for any
+/// other block (the flash kernels' work).
+pub(crate) fn decode_runs(block: &Block) -> Option<Vec<(usize, usize)>> {
+    let m = &block.mask;
+    if m.q_len() > DECODE_BLOCK_MAX_ROWS {
+        return None;
+    }
+    (0..m.q_len())
+        .map(|i| {
+            let mut runs = m.row_intervals(i);
+            match (runs.next(), runs.next()) {
+                (None, _) => Some((0, 0)),
+                (Some((lo, hi)), None) => Some((lo, hi - lo)),
+                _ => None,
+            }
+        })
+        .collect()
+}
 
 /// Device addresses of a decode step's tensors: Q and O `[batch, q_rows, heads, d]` (bf16 or
 /// f16), LSE `[batch, heads, q_rows]` f32, the K and V caches `[pages, page_size, kv_heads, d]`,
@@ -64,6 +91,9 @@ pub struct DecodeStep {
     pub max_pages: usize,
     pub seqlen_add: usize,
     pub opts: DecodeOptions,
+    /// The page table holds each request's first key row in one contiguous cache (`layout` one
+    /// page of all its rows, `max_pages` 1) rather than page numbers.
+    pub row_table: bool,
 }
 
 fn i32_of(what: &str, v: usize) -> Result<i32> {
@@ -82,6 +112,101 @@ impl CudaBackend {
             )));
         }
         Ok(cfg)
+    }
+
+    /// A block of [`decode_runs`] `runs` through the decode kernel, reading K and V in place:
+    /// each query row (of each batch entry) is a request of one row whose keys are its run (a
+    /// row table, no pages), O and LSE then widened and laid out as a block's (f32 O, LSE
+    /// `[batch, heads, q_len]`). O passes through the input dtype, as the decode kernel writes it.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn block_decode<T: CudaElement>(
+        &self,
+        block: &Block,
+        runs: &[(usize, usize)],
+        q: &GpuBuf,
+        k: &GpuBuf,
+        v: &GpuBuf,
+        opts: &AttnOptions,
+        o: &mut GpuBuf,
+        lse: &mut GpuBuf,
+    ) -> Result<()> {
+        let sh = &block.shape;
+        let rows = sh.batch * sh.q_len;
+        let shape = DecodeShape::new(rows, 1, sh.heads, sh.kv_heads, sh.head_dim)?;
+        // The row table, then the lengths, as i32 (packed in pairs into the i64 index list).
+        let mut ints = Vec::with_capacity(2 * rows + 1);
+        for b in 0..sh.batch {
+            for &(lo, _) in runs {
+                ints.push(i32_of("key row", b * sh.k_len + lo)?);
+            }
+        }
+        for _ in 0..sh.batch {
+            for &(_, n) in runs {
+                ints.push(i32_of("keys", n)?);
+            }
+        }
+        if ints.len() % 2 == 1 {
+            ints.push(0);
+        }
+        let list = self.indices(Lane::Compute, &bytemuck::pod_collect_to_vec::<i32, i64>(&ints))?;
+        let table = self.index_ptr(Lane::Compute, &list);
+        let s = self.stream();
+        let w = self.decode_workspace(T::DTYPE, &shape)?;
+        // Workspace as f32 buffers of the same bytes: cu_tiles is i64, counters i32.
+        let ws_bufs = [2 * w.cu_tiles, w.part_o, w.part_lse, w.counters]
+            .map(|n| GpuBuf::alloc(s, DType::F32, n.max(1)))
+            .into_iter()
+            .collect::<Result<Vec<_>>>()?;
+        let o_t = GpuBuf::alloc(s, T::DTYPE, sh.q_elems())?;
+        let lse_t = GpuBuf::alloc(s, DType::F32, rows * sh.heads)?;
+        let ws = DecodeWorkspacePtrs {
+            cu_tiles: ws_bufs[0].ptr(s),
+            part_o: ws_bufs[1].ptr(s),
+            part_lse: ws_bufs[2].ptr(s),
+            counters: ws_bufs[3].ptr(s),
+        };
+        let ptrs = DecodePtrs {
+            q: q.ptr(s),
+            k_cache: k.ptr(s),
+            v_cache: v.ptr(s),
+            o: o_t.ptr(s),
+            lse: lse_t.ptr(s),
+            page_table: table,
+            seqlens: table + 4 * rows as u64,
+        };
+        let key_rows = (sh.batch * sh.k_len).max(1);
+        let step = DecodeStep {
+            shape,
+            layout: PagedLayout::new(1, key_rows, sh.kv_heads, sh.head_dim)?,
+            max_pages: 1,
+            seqlen_add: 0,
+            opts: DecodeOptions { attn: *opts, causal: false },
+            row_table: true,
+        };
+        // SAFETY: Q, K, V are the block's buffers ([b, q_len or k_len, heads, d], checked by
+        // the interpreter), every run inside its batch entry's keys (from the block's mask); the
+        // table and lengths were uploaded for the compute stream (`list` and the cache keep
+        // them); the workspace and outputs were just allocated on it at decode_workspace's sizes,
+        // and everything runs on that stream.
+        unsafe {
+            self.decode_plan_raw(s, T::DTYPE, &shape, ptrs.seqlens, 0, key_rows, &ws)?;
+            self.decode_raw(s, T::DTYPE, &ptrs, &ws, &step)?;
+        }
+        o.fill(s, 0.0)?;
+        self.run_pieces(Lane::Compute, &o_t, o, &[Piece::run(0, 0, sh.q_elems())], true)?;
+        // LSE [batch · q_len, heads] to [batch, heads, q_len]: a head's column per piece.
+        let columns: Vec<Piece> = (0..sh.batch)
+            .flat_map(|b| {
+                (0..sh.heads).map(move |h| {
+                    Piece::strided(b * sh.q_len * sh.heads + h, (b * sh.heads + h) * sh.q_len, 1, sh.q_len, sh.heads, 1)
+                })
+            })
+            .collect();
+        self.run_pieces(Lane::Compute, &lse_t, lse, &columns, false)?;
+        for b in ws_bufs.into_iter().chain([o_t, lse_t]) {
+            b.free_on(s);
+        }
+        Ok(())
     }
 
     /// Blocks of a decode launch: as many as the SMs hold at once (one to a few per SM), fixed
@@ -209,7 +334,7 @@ impl CudaBackend {
                 -1
             },
             scale_log2: step.opts.attn.scale_for(s.head_dim)? * LOG2E,
-            pad_: 0,
+            row_table: step.row_table as i32,
         };
         i32_of("cache capacity", step.max_pages * step.layout.page_size)?;
         let launch_cfg = LaunchConfig {
@@ -355,6 +480,7 @@ impl<T: CudaElement> DecodeBuffers<T> {
                 max_pages: cache.max_pages(),
                 seqlen_add: 0,
                 opts: *opts,
+                row_table: false,
             },
         })
     }
@@ -396,5 +522,37 @@ impl<T: CudaElement> DecodeBuffers<T> {
         // SAFETY: as in `plan` (which the caller ran first: the workspace is planned), the table
         // checked by check_cache.
         unsafe { gpu.decode_raw(st, T::DTYPE, &t, &ws, &self.step) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distattn_core::{AttnShape, Mask};
+
+    fn block(mask: Mask) -> Block {
+        Block { shape: AttnShape::new(1, mask.q_len(), mask.k_len(), 4, 2, 64).unwrap(), mask }
+    }
+
+    #[test]
+    fn decode_runs_are_a_few_rows_of_one_run_each() {
+        // Three requests of one new token, keys from 10 on: the first keeps none.
+        let m = Mask::per_document(&[1, 1, 1], &[8, 5, 20], Mask::causal).unwrap().restrict(0..3, 10..33).unwrap();
+        assert_eq!(decode_runs(&block(m)), Some(vec![(0, 0), (0, 3), (3, 20)]));
+        // Too many rows, or a row of two runs: the flash kernels.
+        let n = DECODE_BLOCK_MAX_ROWS + 1;
+        assert_eq!(decode_runs(&block(Mask::full(n, 100).unwrap())), None);
+        let two = Mask::per_document(&[2, 2], &[4, 4], Mask::full).unwrap();
+        let cross = Mask::from_slices(
+            1,
+            8,
+            vec![
+                distattn_core::MaskSlice::new(0..1, 0..2, distattn_core::SliceKind::Full),
+                distattn_core::MaskSlice::new(0..1, 4..6, distattn_core::SliceKind::Full),
+            ],
+        )
+        .unwrap();
+        assert_eq!(decode_runs(&block(two)), Some(vec![(0, 4), (0, 4), (4, 4), (4, 4)]));
+        assert_eq!(decode_runs(&block(cross)), None);
     }
 }

@@ -167,7 +167,7 @@ kernel_params! {
         causal: i32,
         page_shift: i32,
         scale_log2: f32,
-        pad_: i32,
+        row_table: i32,
     }
 
     /// The KV append's (`append_kv`).

@@ -125,7 +125,7 @@ fn append_then_decode_in_one_step() {
         counters: addr(&counters, st),
     };
     let max_pages = case.page_table.len() / shape.batch;
-    let step = DecodeStep { shape, layout: case.layout, max_pages, seqlen_add: shape.q_rows, opts };
+    let step = DecodeStep { shape, layout: case.layout, max_pages, seqlen_add: shape.q_rows, opts, row_table: false };
     for _ in 0..2 {
         // SAFETY: every buffer above was allocated on this stream with the sizes the step needs;
         // the page table covers every length after the append.
@@ -181,4 +181,49 @@ fn append_then_decode_in_one_step() {
     let (ro, rl) = reference(&case, &q, &k, &v, &opts);
     let (eo, el) = (rel_err(&got_o, &ro), lse_err(&got_lse, &rl));
     assert!(eo < TOL && el < LSE_TOL, "O err {eo:.2e}, LSE err {el:.2e} (seed {seed})");
+}
+
+/// Blocks of a decode step over a spread cache (a few query rows, each keeping one run of the
+/// block's keys, or none) go through the decode kernel reading K and V in place: against f64,
+/// with GQA, batch 2, a row without keys and rows whose runs start mid-buffer, and a block of
+/// 65 rows (past the route's limit: the flash kernels) for the same answer.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_shaped_blocks_match_f64() {
+    use distattn_core::{AttnOptions, AttnShape, DType, Mask};
+    use distattn_cuda::GpuBuf;
+    use distattn_exec::{Backend, Block, FwdInputs};
+    use distattn_testkit::reference;
+
+    let gpu = gpu();
+    let (mut rng, seed) = seeded_rng("decode_shaped_blocks_match_f64");
+    for (requests, heads, kv_heads, d) in [(5, 32, 8, 128), (16, 8, 1, 64), (65, 4, 2, 128)] {
+        // One new token per request against its cached keys; the block keeps the keys from 300
+        // on of the packed matrix (a rank's part), so the first request's row keeps none.
+        let k_lens: Vec<usize> = (0..requests).map(|i| if i == 0 { 200 } else { rng.random_range(1..5000) }).collect();
+        let full = Mask::per_document(&vec![1; requests], &k_lens, Mask::causal).unwrap();
+        let mask = full.restrict(0..requests, 300..full.k_len()).unwrap();
+        let shape = AttnShape::new(2, requests, mask.k_len(), heads, kv_heads, d).unwrap();
+        let (q, k, v) = (
+            randn(&mut rng, shape.q_elems(), 1.0),
+            randn(&mut rng, shape.kv_elems(), 1.0),
+            randn(&mut rng, shape.kv_elems(), 1.0),
+        );
+        let (qb, kb, vb) = (cast::<bf16>(&q), cast::<bf16>(&k), cast::<bf16>(&v));
+        let s = gpu.stream();
+        let up = |x: &[bf16]| GpuBuf::upload(s, x).unwrap();
+        let (qg, kg, vg) = (up(&qb), up(&kb), up(&vb));
+        let mut o = GpuBuf::filled(s, DType::F32, shape.q_elems(), f32::NAN).unwrap();
+        let mut lse = GpuBuf::filled(s, DType::F32, shape.lse_elems(), f32::NAN).unwrap();
+        let block = Block { shape, mask: mask.clone() };
+        let opts = AttnOptions::default();
+        Backend::forward(&gpu, &block, FwdInputs { q: &qg, k: &kg, v: &vg }, &opts, &mut o, &mut lse).unwrap();
+        let (o, lse) = (o.download_f32(s).unwrap(), lse.download_f32(s).unwrap());
+        let want = reference::forward(&qb, &kb, &vb, &shape, &mask, &opts).unwrap();
+        let (eo, el) = (rel_err(&o, &want.o), lse_err(&lse, &want.lse));
+        assert!(
+            eo < TOL && el < LSE_TOL,
+            "{requests} rows {heads}/{kv_heads} d {d}: O err {eo:.2e}, LSE err {el:.2e} (seed {seed})"
+        );
+    }
 }

@@ -94,9 +94,11 @@ __device__ __forceinline__ float4 ldcg4(const float* p) {
 }
 
 // Element offset of request b's key in the cache, KV head 0: the page from the table, found with
-// a shift for a power-of-two page size and without a division for a single page.
+// a shift for a power-of-two page size and without a division for a single page (or the row
+// from a row table).
 __device__ __forceinline__ size_t dec_key_off(const DecodeParams& p, const int* table, int key, size_t row_stride,
                                               size_t page_stride) {
+    if (p.row_table) return ((size_t)table[0] + key) * row_stride;
     int page_idx, slot;
     if (p.max_pages == 1) { page_idx = 0; slot = key; }
     else if (p.page_shift >= 0) { page_idx = key >> p.page_shift; slot = key & (p.page_size - 1); }

@@ -122,7 +122,8 @@ struct MergeParams {
 // ---- decode (decode.cu, and the plan and append kernels of aux.cu)
 
 // One decode step: Q/O [batch, q_rows, heads, D], LSE [batch, heads, q_rows] (f32, natural log);
-// K/V caches [pages, page_size, kv_heads, D] with page_table [batch, max_pages]; request b has
+// K/V caches [pages, page_size, kv_heads, D] with page_table [batch, max_pages] (or a row table,
+// see row_table); request b has
 // seqlens[b] + seqlen_add keys (clamped to its pages); cu_tiles [batch + 1] are the prefix sums of
 // its tiles (decode_plan); part_o [2 * blocks, 16, D] and part_lse [2 * blocks, 16] hold cut
 // segments' partials (blocks = the grid); counters [batch * segs_per_request] start at zero and end there.
@@ -134,7 +135,9 @@ struct DecodeParams {
     int causal;
     int page_shift; // log2(page_size) for a power of two, else -1
     float scale_log2;
-    int pad_;
+    // 1: page_table[b] is request b's first key row of one contiguous cache (max_pages 1, page_size
+    // the cache's rows), as a block of a spread cache's decode holds its keys.
+    int row_table;
 };
 
 // Appends new_tokens tokens per request (k_new/v_new [batch, new_tokens, kv_heads, head_dim])
