@@ -41,6 +41,16 @@ def cp_api():
     return context_parallel, set_rotate_method
 
 
+def set_load_balance(on):
+    """PyTorch's CP balances causal work only, and refuses full masks while balancing ("Load
+    balancing requires is_causal=True", seen on every config, Ulysses included, once CP ran)."""
+    try:
+        from torch.distributed.tensor.experimental._attention import _cp_options
+    except ImportError:
+        from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+    _cp_options.enable_load_balance = on
+
+
 WARM = 1  # warm-up iterations (0 for the longest-sequence probe)
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -205,6 +215,7 @@ def worker(rank, args, port, out_q):
     n_main = len(jobs) - len([s for s in args.probe_seqs.split(",") if s])
     for ji, (seq, p, c, mask) in enumerate(jobs):
         fwdbwd, causal = p == "fwdbwd", mask == "causal"
+        set_load_balance(causal)
         probe = ji >= n_main
         if probe:  # one cold iteration
             WARM, args.iters = 0, 1

@@ -353,3 +353,38 @@ fn rows_with_several_key_runs() {
         assert_matches_single(s, 3, &shape, &mask, (&q, &k, &v, &d_o), &want_grads);
     }
 }
+
+/// Ulysses in head chunks (each chunk's all-to-all beside the previous chunk's attention): one
+/// chunk, uneven chunks of whole KV heads (GQA) and one per KV head give the single call's
+/// answer; zero chunks or more than a rank's KV heads are clear errors.
+#[test]
+fn ulysses_head_chunks_match_single_and_bad_counts_are_errors() {
+    let shape = AttnShape::new(1, 43, 43, 20, 10, 8).unwrap();
+    let mask = Mask::causal(43, 43).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    let (q, k, v, d_o): (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) = (
+        randv(shape.q_elems(), &mut rng),
+        randv(shape.kv_elems(), &mut rng),
+        randv(shape.kv_elems(), &mut rng),
+        randv(shape.q_elems(), &mut rng),
+    );
+    let (want, wg) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
+    let with = |chunks| Ranks {
+        plan: PlanOptions { head_chunks: Some(chunks), ..Default::default() },
+        ..Ranks::new(2, Strategy::Ulysses)
+    };
+    // 5 KV heads per rank: chunks of 5, of 2-3 and of 1.
+    for chunks in [1, 2, 5] {
+        let attn = on_ranks(&shape, &mask, with(chunks));
+        let got = attn.forward(&q, &k, &v).unwrap();
+        assert!(rel_err(&got.o, &want.o) < TOL && rel_err(&got.lse, &want.lse) < TOL, "{chunks} chunks");
+        let g = attn.backward(&q, &k, &v, &want, &d_o).unwrap();
+        let errs = [rel_err(&g.dq, &wg.dq), rel_err(&g.dk, &wg.dk), rel_err(&g.dv, &wg.dv)];
+        assert!(errs.iter().all(|&e| e < TOL), "{chunks} chunks: grad errors {errs:?}");
+    }
+    for chunks in [0, 6] {
+        let e = on_ranks(&shape, &mask, with(chunks)).forward(&q, &k, &v).unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{chunks} chunks: {e}");
+        assert!(e.to_string().contains("head chunks"), "{e}");
+    }
+}

@@ -214,6 +214,10 @@ pub struct PlanOptions {
     /// then keeps its all-to-alls inside nodes and rings across them.
     #[serde(default)]
     pub ranks_per_node: Option<usize>,
+    /// Ulysses (hybrid without a ring): head chunks, whole KV heads each, whose all-to-alls
+    /// overlap the previous chunk's attention (default [`crate::planner::default_head_chunks`]).
+    #[serde(default)]
+    pub head_chunks: Option<usize>,
 }
 
 impl PlanOptions {

@@ -28,6 +28,7 @@ pub fn default_ulysses_degree(world: usize, shape: &AttnShape, ranks_per_node: O
         .unwrap_or(1)
 }
 
+/// Part `u` of `parts` near-equal parts of `0..n`.
 fn head_slice(n: usize, parts: usize, u: usize) -> Range<usize> {
     u * n / parts..(u + 1) * n / parts
 }
@@ -46,7 +47,16 @@ pub(super) fn plan(b: &mut Builder, degree: usize) -> Result<()> {
     grouped(b, u_deg, layout)
 }
 
+/// Head chunks of a pure Ulysses pass picked when none is given: up to 4, whole KV heads each.
+pub fn default_head_chunks(kv_heads_per_rank: usize) -> usize {
+    kv_heads_per_rank.clamp(1, 4)
+}
+
 /// Ulysses inside groups of `u_deg` ranks and a ring across the groups, on `layout`.
+///
+/// Without a ring (one group), the heads go in chunks of whole KV heads: chunk c's all-to-all
+/// runs at step c, its attention at step c + 1 and its way back at step c + 2, so each
+/// all-to-all overlaps the previous chunk's attention and only the first and last chunks' wait.
 pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<()> {
     let p = b.world;
     let (h, kvh) = (b.shape.heads, b.shape.kv_heads);
@@ -57,91 +67,166 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
     }
     let r_deg = p / u_deg;
     let bufs = b.declare_pass(layout.clone());
-    let group = |r: usize| (r / u_deg, r % u_deg);
-    let members = |g: usize| g * u_deg..(g + 1) * u_deg;
-    let heads_of = |t: Tensor, u: usize| if t.is_kv() { head_slice(kvh, u_deg, u) } else { head_slice(h, u_deg, u) };
-    let group_tokens = |g: usize, t: Tensor| TokenSet::union(members(g).map(|r| layout.tokens(t, r)));
+    let ring_of = |u: usize| -> Vec<usize> { (0..r_deg).map(|g| g * u_deg + u).collect() };
+    if u_deg == 1 {
+        rings(b, 0, &bufs, &ring_of, 1);
+        return Ok(());
+    }
+    let per_rank = kvh / u_deg;
+    let chunks = match b.opts.head_chunks {
+        _ if r_deg > 1 => 1,
+        Some(c) if c == 0 || c > per_rank => {
+            return Err(b.unsupported(format!("{c} head chunks: expected 1 to the {per_rank} KV heads of a rank")))
+        }
+        Some(c) => c,
+        None => default_head_chunks(per_rank),
+    };
+    let g = Groups { u_deg, chunks, h, kvh, layout };
+    let mut sliced = Vec::with_capacity(chunks);
+    for step in 0..chunks + r_deg + 1 {
+        if step < chunks {
+            sliced.push(g.scatter(b, step, &bufs, step));
+        }
+        if let Some(c) = (step > r_deg).then(|| step - r_deg - 1).filter(|&c| c < chunks) {
+            g.gather_back(b, step, &bufs, &sliced[c]);
+        }
+        if let Some(c) = step.checked_sub(1).filter(|&c| c < chunks) {
+            rings(b, step, &sliced[c], &ring_of, u_deg);
+        }
+        if chunks > 1 {
+            b.label(step, chunk_label(step, chunks));
+        }
+    }
+    Ok(())
+}
 
-    // Step 0: all-to-all inside each group (sequence → heads).
-    b.label(0, format!("all-to-all in groups of {u_deg}"));
-    // pieces[r]: (tensor, buffer on rank r holding part of it for r's head slice), own parts first.
-    let mut pieces: Vec<Vec<(Tensor, BufId)>> = vec![Vec::new(); p];
-    let mut sends = Vec::new();
-    for (a, on_a) in pieces.iter_mut().enumerate() {
-        let (g, _) = group(a);
-        for dst in members(g) {
-            let (_, ub) = group(dst);
-            for (t, src) in bufs.inputs(a) {
-                if dst == a {
-                    on_a.push((t, src));
-                } else {
-                    let tokens = b.desc(a, src).tokens.clone();
-                    let x = b.extract(a, 0, src, tokens, heads_of(t, ub));
-                    sends.push((a, dst, t, x));
+/// What step `step` of a chunked Ulysses pass does.
+fn chunk_label(step: usize, chunks: usize) -> String {
+    let at = |c: Option<usize>, what: &str| c.filter(|&c| c < chunks).map(|c| format!("{what} of head chunk {c}"));
+    [at(Some(step), "all-to-all"), at(step.checked_sub(1), "attention"), at(step.checked_sub(2), "all-to-all back")]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// One ring per head slice `u` (members `ring_of(u)`) over `sliced`, from `step0`.
+fn rings(b: &mut Builder, step0: usize, sliced: &PassBufs, ring_of: &dyn Fn(usize) -> Vec<usize>, slices: usize) {
+    for u in 0..slices {
+        let members = ring_of(u);
+        let name = if members.len() == 1 { "local".to_string() } else { format!("ring/{u}") };
+        match sliced {
+            PassBufs::Forward(own) => ring::forward(b, step0, &members, own, &name),
+            PassBufs::Backward(own) => ring::backward(b, step0, &[ring::BwdRing::own(&members)], own, own, &name),
+        }
+    }
+}
+
+/// The groups of a hybrid pass and its head chunks.
+struct Groups {
+    u_deg: usize,
+    chunks: usize,
+    h: usize,
+    kvh: usize,
+    layout: Layout,
+}
+
+impl Groups {
+    /// Rank r's group and head slice.
+    fn group(&self, r: usize) -> (usize, usize) {
+        (r / self.u_deg, r % self.u_deg)
+    }
+
+    fn members(&self, g: usize) -> Range<usize> {
+        g * self.u_deg..(g + 1) * self.u_deg
+    }
+
+    /// Heads of `t` in chunk `c` of head slice `u`: whole KV heads, and their query heads.
+    fn heads(&self, t: Tensor, u: usize, c: usize) -> Range<usize> {
+        let kv = head_slice(self.kvh, self.u_deg, u);
+        let part = head_slice(kv.len(), self.chunks, c);
+        let (a, z) = (kv.start + part.start, kv.start + part.end);
+        if t.is_kv() {
+            a..z
+        } else {
+            let per = self.h / self.kvh;
+            a * per..z * per
+        }
+    }
+
+    fn group_tokens(&self, g: usize, t: Tensor) -> TokenSet {
+        TokenSet::union(self.members(g).map(|r| self.layout.tokens(t, r)))
+    }
+
+    /// All-to-all inside each group (sequence → heads) of head chunk `c` at `step`: every rank
+    /// ends with its group's tokens of its slice's chunk, and accumulators of that shape.
+    fn scatter(&self, b: &mut Builder, step: usize, bufs: &PassBufs, c: usize) -> PassBufs {
+        let p = b.world;
+        // pieces[r]: (tensor, buffer on rank r holding part of it for r's chunk), own parts first.
+        let mut pieces: Vec<Vec<(Tensor, BufId)>> = vec![Vec::new(); p];
+        let mut sends = Vec::new();
+        for (a, on_a) in pieces.iter_mut().enumerate() {
+            let (g, _) = self.group(a);
+            for dst in self.members(g) {
+                let (_, ub) = self.group(dst);
+                for (t, src) in bufs.inputs(a) {
+                    if dst == a {
+                        on_a.push((t, src));
+                    } else {
+                        let tokens = b.desc(a, src).tokens.clone();
+                        let x = b.extract(a, step, src, tokens, self.heads(t, ub, c));
+                        sends.push((a, dst, t, x));
+                    }
                 }
             }
         }
-    }
-    for (a, dst, t, x) in sends {
-        let got = b.transfer(0, 0, a, dst, x);
-        pieces[dst].push((t, got));
-    }
-    // The group-wide, head-sliced inputs (assembled from the pieces) and accumulators.
-    let sliced = if u_deg == 1 {
-        bufs.clone()
-    } else {
+        for (a, dst, t, x) in sends {
+            let got = b.transfer(step, 0, a, dst, x);
+            pieces[dst].push((t, got));
+        }
         let gathered = bufs.map_inputs(|r, t, _| {
-            let (g, u) = group(r);
-            let dst = b.alloc(r, 0, BufDesc::new(t, group_tokens(g, t), heads_of(t, u)), Fill::Zero);
+            let (g, u) = self.group(r);
+            let dst = b.alloc(r, step, BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c)), Fill::Zero);
             for &(_, src) in pieces[r].iter().filter(|piece| piece.0 == t) {
-                b.push(r, 0, Op::Copy { src, dst });
+                b.push(r, step, Op::Copy { src, dst });
             }
             dst
         });
         gathered.map_outputs(|r, t, _| {
-            let (g, u) = group(r);
-            b.alloc(r, 0, BufDesc::new(t, group_tokens(g, t), heads_of(t, u)), accumulator_fill(t))
+            let (g, u) = self.group(r);
+            b.alloc(r, step, BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c)), accumulator_fill(t))
         })
-    };
-    // Steps 1..=R: rings across groups, one per head slice.
-    for u in 0..u_deg {
-        let ring_members: Vec<usize> = (0..r_deg).map(|g| g * u_deg + u).collect();
-        let name = if r_deg == 1 { "local".to_string() } else { format!("ring/{u}") };
-        match &sliced {
-            PassBufs::Forward(own) => ring::forward(b, 1, &ring_members, own, &name),
-            PassBufs::Backward(own) => ring::backward(b, 1, &[ring::BwdRing::own(&ring_members)], own, own, &name),
-        }
     }
-    if u_deg == 1 {
-        return Ok(());
-    }
-    // Step R+1: all-to-all back (heads → sequence).
-    let last = r_deg + 1;
-    b.label(last, "all-to-all back");
-    // (source rank, destination rank, part of an accumulator on the source, output on the
-    // destination); every extract of the step comes before its transfers.
-    let mut back = Vec::new();
-    for src_rank in 0..p {
-        let (g, _) = group(src_rank);
-        for dst in members(g) {
-            for ((t, acc), (_, out)) in sliced.outputs(src_rank).into_iter().zip(bufs.outputs(dst)) {
-                let part = if dst == src_rank {
-                    acc
-                } else {
-                    let heads = b.desc(src_rank, acc).heads.clone();
-                    b.extract(src_rank, last, acc, layout.tokens(t, dst).clone(), heads)
-                };
-                back.push((src_rank, dst, part, out));
+
+    /// All-to-all back inside each group (heads → sequence) of one chunk's accumulators
+    /// `sliced` at `step`, into the pass's outputs; every extract of the step comes before its
+    /// transfers.
+    fn gather_back(&self, b: &mut Builder, step: usize, bufs: &PassBufs, sliced: &PassBufs) {
+        let p = b.world;
+        // (source rank, destination rank, part of an accumulator on the source, output on the
+        // destination).
+        let mut back = Vec::new();
+        for src_rank in 0..p {
+            let (g, _) = self.group(src_rank);
+            for dst in self.members(g) {
+                for ((t, acc), (_, out)) in sliced.outputs(src_rank).into_iter().zip(bufs.outputs(dst)) {
+                    let part = if dst == src_rank {
+                        acc
+                    } else {
+                        let heads = b.desc(src_rank, acc).heads.clone();
+                        b.extract(src_rank, step, acc, self.layout.tokens(t, dst).clone(), heads)
+                    };
+                    back.push((src_rank, dst, part, out));
+                }
             }
         }
+        let mut copies = Vec::new();
+        for (src_rank, dst, part, out) in back {
+            let got = if dst == src_rank { part } else { b.transfer(step, 1, src_rank, dst, part) };
+            copies.push((dst, got, out));
+        }
+        for (r, src, dst) in copies {
+            b.push(r, step, Op::Copy { src, dst });
+        }
     }
-    let mut copies = Vec::new();
-    for (src_rank, dst, part, out) in back {
-        let got = if dst == src_rank { part } else { b.transfer(last, 0, src_rank, dst, part) };
-        copies.push((dst, got, out));
-    }
-    for (r, src, dst) in copies {
-        b.push(r, last, Op::Copy { src, dst });
-    }
-    Ok(())
 }

@@ -283,3 +283,30 @@ fn double_ring_crosses_nodes_once_per_outer_step() {
     let e = build(Strategy::DoubleRing { inner: 3 }, 8, &shape, &mask, DType::BF16, &fwd).unwrap_err();
     assert!(e.to_string().contains("does not divide"), "{e}");
 }
+
+#[test]
+fn chunked_ulysses_overlaps_each_all_to_all_with_the_previous_chunks_attention() {
+    use crate::plan::Op;
+    // 2 ranks, 8 KV heads: 4 per rank, 4 chunks by default. Step s sends chunk s and attends
+    // chunk s − 1; steps 2.. also return chunk s − 2.
+    let shape = AttnShape::new(1, 4096, 4096, 32, 8, 64).unwrap();
+    let mask = Mask::causal(4096, 4096).unwrap();
+    assert_eq!(super::default_head_chunks(4), 4);
+    for opts in [PlanOptions::forward(), PlanOptions::backward(RingBackward::KvCirculate)] {
+        let plan = build(Strategy::Ulysses, 2, &shape, &mask, DType::BF16, &opts).unwrap();
+        plan.validate().unwrap();
+        let steps = &plan.ranks[0].steps;
+        assert_eq!(steps.len(), 6, "4 chunks: all-to-alls at 0..4, attention at 1..5, back at 2..6");
+        for (s, ops) in steps.iter().enumerate() {
+            let comms = ops.iter().filter(|op| matches!(op, Op::Comm { .. })).count();
+            let blocks = ops.iter().filter(|op| matches!(op, Op::Fwd { .. } | Op::Bwd { .. })).count();
+            let sends = usize::from(s < 4) + usize::from((2..6).contains(&s));
+            assert_eq!(
+                (comms, blocks),
+                (sends, usize::from((1..5).contains(&s))),
+                "step {s}: {:?}",
+                plan.step_labels[s]
+            );
+        }
+    }
+}

@@ -67,6 +67,9 @@ struct BenchArgs {
     /// Skip the single-GPU reference rows.
     #[arg(long)]
     no_single: bool,
+    /// Ulysses head chunks (default: the planner's).
+    #[arg(long)]
+    head_chunks: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -105,11 +108,19 @@ fn device_name() -> String {
 }
 
 /// The forward and backward plans of one case (backward circulates K and V).
-fn fwd_bwd_plans(st: Strategy, world: usize, shape: &AttnShape, mask: &Mask, spec: &MaskSpec) -> Result<(Plan, Plan)> {
+fn fwd_bwd_plans(
+    st: Strategy,
+    world: usize,
+    shape: &AttnShape,
+    mask: &Mask,
+    spec: &MaskSpec,
+    head_chunks: Option<usize>,
+) -> Result<(Plan, Plan)> {
     let opts = |pass| PlanOptions {
         pass: Some(pass),
         ring_backward: RingBackward::KvCirculate,
         documents: spec.doc_lens(shape.q_len),
+        head_chunks,
         ..Default::default()
     };
     let f = build(st, world, shape, mask, DType::BF16, &opts(Pass::Forward))?;
@@ -247,7 +258,7 @@ fn bench(a: &BenchArgs) -> Res<()> {
                extra: serde_json::Value| {
         let mut r = json!({"impl": imp, "pass": pass, "causal": spec.is_causal(), "batch": 1, "seq": seq, "heads": h,
             "head_dim": d, "dtype": "bf16", "tflops": tflops, "gpus": gpus, "strategy": strategy, "mask": spec.to_string(),
-            "kv_heads": kvh, "tflops_per_gpu": tflops / gpus as f64, "ms": ms});
+            "kv_heads": kvh, "tflops_per_gpu": tflops / gpus as f64, "ms": ms, "head_chunks": a.head_chunks});
         if let (Some(o), Some(e)) = (r.as_object_mut(), extra.as_object()) {
             for (k, v) in e {
                 o.insert(k.clone(), v.clone());
@@ -290,7 +301,7 @@ fn bench(a: &BenchArgs) -> Res<()> {
             let shape = AttnShape::new(1, n, n, h, kvh, d)?;
             let mask = spec.build(n, n)?;
             let t0 = Instant::now();
-            let r = fwd_bwd_plans(st, world, &shape, &mask, &spec).map(|(f, b)| (f, b, mask));
+            let r = fwd_bwd_plans(st, world, &shape, &mask, &spec, a.head_chunks).map(|(f, b)| (f, b, mask));
             println!(
                 "plan {st} seq {n}: {:.0} ms{}",
                 t0.elapsed().as_secs_f64() * 1e3,
@@ -446,7 +457,7 @@ fn probe(a: &ProbeArgs) -> Res<()> {
         let shape = AttnShape::new(1, n, n, h, kvh, d)?;
         let mask = Mask::causal(n, n)?;
         let spec = MaskSpec::Causal;
-        let (pf, pb) = fwd_bwd_plans(st, world, &shape, &mask, &spec)?;
+        let (pf, pb) = fwd_bwd_plans(st, world, &shape, &mask, &spec, None)?;
         let t0 = Instant::now();
         let r = with_gpu_ranks(world, 0, Duration::from_secs(120), |g| {
             let (pf_r, pb_r) = (prepare(&pf, g.rank(), &mask)?, prepare(&pb, g.rank(), &mask)?);
