@@ -28,20 +28,27 @@ pub(crate) const DECODE_BLOCK_MAX_ROWS: usize = 64;
 
 /// For a block of a few query rows each of which keeps one run of keys (or none), as a decode
 /// step's block over a spread cache's part does, each row's `(first key, keys)`; `None` for any
-/// other block (the flash kernels' work).
+/// other block (the flash kernels' work). Touching intervals are one run: a rank's pages of a
+/// request, dealt out interleaved, sit side by side in its block's keys.
 pub(crate) fn decode_runs(block: &Block) -> Option<Vec<(usize, usize)>> {
     let m = &block.mask;
     if m.q_len() > DECODE_BLOCK_MAX_ROWS {
         return None;
     }
+    let mut row = Vec::new();
     (0..m.q_len())
         .map(|i| {
-            let mut runs = m.row_intervals(i);
-            match (runs.next(), runs.next()) {
-                (None, _) => Some((0, 0)),
-                (Some((lo, hi)), None) => Some((lo, hi - lo)),
-                _ => None,
+            row.clear();
+            row.extend(m.row_intervals(i));
+            row.sort_unstable();
+            let Some(&(lo, mut hi)) = row.first() else { return Some((0, 0)) };
+            for &(a, b) in &row[1..] {
+                if a != hi {
+                    return None;
+                }
+                hi = b;
             }
+            Some((lo, hi - lo))
         })
         .collect()
 }
@@ -485,6 +492,51 @@ impl<T: CudaElement> DecodeBuffers<T> {
         })
     }
 
+    /// A step over caches of random values in [-1.7, 1.7) made on the GPU (only the page table
+    /// and lengths cross from the host): request b has `lengths[b]` keys in its own pages of
+    /// `page_size`, in order. For timing contexts whose host copy would be too large.
+    pub fn random(
+        gpu: &CudaBackend,
+        shape: &DecodeShape,
+        page_size: usize,
+        lengths: &[usize],
+        opts: &DecodeOptions,
+        seed: u64,
+    ) -> Result<Self> {
+        if lengths.len() != shape.batch {
+            return Err(Error::invalid("lengths", format!("{} for a batch of {}", lengths.len(), shape.batch)));
+        }
+        let max_pages = lengths.iter().map(|l| l.div_ceil(page_size.max(1))).max().unwrap_or(0).max(1);
+        let layout = PagedLayout::new(shape.batch * max_pages, page_size, shape.kv_heads, shape.head_dim)?;
+        let table: Vec<i32> = (0..shape.batch * max_pages).map(|p| i32_of("page", p)).collect::<Result<_>>()?;
+        let lens: Vec<i32> = lengths.iter().map(|&l| i32_of("cache length", l)).collect::<Result<_>>()?;
+        let st = gpu.stream();
+        let alloc = driver_err("allocating a random decode step");
+        let aux = gpu.aux(T::DTYPE)?;
+        let random = |n: usize, seed: u64| -> Result<CudaSlice<T>> {
+            let x = st.alloc_zeros::<T>(n.max(1)).map_err(&alloc)?;
+            // SAFETY: `x` holds n (at least one) values of T, the module's type, on this stream.
+            unsafe { aux.rand_fill(st, x.device_ptr(st).0, n, seed, 1.7)? };
+            Ok(x)
+        };
+        let w = gpu.decode_workspace(T::DTYPE, shape)?;
+        let up = driver_err("uploading decode inputs");
+        Ok(DecodeBuffers {
+            q: random(shape.q_elems(), seed)?,
+            k_cache: random(layout.elems(), seed ^ 1)?,
+            v_cache: random(layout.elems(), seed ^ 2)?,
+            page_table: st.clone_htod(&table).map_err(&up)?,
+            seqlens: st.clone_htod(&lens).map_err(&up)?,
+            o: st.alloc_zeros::<T>(shape.q_elems()).map_err(&alloc)?,
+            lse: st.alloc_zeros::<f32>(shape.lse_elems()).map_err(&alloc)?,
+            cu_tiles: st.alloc_zeros::<i64>(w.cu_tiles).map_err(&alloc)?,
+            part_o: st.alloc_zeros::<f32>(w.part_o).map_err(&alloc)?,
+            part_lse: st.alloc_zeros::<f32>(w.part_lse).map_err(&alloc)?,
+            counters: st.alloc_zeros::<i32>(w.counters).map_err(&alloc)?,
+            step: DecodeStep { shape: *shape, layout, max_pages, seqlen_add: 0, opts: *opts, row_table: false },
+        })
+    }
+
     fn ptrs(&self, st: &CudaStream) -> (DecodePtrs, DecodeWorkspacePtrs) {
         (
             DecodePtrs {
@@ -554,5 +606,16 @@ mod tests {
         .unwrap();
         assert_eq!(decode_runs(&block(two)), Some(vec![(0, 4), (0, 4), (4, 4), (4, 4)]));
         assert_eq!(decode_runs(&block(cross)), None);
+        // Touching slices (a request's pages from one rank) are one run.
+        let pages = Mask::from_slices(
+            1,
+            8,
+            vec![
+                distattn_core::MaskSlice::new(0..1, 0..4, distattn_core::SliceKind::Full),
+                distattn_core::MaskSlice::new(0..1, 4..6, distattn_core::SliceKind::Full),
+            ],
+        )
+        .unwrap();
+        assert_eq!(decode_runs(&block(pages)), Some(vec![(0, 6)]));
     }
 }

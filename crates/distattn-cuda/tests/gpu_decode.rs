@@ -185,11 +185,13 @@ fn append_then_decode_in_one_step() {
 
 /// Blocks of a decode step over a spread cache (a few query rows, each keeping one run of the
 /// block's keys, or none) go through the decode kernel reading K and V in place: against f64,
-/// with GQA, batch 2, a row without keys and rows whose runs start mid-buffer, and a block of
-/// 65 rows (past the route's limit: the flash kernels) for the same answer.
+/// with GQA, batch 2, a row without keys, rows whose runs start mid-buffer, a rank's part of
+/// interleaved 16-token pages, and a block of 65 rows (past the route's limit: the flash
+/// kernels) for the same answer.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_shaped_blocks_match_f64() {
+    use distattn_core::plan::{sub_mask, TokenSet};
     use distattn_core::{AttnOptions, AttnShape, DType, Mask};
     use distattn_cuda::GpuBuf;
     use distattn_exec::{Backend, Block, FwdInputs};
@@ -197,12 +199,21 @@ fn decode_shaped_blocks_match_f64() {
 
     let gpu = gpu();
     let (mut rng, seed) = seeded_rng("decode_shaped_blocks_match_f64");
-    for (requests, heads, kv_heads, d) in [(5, 32, 8, 128), (16, 8, 1, 64), (65, 4, 2, 128)] {
+    for (requests, heads, kv_heads, d, pages) in
+        [(5, 32, 8, 128, false), (16, 8, 1, 64, false), (7, 32, 8, 128, true), (65, 4, 2, 128, false)]
+    {
         // One new token per request against its cached keys; the block keeps the keys from 300
-        // on of the packed matrix (a rank's part), so the first request's row keeps none.
+        // on of the packed matrix (a rank's part), so the first request's row keeps none, or
+        // every other page of 16 keys.
         let k_lens: Vec<usize> = (0..requests).map(|i| if i == 0 { 200 } else { rng.random_range(1..5000) }).collect();
         let full = Mask::per_document(&vec![1; requests], &k_lens, Mask::causal).unwrap();
-        let mask = full.restrict(0..requests, 300..full.k_len()).unwrap();
+        let mask = if pages {
+            let keys =
+                TokenSet::from_runs((0..full.k_len()).step_by(32).map(|a| a..(a + 16).min(full.k_len())).collect());
+            sub_mask(&full, &TokenSet::range(0..requests), &keys).unwrap()
+        } else {
+            full.restrict(0..requests, 300..full.k_len()).unwrap()
+        };
         let shape = AttnShape::new(2, requests, mask.k_len(), heads, kv_heads, d).unwrap();
         let (q, k, v) = (
             randn(&mut rng, shape.q_elems(), 1.0),

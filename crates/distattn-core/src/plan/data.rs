@@ -215,7 +215,9 @@ pub struct PlanOptions {
     #[serde(default)]
     pub ranks_per_node: Option<usize>,
     /// Ulysses (hybrid without a ring): head chunks, whole KV heads each, whose all-to-alls
-    /// overlap the previous chunk's attention (default [`crate::planner::default_head_chunks`]).
+    /// overlap the previous chunk's attention. Default 1: on 2 H200s (32/8 heads, 32k and 128k)
+    /// 2 chunks matched one and 4 lost up to 17%, the chunks' copy and NCCL kernels waiting for
+    /// SMs the attention kernel holds (`bench/results/h200x2-2026-11-26-serving-ulysses`).
     #[serde(default)]
     pub head_chunks: Option<usize>,
 }

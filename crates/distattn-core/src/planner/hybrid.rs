@@ -47,16 +47,12 @@ pub(super) fn plan(b: &mut Builder, degree: usize) -> Result<()> {
     grouped(b, u_deg, layout)
 }
 
-/// Head chunks of a pure Ulysses pass picked when none is given: up to 4, whole KV heads each.
-pub fn default_head_chunks(kv_heads_per_rank: usize) -> usize {
-    kv_heads_per_rank.clamp(1, 4)
-}
-
 /// Ulysses inside groups of `u_deg` ranks and a ring across the groups, on `layout`.
 ///
-/// Without a ring (one group), the heads go in chunks of whole KV heads: chunk c's all-to-all
-/// runs at step c, its attention at step c + 1 and its way back at step c + 2, so each
-/// all-to-all overlaps the previous chunk's attention and only the first and last chunks' wait.
+/// Without a ring (one group), the heads may go in chunks of whole KV heads
+/// ([`PlanOptions::head_chunks`](crate::PlanOptions)): chunk c's all-to-all runs at step c, its
+/// attention at step c + 1 and its way back at step c + 2, so each all-to-all can overlap the
+/// previous chunk's attention.
 pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<()> {
     let p = b.world;
     let (h, kvh) = (b.shape.heads, b.shape.kv_heads);
@@ -79,7 +75,7 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
             return Err(b.unsupported(format!("{c} head chunks: expected 1 to the {per_rank} KV heads of a rank")))
         }
         Some(c) => c,
-        None => default_head_chunks(per_rank),
+        None => 1,
     };
     let g = Groups { u_deg, chunks, h, kvh, layout };
     let mut sliced = Vec::with_capacity(chunks);

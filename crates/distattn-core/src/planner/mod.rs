@@ -15,7 +15,7 @@ mod zigzag;
 
 pub use dispatch::dispatch_layout;
 pub use double_ring::default_inner_ring;
-pub use hybrid::{default_head_chunks, default_ulysses_degree};
+pub use hybrid::default_ulysses_degree;
 
 use crate::plan::{Plan, PlanOptions};
 use crate::{AttnShape, DType, Error, Mask, Result, Strategy};

@@ -287,12 +287,14 @@ fn double_ring_crosses_nodes_once_per_outer_step() {
 #[test]
 fn chunked_ulysses_overlaps_each_all_to_all_with_the_previous_chunks_attention() {
     use crate::plan::Op;
-    // 2 ranks, 8 KV heads: 4 per rank, 4 chunks by default. Step s sends chunk s and attends
-    // chunk s − 1; steps 2.. also return chunk s − 2.
+    // 2 ranks, 8 KV heads: 4 per rank, in 4 chunks. Step s sends chunk s and attends chunk
+    // s − 1; steps 2.. also return chunk s − 2. By default, one chunk: three steps.
     let shape = AttnShape::new(1, 4096, 4096, 32, 8, 64).unwrap();
     let mask = Mask::causal(4096, 4096).unwrap();
-    assert_eq!(super::default_head_chunks(4), 4);
-    for opts in [PlanOptions::forward(), PlanOptions::backward(RingBackward::KvCirculate)] {
+    let default = build(Strategy::Ulysses, 2, &shape, &mask, DType::BF16, &PlanOptions::forward()).unwrap();
+    assert_eq!(default.ranks[0].steps.len(), 3);
+    for pass in [PlanOptions::forward(), PlanOptions::backward(RingBackward::KvCirculate)] {
+        let opts = PlanOptions { head_chunks: Some(4), ..pass };
         let plan = build(Strategy::Ulysses, 2, &shape, &mask, DType::BF16, &opts).unwrap();
         plan.validate().unwrap();
         let steps = &plan.ranks[0].steps;

@@ -109,9 +109,17 @@ fn check(gpu: Option<&CudaBackend>, seed: u64) -> Result<String> {
     ))
 }
 
-fn time_gpu<T: CudaElement>(gpu: &CudaBackend, case: &DecodeCase, opts: &DecodeOptions, repeats: usize) -> Result<f64> {
-    let (q, k, v) = (cast::<T>(&case.q), cast::<T>(&case.k_cache), cast::<T>(&case.v_cache));
-    let step = DecodeBuffers::upload(gpu, &q, &case.cache(&k, &v), &case.shape, opts)?;
+/// One GPU's decode of `shape`, every request `context` keys long, on a cache of random values
+/// made on the GPU (pages in order), one layer's milliseconds.
+fn time_gpu<T: CudaElement>(
+    gpu: &CudaBackend,
+    shape: &DecodeShape,
+    page_size: usize,
+    context: usize,
+    opts: &DecodeOptions,
+    repeats: usize,
+) -> Result<f64> {
+    let step = DecodeBuffers::<T>::random(gpu, shape, page_size, &vec![context; shape.batch], opts, 7)?;
     step.plan(gpu)?;
     // Layers back to back between two events: what one layer of a decode step costs.
     const LAYERS: usize = 20;
@@ -293,10 +301,11 @@ pub fn run(a: DecodeBench) -> Result<()> {
     for &context in &a.lengths {
         for &d in &a.head_dims {
             let shape = DecodeShape::new(a.batch, a.q_rows, a.heads, a.kv_heads, d)?;
-            // One device's case is generated on the host (f32, then cast): beside a spread cache,
-            // a context too large for this host's memory is timed spread only.
+            // One CPU's case is generated on the host (f32, then cast): beside a spread cache, a
+            // context too large for this host's memory is timed spread only. A GPU makes its own.
             let host_bytes = 2 * a.batch * context * a.kv_heads * d * (4 + 4);
             let case = match (&a.spread, host_memory_available()) {
+                _ if gpu.is_some() => None,
                 (Some(_), Some(avail)) if host_bytes > avail / 2 => {
                     eprintln!(
                         "one device, context {context}: its inputs ({:.0} GB) are built on the host, which has {:.0} GB \
@@ -309,14 +318,19 @@ pub fn run(a: DecodeBench) -> Result<()> {
                 _ => Some(DecodeCase::random(&mut rng, shape, a.page_size, &vec![context; a.batch])),
             };
             for &dtype in &a.dtypes {
-                let single = case.as_ref().map(|case| match (&gpu, dtype) {
-                    (Some(g), DType::BF16) => time_gpu::<bf16>(g, case, &opts, a.repeats),
-                    (Some(g), DType::F16) => time_gpu::<f16>(g, case, &opts, a.repeats),
-                    (Some(_), d) => Err(anyhow::anyhow!("the CUDA decode takes bf16 or f16, not {d}")),
-                    (None, DType::F32) => time_cpu::<f32>(case, &opts, a.repeats),
-                    (None, DType::BF16) => time_cpu::<bf16>(case, &opts, a.repeats),
-                    (None, DType::F16) => time_cpu::<f16>(case, &opts, a.repeats),
-                });
+                let single = match (&gpu, dtype, &case) {
+                    (Some(g), DType::BF16, _) => {
+                        Some(time_gpu::<bf16>(g, &shape, a.page_size, context, &opts, a.repeats))
+                    }
+                    (Some(g), DType::F16, _) => {
+                        Some(time_gpu::<f16>(g, &shape, a.page_size, context, &opts, a.repeats))
+                    }
+                    (Some(_), d, _) => Some(Err(anyhow::anyhow!("the CUDA decode takes bf16 or f16, not {d}"))),
+                    (None, _, None) => None,
+                    (None, DType::F32, Some(case)) => Some(time_cpu::<f32>(case, &opts, a.repeats)),
+                    (None, DType::BF16, Some(case)) => Some(time_cpu::<bf16>(case, &opts, a.repeats)),
+                    (None, DType::F16, Some(case)) => Some(time_cpu::<f16>(case, &opts, a.repeats)),
+                };
                 // A context beyond one device is what a spread cache is for: say so, go on.
                 let single = match single {
                     None => None,
