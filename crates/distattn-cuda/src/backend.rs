@@ -4,7 +4,6 @@
 
 use crate::aux::{MergeDims, OLse, PieceList, PieceOp};
 use crate::buffer::GpuBuf;
-use crate::decode::decode_runs;
 use crate::device::CudaBackend;
 use crate::{driver_err, CudaElement};
 use cudarc::driver::{sys, CudaEvent};
@@ -116,9 +115,9 @@ impl CudaBackend {
         o: &mut GpuBuf,
         lse: &mut GpuBuf,
     ) -> Result<()> {
-        if let Some(runs) = decode_runs(block) {
+        if let Some(runs) = &block.row_runs {
             if self.decode_blocks(T::DTYPE, block.shape.head_dim).is_ok() {
-                return self.block_decode::<T>(block, &runs, inputs.q, inputs.k, inputs.v, opts, o, lse);
+                return self.block_decode::<T>(block, runs, inputs.q, inputs.k, inputs.v, opts, o, lse);
             }
         }
         let s = self.stream();

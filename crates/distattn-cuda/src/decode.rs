@@ -22,37 +22,6 @@ use distattn_exec::{Block, Piece};
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 
-/// Query rows of a block at most which [`decode_runs`] sends to the decode kernel: each row
-/// reads its keys on its own there, so rows sharing keys pay for each other's reads.
-pub(crate) const DECODE_BLOCK_MAX_ROWS: usize = 64;
-
-/// For a block of a few query rows each of which keeps one run of keys (or none), as a decode
-/// step's block over a spread cache's part does, each row's `(first key, keys)`; `None` for any
-/// other block (the flash kernels' work). Touching intervals are one run: a rank's pages of a
-/// request, dealt out interleaved, sit side by side in its block's keys.
-pub(crate) fn decode_runs(block: &Block) -> Option<Vec<(usize, usize)>> {
-    let m = &block.mask;
-    if m.q_len() > DECODE_BLOCK_MAX_ROWS {
-        return None;
-    }
-    let mut row = Vec::new();
-    (0..m.q_len())
-        .map(|i| {
-            row.clear();
-            row.extend(m.row_intervals(i));
-            row.sort_unstable();
-            let Some(&(lo, mut hi)) = row.first() else { return Some((0, 0)) };
-            for &(a, b) in &row[1..] {
-                if a != hi {
-                    return None;
-                }
-                hi = b;
-            }
-            Some((lo, hi - lo))
-        })
-        .collect()
-}
-
 /// Device addresses of a decode step's tensors: Q and O `[batch, q_rows, heads, d]` (bf16 or
 /// f16), LSE `[batch, heads, q_rows]` f32, the K and V caches `[pages, page_size, kv_heads, d]`,
 /// the page table `[batch, max_pages]` and lengths `[batch]` (i32).
@@ -121,7 +90,7 @@ impl CudaBackend {
         Ok(cfg)
     }
 
-    /// A block of [`decode_runs`] `runs` through the decode kernel, reading K and V in place:
+    /// A block of one key run per row (`runs`, [`Block::row_runs`]) through the decode kernel, reading K and V in place:
     /// each query row (of each batch entry) is a request of one row whose keys are its run (a
     /// row table, no pages), O and LSE then widened and laid out as a block's (f32 O, LSE
     /// `[batch, heads, q_len]`). O passes through the input dtype, as the decode kernel writes it.
@@ -574,48 +543,5 @@ impl<T: CudaElement> DecodeBuffers<T> {
         // SAFETY: as in `plan` (which the caller ran first: the workspace is planned), the table
         // checked by check_cache.
         unsafe { gpu.decode_raw(st, T::DTYPE, &t, &ws, &self.step) }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use distattn_core::{AttnShape, Mask};
-
-    fn block(mask: Mask) -> Block {
-        Block { shape: AttnShape::new(1, mask.q_len(), mask.k_len(), 4, 2, 64).unwrap(), mask }
-    }
-
-    #[test]
-    fn decode_runs_are_a_few_rows_of_one_run_each() {
-        // Three requests of one new token, keys from 10 on: the first keeps none.
-        let m = Mask::per_document(&[1, 1, 1], &[8, 5, 20], Mask::causal).unwrap().restrict(0..3, 10..33).unwrap();
-        assert_eq!(decode_runs(&block(m)), Some(vec![(0, 0), (0, 3), (3, 20)]));
-        // Too many rows, or a row of two runs: the flash kernels.
-        let n = DECODE_BLOCK_MAX_ROWS + 1;
-        assert_eq!(decode_runs(&block(Mask::full(n, 100).unwrap())), None);
-        let two = Mask::per_document(&[2, 2], &[4, 4], Mask::full).unwrap();
-        let cross = Mask::from_slices(
-            1,
-            8,
-            vec![
-                distattn_core::MaskSlice::new(0..1, 0..2, distattn_core::SliceKind::Full),
-                distattn_core::MaskSlice::new(0..1, 4..6, distattn_core::SliceKind::Full),
-            ],
-        )
-        .unwrap();
-        assert_eq!(decode_runs(&block(two)), Some(vec![(0, 4), (0, 4), (4, 4), (4, 4)]));
-        assert_eq!(decode_runs(&block(cross)), None);
-        // Touching slices (a request's pages from one rank) are one run.
-        let pages = Mask::from_slices(
-            1,
-            8,
-            vec![
-                distattn_core::MaskSlice::new(0..1, 0..4, distattn_core::SliceKind::Full),
-                distattn_core::MaskSlice::new(0..1, 4..6, distattn_core::SliceKind::Full),
-            ],
-        )
-        .unwrap();
-        assert_eq!(decode_runs(&block(pages)), Some(vec![(0, 6)]));
     }
 }

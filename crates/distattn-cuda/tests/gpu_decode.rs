@@ -226,7 +226,8 @@ fn decode_shaped_blocks_match_f64() {
         let (qg, kg, vg) = (up(&qb), up(&kb), up(&vb));
         let mut o = GpuBuf::filled(s, DType::F32, shape.q_elems(), f32::NAN).unwrap();
         let mut lse = GpuBuf::filled(s, DType::F32, shape.lse_elems(), f32::NAN).unwrap();
-        let block = Block { shape, mask: mask.clone() };
+        let block = Block::new(shape, mask.clone());
+        assert_eq!(block.row_runs.is_some(), requests <= Block::RUN_ROWS, "{requests} rows");
         let opts = AttnOptions::default();
         Backend::forward(&gpu, &block, FwdInputs { q: &qg, k: &kg, v: &vg }, &opts, &mut o, &mut lse).unwrap();
         let (o, lse) = (o.download_f32(s).unwrap(), lse.download_f32(s).unwrap());

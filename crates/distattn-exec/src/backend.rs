@@ -10,11 +10,25 @@ use distattn_core::schedule::Lane;
 use distattn_core::{AttnOptions, AttnShape, DType, Element, Mask, Result};
 
 /// A block of a rank's program — one query set against one key set — prepared once: its
-/// kernel shape and its mask re-indexed to the block's own rows and keys.
+/// kernel shape, its mask re-indexed to the block's own rows and keys, and for a block of at
+/// most [`Block::RUN_ROWS`] rows each keeping one run of keys (a decode step's block over a
+/// spread cache), those runs, which a backend may hand a split-KV decode kernel.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Block {
     pub shape: AttnShape,
     pub mask: Mask,
+    /// Per query row `(first key, keys)` ([`Mask::row_runs`]), for blocks of few rows.
+    pub row_runs: Option<Vec<(usize, usize)>>,
+}
+
+impl Block {
+    /// Query rows at most whose key runs a block keeps.
+    pub const RUN_ROWS: usize = 64;
+
+    pub fn new(shape: AttnShape, mask: Mask) -> Block {
+        let row_runs = if mask.q_len() <= Self::RUN_ROWS { mask.row_runs() } else { None };
+        Block { shape, mask, row_runs }
+    }
 }
 
 /// The inputs of a block's forward, in the input dtype.

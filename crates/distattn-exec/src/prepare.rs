@@ -142,7 +142,7 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
         |b: BufId| prog.bufs.get(b).ok_or_else(|| Error::InvalidPlan(format!("rank {rank} uses undefined buffer {b}")));
     let mut blocks = Vec::new();
     let mut block_of = |q: &BufDesc, k: &BufDesc| -> Result<usize> {
-        blocks.push(Block { shape: BufDesc::block_shape(q, k, &shape), mask: sub_mask(mask, &q.tokens, &k.tokens)? });
+        blocks.push(Block::new(BufDesc::block_shape(q, k, &shape), sub_mask(mask, &q.tokens, &k.tokens)?));
         Ok(blocks.len() - 1)
     };
     // Buffers that hold only their fill: allocated, not yet used by anything else.

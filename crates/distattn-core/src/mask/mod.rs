@@ -346,6 +346,34 @@ impl Mask {
         })
     }
 
+    /// Per query row, its kept keys as one run `(first key, keys)` (`(0, 0)` for none), when
+    /// every row's kept keys are one run (touching slices join); `None` otherwise. One pass over
+    /// the slices' rows: meant for masks of few rows (a decode step's block).
+    pub fn row_runs(&self) -> Option<Vec<(usize, usize)>> {
+        let mut cuts: Vec<(usize, usize, usize)> = Vec::new();
+        for s in &self.slices {
+            cuts.extend(
+                s.q.clone().map(|i| (i, s.row(i))).filter(|(_, (lo, hi))| lo < hi).map(|(i, (lo, hi))| (i, lo, hi)),
+            );
+        }
+        cuts.sort_unstable();
+        let mut runs = vec![(0, 0); self.q_len];
+        let mut last: Option<(usize, usize)> = None; // (row, end of its run so far)
+        for (i, lo, hi) in cuts {
+            match last {
+                Some((row, end)) if row == i => {
+                    if lo != end {
+                        return None;
+                    }
+                    runs[i].1 += hi - lo;
+                }
+                _ => runs[i] = (lo, hi - lo),
+            }
+            last = Some((i, hi));
+        }
+        Some(runs)
+    }
+
     /// Number of kept (query, key) pairs in the whole matrix.
     pub fn area(&self) -> u64 {
         self.tile(0..self.q_len, 0..self.k_len).area

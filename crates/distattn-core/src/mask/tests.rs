@@ -346,6 +346,42 @@ fn arb_slice(q: usize, k: usize) -> impl Strategy<Value = MaskSlice> {
     })
 }
 
+/// `row_runs` against the dense matrix: Some exactly when every row keeps one contiguous run
+/// (or nothing), and then that run.
+fn check_row_runs(m: &Mask) -> Option<Vec<(usize, usize)>> {
+    let d = dense(m);
+    let runs = m.row_runs();
+    let mut one_run = true;
+    for i in 0..m.q_len() {
+        let row = &d[i * m.k_len()..(i + 1) * m.k_len()];
+        let kept: Vec<usize> = (0..m.k_len()).filter(|&j| row[j]).collect();
+        let contiguous = kept.windows(2).all(|w| w[1] == w[0] + 1);
+        one_run &= contiguous;
+        if let Some(r) = &runs {
+            let want = kept.first().map_or((0, 0), |&lo| (lo, kept.len()));
+            assert_eq!(r[i], want, "row {i}");
+        }
+    }
+    assert_eq!(runs.is_some(), one_run);
+    runs
+}
+
+#[test]
+fn row_runs_are_each_rows_one_run_of_keys() {
+    // A decode step: one new token per request; restricted to a rank's keys; every other page.
+    let step = Mask::per_document(&[1, 1, 1], &[40, 7, 90], Mask::causal).unwrap();
+    assert_eq!(check_row_runs(&step), Some(vec![(0, 40), (40, 7), (47, 90)]));
+    let part = step.restrict(0..3, 45..137).unwrap();
+    assert_eq!(check_row_runs(&part), Some(vec![(0, 0), (0, 2), (2, 90)]));
+    let pages = crate::plan::TokenSet::from_runs((0..137).step_by(32).map(|a| a..(a + 16).min(137)).collect());
+    let paged = crate::plan::sub_mask(&step, &crate::plan::TokenSet::range(0..3), &pages).unwrap();
+    assert!(paged.slices().len() > 3, "one slice per page");
+    assert!(check_row_runs(&paged).is_some());
+    assert!(check_row_runs(&Mask::causal(9, 12).unwrap()).is_some());
+    // A sliding window with a global prefix keeps two runs in later rows.
+    assert_eq!(check_row_runs(&Mask::window_global(20, Some(2), Some(0), 3).unwrap()), None);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
