@@ -4,9 +4,12 @@
 # 32/8 heads, d 128, bf16, contiguous and interleaved (16-token pages) placements, each step
 # against one GPU's paged decode kernel in the same run (contexts that do not fit one GPU say so
 # and are timed spread only). Writes OUT/decode-P<gpus>-b<batch>-<placement>.json and a log.
+# Then prompts onto a spread cache (`distattn bench --cached-prefill`): NEW_TOKENS (default
+# 1,256,4096,32768,262144) onto PREFILL_CACHED (default 262144) cached tokens, pass-q against
+# pass-KV and the planner's pick, and a fresh 1M-token prompt (OUT/prefill-P<gpus>*.json).
 #   bench/gpu_serve.sh OUT [CONTEXTS]      (default 1048576,4194304)
 # Env: DISTATTN_BIN (default target/release/distattn, built with
-# `cargo build --release -p distattn --features cli`).
+# `cargo build --release -p distattn --features cli`); PARTS (default decode,prefill).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_serve.sh OUT [CONTEXTS]}
 CONTEXTS=${2:-1048576,4194304}
@@ -16,8 +19,10 @@ BIN=${DISTATTN_BIN:-target/release/distattn}
 mkdir -p "$OUT"
 NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/nvidia-smi.txt"
+PARTS=${PARTS:-decode,prefill}
 rc=0
 for P in 2 4; do
+  [[ ",$PARTS," == *",decode,"* ]] || break
   [ "$P" -le "$NGPU" ] || { echo "== $P GPUs: only $NGPU here, skipped"; continue; }
   for B in 1 16; do
     for PL in contiguous pages:16; do
@@ -27,5 +32,15 @@ for P in 2 4; do
         --placement "$PL" --repeats 5 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" || rc=1
     done
   done
+done
+for P in 2 4; do
+  [[ ",$PARTS," == *",prefill,"* ]] || break
+  [ "$P" -le "$NGPU" ] || continue
+  echo "== prefill onto a spread cache, $P GPUs"
+  "$BIN" bench --cached-prefill --gpus "$P" --seqs "${PREFILL_CACHED:-262144}" --new-tokens "${NEW_TOKENS:-1,256,4096,32768,262144}" \
+    --repeats 5 --json "$OUT/prefill-P$P-crossover.json" 2>&1 | tee "$OUT/prefill-P$P-crossover.log" || rc=1
+  echo "== a fresh 1M-token prompt, $P GPUs"
+  "$BIN" bench --cached-prefill --gpus "$P" --seqs 0 --new-tokens 1048576 --repeats 1 \
+    --json "$OUT/prefill-P$P-1m.json" 2>&1 | tee "$OUT/prefill-P$P-1m.log" || rc=1
 done
 exit $rc

@@ -753,3 +753,34 @@ fn bench_decode_over_a_spread_cache_reports_both_and_checks_its_options() {
     one_line_error(&distattn(&[&base[..], &["--gpus", "2", "--world", "2"]].concat()), "pass one of them");
     one_line_error(&distattn(&["bench", "--decode", "--seqs", "2", "--q-rows", "4"]), "--q-rows");
 }
+
+#[test]
+fn bench_cached_prefill_times_both_rings_and_names_the_planners_pick() {
+    let base = ["bench", "--cached-prefill", "--seqs", "300", "--heads", "4", "--kv-heads", "2", "--head-dims", "32"];
+    let out = distattn(
+        &[
+            &base[..],
+            &["--new-tokens", "1,200", "--world", "2", "--placement", "pages:16", "--repeats", "1", "--json", "-"],
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let got: Vec<(&str, u64)> =
+        rows.iter().map(|r| (r["strategy"].as_str().unwrap(), r["new"].as_u64().unwrap())).collect();
+    assert_eq!(
+        got,
+        [("single", 1), ("pass-q", 1), ("ring", 1), ("single", 200), ("pass-q", 200), ("ring", 200)],
+        "{report}"
+    );
+    for step in rows.chunks(3) {
+        assert_eq!(step.iter().filter(|r| r["picked"] == true).count(), 1, "{report}");
+        assert!(step[1]["bytes_moved"].as_u64().unwrap() > 0 && step[2]["scaling_eff"].as_f64().unwrap() > 0.0);
+    }
+    // One new token: the query is far smaller than the keys, so pass-q moves less and is picked.
+    assert_eq!(rows[1]["picked"], true, "{report}");
+    one_line_error(&distattn(&[&base[..], &["--new-tokens", "4"]].concat()), "--gpus N or --world N");
+    one_line_error(&distattn(&[&base[..], &["--new-tokens", "0", "--world", "2"]].concat()), "--new-tokens");
+    one_line_error(&distattn(&["bench", "--cached-prefill", "--world", "2"]), "--new-tokens");
+}

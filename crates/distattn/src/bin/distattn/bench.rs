@@ -92,10 +92,19 @@ pub struct BenchArgs {
     /// With --decode: tokens per page of the KV cache.
     #[arg(long, default_value_t = 16, requires = "decode")]
     page_size: usize,
-    /// With --decode and --world/--gpus: how a request's cache is dealt out to the ranks
-    /// (contiguous, contiguous:N or pages:N; see `distattn plan --help`).
-    #[arg(long, default_value = "contiguous", requires = "decode")]
+    /// With --decode or --cached-prefill and --world/--gpus: how a request's cache is dealt out
+    /// to the ranks (contiguous, contiguous:N or pages:N; see `distattn plan --help`).
+    #[arg(long, default_value = "contiguous")]
     placement: String,
+    /// Time a prefill of --new-tokens per request onto --seqs cached tokens instead, the cache
+    /// spread over --world/--gpus ranks by --placement, each query beside its key: with pass-q
+    /// and with pass-KV (ring), against one device's flash kernel, and which the planner's
+    /// traffic model picks. --heads/--kv-heads default to 32/8, the first --head-dims.
+    #[arg(long, conflicts_with_all = ["decode", "timelines", "forward_only"], requires = "new_tokens")]
+    cached_prefill: bool,
+    /// With --cached-prefill: new tokens per request.
+    #[arg(long, value_delimiter = ',', requires = "cached_prefill")]
+    new_tokens: Vec<usize>,
 }
 
 /// One measured row, in the format shared by every distattn benchmark.
@@ -153,7 +162,7 @@ pub(crate) fn random_tensor(rng: &mut rand::rngs::StdRng, shape: Vec<usize>, dty
     HostTensor::from_f32(shape, &vals, dtype)
 }
 
-fn median_ms(repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+pub(crate) fn median_ms(repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     median_of(repeats, || {
         let t = Instant::now();
         f()?;
@@ -466,6 +475,32 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
     // In-process ranks run on the CPU, and so does the single call they are compared with.
     if args.world > 1 && args.backend == BackendArg::Auto {
         args.backend = BackendArg::Cpu;
+    }
+    if args.cached_prefill {
+        let (ranks, on_gpus) = match (gpus, args.world) {
+            (g, _) if g > 1 => (g, true),
+            (_, w) if w > 1 => (w, false),
+            _ => bail!("--cached-prefill spreads the cache: add --gpus N or --world N (N >= 2)"),
+        };
+        distattn::kv_placement::KvPlacement::from_spec(&args.placement, 1, ranks)?;
+        let gpu = match args.backend.execution(DType::BF16)? {
+            Execution::Cuda(g) => Some(g),
+            _ => None,
+        };
+        let heads = args.heads.unwrap_or(32);
+        return crate::cached_prefill::run(crate::cached_prefill::CachedPrefill {
+            cached: if args.seqs.is_empty() { vec![131072] } else { args.seqs },
+            new_tokens: args.new_tokens,
+            batch: args.batch,
+            heads,
+            kv_heads: args.kv_heads.unwrap_or(if heads.is_multiple_of(8) { heads / 4 } else { heads }),
+            head_dim: args.head_dims.first().copied().unwrap_or(128),
+            gpu,
+            spread: crate::decode_bench::Spread { ranks, on_gpus, placement: args.placement },
+            repeats: args.repeats,
+            json: args.json,
+            seed: args.seed,
+        });
     }
     if args.decode {
         let spread = match (gpus, args.world) {

@@ -159,7 +159,7 @@ fn spread_step(s: &Spread, requests: &[StepRequest], heads: usize, kv_heads: usi
     Ok(Attention::new(step.shape, step.mask)?.on(exec))
 }
 
-fn random_inputs(rng: &mut rand::rngs::StdRng, attn: &Attention, dtype: DType) -> [HostTensor; 3] {
+pub(crate) fn random_inputs(rng: &mut rand::rngs::StdRng, attn: &Attention, dtype: DType) -> [HostTensor; 3] {
     let sh = attn.shape();
     let t = |rng: &mut rand::rngs::StdRng, rows, heads| {
         crate::bench::random_tensor(rng, vec![sh.batch, rows, heads, sh.head_dim], dtype)
@@ -209,7 +209,7 @@ fn check_spread(s: &Spread, seed: u64) -> Result<String> {
 
 /// Median milliseconds of one spread step: on GPUs from a barrier to the slowest rank's end,
 /// inputs generated on the GPUs; on CPU ranks around the whole call.
-fn time_spread(attn: &Attention, dtype: DType, repeats: usize, rng: &mut rand::rngs::StdRng) -> Result<f64> {
+pub(crate) fn time_spread(attn: &Attention, dtype: DType, repeats: usize, rng: &mut rand::rngs::StdRng) -> Result<f64> {
     match attn.execution() {
         Execution::GpuRanks(r) => {
             if dtype != DType::BF16 {

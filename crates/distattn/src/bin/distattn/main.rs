@@ -6,6 +6,7 @@
 //! Errors print one line and exit with status 1 (`launch` stopped by SIGINT or SIGTERM: 130 or 143).
 
 mod bench;
+mod cached_prefill;
 mod decode_bench;
 mod launch;
 mod plan;
