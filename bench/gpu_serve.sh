@@ -6,7 +6,7 @@
 # and are timed spread only). Writes OUT/decode-P<gpus>-b<batch>-<placement>.json and a log.
 # Then prompts onto a spread cache (`distattn bench --cached-prefill`): NEW_TOKENS (default
 # 1,256,4096,32768,262144) onto PREFILL_CACHED (default 262144) cached tokens, pass-q against
-# pass-KV and the planner's pick, and a fresh 1M-token prompt (OUT/prefill-P<gpus>*.json).
+# pass-KV and the planner's pick, and a fresh 1M-token prompt (OUT/prefill-P<gpus>-*.json).
 #   bench/gpu_serve.sh OUT [CONTEXTS]      (default 1048576,4194304)
 # Env: DISTATTN_BIN (default target/release/distattn, built with
 # `cargo build --release -p distattn --features cli`); PARTS (default decode,prefill).
@@ -36,11 +36,16 @@ done
 for P in 2 4; do
   [[ ",$PARTS," == *",prefill,"* ]] || break
   [ "$P" -le "$NGPU" ] || continue
-  echo "== prefill onto a spread cache, $P GPUs"
-  "$BIN" bench --cached-prefill --gpus "$P" --seqs "${PREFILL_CACHED:-262144}" --new-tokens "${NEW_TOKENS:-1,256,4096,32768,262144}" \
-    --repeats 5 --json "$OUT/prefill-P$P-crossover.json" 2>&1 | tee "$OUT/prefill-P$P-crossover.log" || rc=1
+  # One process per point: on 2 H200s a process that had timed four points aborted in the fifth
+  # (glibc "double free or corruption", 2026-11-26); each point alone runs clean.
+  for N in $(echo "${NEW_TOKENS:-1,256,4096,32768,262144}" | tr , ' '); do
+    echo "== $N new tokens onto ${PREFILL_CACHED:-262144} cached, spread over $P GPUs"
+    "$BIN" bench --cached-prefill --gpus "$P" --seqs "${PREFILL_CACHED:-262144}" --new-tokens "$N" \
+      --heads 32 --kv-heads 8 --head-dims 128 --repeats 3 --json "$OUT/prefill-P$P-new$N.json" 2>&1 \
+      | tee "$OUT/prefill-P$P-new$N.log" || rc=1
+  done
   echo "== a fresh 1M-token prompt, $P GPUs"
-  "$BIN" bench --cached-prefill --gpus "$P" --seqs 0 --new-tokens 1048576 --repeats 1 \
-    --json "$OUT/prefill-P$P-1m.json" 2>&1 | tee "$OUT/prefill-P$P-1m.log" || rc=1
+  "$BIN" bench --cached-prefill --gpus "$P" --seqs 0 --new-tokens 1048576 --heads 32 --kv-heads 8 --head-dims 128 \
+    --repeats 1 --json "$OUT/prefill-P$P-1m.json" 2>&1 | tee "$OUT/prefill-P$P-1m.log" || rc=1
 done
 exit $rc

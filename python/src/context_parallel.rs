@@ -13,7 +13,7 @@
 use crate::problem::{cached_mask, dtype_of, expect, gpu, host, host_mut, where_is, TensorDesc};
 use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::plan::TokenSet;
-use distattn::planner::least_traffic;
+use distattn::planner::fastest;
 use distattn::{
     AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, PlanOptions, RankAttention, Result, Strategy,
 };
@@ -247,7 +247,7 @@ impl CpRank {
     /// Rank `rank` of one serving step over a KV cache spread over the group: `requests` as
     /// `(home, cached, new)`, the cache placed by `placement` (`contiguous` or `pages:N`), the
     /// queries at their home (`prefill` false) or beside their keys, run by `strategy`
-    /// (`pass-q`, `ring`, or `auto`: the one moving fewer bytes). Returns the rank and the
+    /// (`pass-q`, `ring`, or `auto`: the one the planner's time model estimates faster). Returns the rank and the
     /// strategy used.
     #[staticmethod]
     #[pyo3(signature = (requests, placement, prefill, strategy, world, rank, heads, kv_heads, head_dim, softmax_scale, transport))]
@@ -278,7 +278,7 @@ impl CpRank {
                 "auto" => {
                     let opts = PlanOptions { layout: Some(step.layout.clone()), ..PlanOptions::default() };
                     let both = [Strategy::PassQ, Strategy::Ring];
-                    let plan = least_traffic(&both, world, &step.shape, &step.mask, DType::BF16, &opts)?;
+                    let plan = fastest(&both, world, &step.shape, &step.mask, DType::BF16, &opts, &Default::default())?;
                     RankAttention::placed_plan(plan, step.mask, rank)?
                 }
                 s => RankAttention::placed(step.shape, step.mask, step.layout, s.parse()?, world, rank)?,

@@ -95,7 +95,7 @@ impl RankAttention {
     }
 
     /// As [`RankAttention::placed`], from the forward plan the caller already built with its
-    /// placement (`planner::least_traffic`'s choice, say), which is not planned again.
+    /// placement (`planner::fastest`'s choice, say), which is not planned again.
     pub fn placed_plan(plan: Plan, mask: Mask, rank: usize) -> Result<Self> {
         if plan.pass != Pass::Forward {
             return Err(Error::invalid("plan", format!("a forward plan is needed, not a {:?} one", plan.pass)));

@@ -158,9 +158,9 @@ fn rows_of(x: &[f32], n: usize, row: usize, batch: usize, tokens: &TokenSet) -> 
 }
 
 #[test]
-fn a_serving_step_runs_the_plan_chosen_by_traffic() {
+fn a_serving_step_runs_the_plan_chosen_by_the_time_model() {
     use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
-    use distattn::planner::least_traffic;
+    use distattn::planner::fastest;
     use distattn::PlanOptions;
     let (mut rng, seed) = seeded_rng("serving_step_plan");
     let world = 3;
@@ -178,7 +178,8 @@ fn a_serving_step_runs_the_plan_chosen_by_traffic() {
     let opts = PlanOptions { layout: Some(step.layout.clone()), ..Default::default() };
     // Chosen (and costed) in bf16, run in f32: a plan's steps do not depend on the dtype.
     let plan =
-        least_traffic(&[Strategy::PassQ, Strategy::Ring], world, &shape, &step.mask, DType::BF16, &opts).unwrap();
+        fastest(&[Strategy::PassQ, Strategy::Ring], world, &shape, &step.mask, DType::BF16, &opts, &Default::default())
+            .unwrap();
     assert_eq!(plan.strategy, Strategy::PassQ, "decode moves the queries");
     let (qrow, kvrow) = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim);
     let results = run_ranks(world, Duration::from_secs(30), |comm: &ThreadComm| {

@@ -46,7 +46,8 @@ pub struct PlanSummary {
     pub per_step: Vec<Vec<StepCost>>,
 }
 
-fn flops(op: &Op, prog: &RankProgram, shape: &AttnShape) -> f64 {
+/// FLOPs of one op (blocks only) by the benchmark convention.
+pub(super) fn op_flops(op: &Op, prog: &RankProgram, shape: &AttnShape) -> f64 {
     match op {
         Op::Fwd { q, area, .. } => {
             4.0 * *area as f64 * shape.head_dim as f64 * (prog.bufs[*q].heads.len() * shape.batch) as f64
@@ -68,7 +69,7 @@ impl Plan {
                     .map(|p| {
                         let mut c = StepCost::default();
                         for op in &p.steps[t] {
-                            c.flops += flops(op, p, &self.shape);
+                            c.flops += op_flops(op, p, &self.shape);
                             if let Op::Fwd { .. } | Op::Bwd { .. } = op {
                                 c.blocks += 1;
                             }

@@ -13,13 +13,16 @@
 //! milliseconds, and [`Plan::summary`] reports FLOPs, bytes, imbalance and peak memory.
 //!
 //! This module is the plan data ([`Plan`], [`RankProgram`], [`Op`], …), its checks
-//! ([`Plan::validate`]), layouts ([`layout`]) and costs ([`cost`]); it knows no planner.
+//! ([`Plan::validate`]), layouts ([`layout`]), costs ([`cost`]) and time estimates
+//! ([`estimate`]); it knows no planner.
 
 pub mod cost;
 mod data;
+pub mod estimate;
 pub mod layout;
 mod validate;
 
 pub use cost::{PlanSummary, StepCost};
 pub use data::{BufDesc, BufId, Fill, Op, Pass, Plan, PlanOptions, RankProgram, RingBackward, Tensor};
+pub use estimate::{Estimate, Rates};
 pub use layout::{area, split_even, sub_mask, Layout, LayoutKind, TokenSet};

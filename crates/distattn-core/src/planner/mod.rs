@@ -17,7 +17,7 @@ pub use dispatch::dispatch_layout;
 pub use double_ring::default_inner_ring;
 pub use hybrid::default_ulysses_degree;
 
-use crate::plan::{Plan, PlanOptions};
+use crate::plan::{Plan, PlanOptions, Rates};
 use crate::{AttnShape, DType, Error, Mask, Result, Strategy};
 use builder::Builder;
 
@@ -83,23 +83,25 @@ pub fn build(
     b.finish()
 }
 
-/// The plan of whichever of `candidates` moves the fewest bytes (the first on a tie): their
-/// blocks are the same work, so traffic decides — pass-q against a ring (pass-KV) over a
-/// placed KV cache, by new against cached tokens.
-pub fn least_traffic(
+/// The plan of whichever of `candidates` [`Plan::estimate`] finds fastest at `rates` (then the
+/// one moving fewer bytes, then the first) — pass-q against a ring (pass-KV) over a placed KV
+/// cache: what each moves (queries and partial outputs, or keys) and whether the ranks that
+/// hold no new tokens get work.
+pub fn fastest(
     candidates: &[Strategy],
     world: usize,
     shape: &AttnShape,
     mask: &Mask,
     dtype: DType,
     opts: &PlanOptions,
+    rates: &Rates,
 ) -> Result<Plan> {
-    let mut best: Option<(u64, Plan)> = None;
+    let mut best: Option<((f64, u64), Plan)> = None;
     for &s in candidates {
         let plan = build(s, world, shape, mask, dtype, opts)?;
-        let bytes = plan.summary().bytes_moved;
-        if best.as_ref().is_none_or(|(b, _)| bytes < *b) {
-            best = Some((bytes, plan));
+        let key = (plan.estimate(rates).ms, plan.summary().bytes_moved);
+        if best.as_ref().is_none_or(|(b, _)| key.0 < b.0 || (key.0 == b.0 && key.1 < b.1)) {
+            best = Some((key, plan));
         }
     }
     best.map(|(_, p)| p).ok_or_else(|| Error::invalid("candidates", "no strategy to choose from"))

@@ -312,3 +312,24 @@ fn chunked_ulysses_overlaps_each_all_to_all_with_the_previous_chunks_attention()
         }
     }
 }
+
+#[test]
+fn estimates_replay_work_and_transfers_on_two_lanes() {
+    use crate::plan::Rates;
+    let rates = Rates { flops_per_s: 1e12, link_bytes_per_s: 1e9, memory_bytes_per_s: f64::INFINITY };
+    let shape = AttnShape::new(1, 1024, 1024, 8, 8, 64).unwrap();
+    let mask = Mask::full(1024, 1024).unwrap();
+    let close = |got: f64, want: f64| assert!((got - want).abs() < 1e-9, "{got} ms against {want} ms");
+    // One rank: the block's FLOPs at the compute rate.
+    let one = build(Strategy::Ring, 1, &shape, &mask, DType::BF16, &PlanOptions::forward()).unwrap();
+    close(one.estimate(&rates).ms, 4.0 * 1024.0 * 1024.0 * 64.0 * 8.0 / 1e12 * 1e3);
+    // Two ranks on a ring: each computes its own 512 × 512 block while its K and V (1 MiB)
+    // cross, then the received block: the transfer, not the first block, sets the start.
+    let two = build(Strategy::Ring, 2, &shape, &mask, DType::BF16, &PlanOptions::forward()).unwrap();
+    let block = 4.0 * 512.0 * 512.0 * 64.0 * 8.0 / 1e12 * 1e3;
+    let e = two.estimate(&rates);
+    for &ms in &e.per_rank_ms {
+        close(ms, 1_048_576.0 / 1e9 * 1e3 + block);
+    }
+    close(e.ms, e.per_rank_ms[0]);
+}

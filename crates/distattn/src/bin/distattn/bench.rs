@@ -33,8 +33,8 @@ pub struct BenchArgs {
     /// Masks to time (repeatable).
     #[arg(long = "mask", default_values_t = ["full".to_string(), "causal".to_string(), "window".to_string(), "docs".to_string()])]
     masks: Vec<String>,
-    /// Head dimensions.
-    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 128])]
+    /// Head dimensions [default: 64,128; --cached-prefill: 128, the first given].
+    #[arg(long, value_delimiter = ',')]
     head_dims: Vec<usize>,
     /// Storage dtypes [CPU default: f32,bf16; CUDA: bf16].
     #[arg(long, value_delimiter = ',')]
@@ -99,7 +99,8 @@ pub struct BenchArgs {
     /// Time a prefill of --new-tokens per request onto --seqs cached tokens instead, the cache
     /// spread over --world/--gpus ranks by --placement, each query beside its key: with pass-q
     /// and with pass-KV (ring), against one device's flash kernel, and which the planner's
-    /// traffic model picks. --heads/--kv-heads default to 32/8, the first --head-dims.
+    /// time model picks (and its estimate). --heads/--kv-heads default to 32/8, the first
+    /// --head-dims.
     #[arg(long, conflicts_with_all = ["decode", "timelines", "forward_only"], requires = "new_tokens")]
     cached_prefill: bool,
     /// With --cached-prefill: new tokens per request.
@@ -501,6 +502,9 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
             json: args.json,
             seed: args.seed,
         });
+    }
+    if args.head_dims.is_empty() {
+        args.head_dims = vec![64, 128];
     }
     if args.decode {
         let spread = match (gpus, args.world) {

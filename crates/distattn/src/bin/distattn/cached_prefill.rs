@@ -2,13 +2,15 @@
 //! spread over P ranks (context-parallel inference): each new token's query beside its key, the
 //! step run with pass-q (queries travel; partial O and LSE return) and with pass-KV (a ring over
 //! the same placement: the cache travels), each against one device's flash kernel on the whole
-//! problem, with the plan the planner's traffic model picks (`planner::least_traffic`). Where
-//! the measured faster one and the pick differ, the model's crossover is off.
+//! problem, with the plan the planner's time model picks (`planner::fastest`, with its default
+//! rates) and that model's estimate. Where the measured faster one and the pick differ, the
+//! model's crossover is off.
 
 use crate::decode_bench::{random_inputs, time_spread, Spread};
 use anyhow::{bail, Result};
 use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
-use distattn::planner::{build, least_traffic};
+use distattn::plan::Rates;
+use distattn::planner::{build, fastest};
 use distattn::{Attention, DType, Execution, PlanOptions, Ranks, Strategy};
 use distattn_cuda::{CudaBackend, GpuBuf};
 use half::bf16;
@@ -54,8 +56,10 @@ struct Row {
     tflops_per_rank: f64,
     /// Bytes the plan moves between ranks.
     bytes_moved: u64,
-    /// The strategy the planner's traffic model picks for this step.
+    /// The strategy the planner's time model picks for this step.
     picked: bool,
+    /// The time model's estimate, milliseconds.
+    estimate_ms: Option<f64>,
     /// One device's time over `ranks` times this one's.
     scaling_eff: Option<f64>,
 }
@@ -113,8 +117,8 @@ pub fn run(c: CachedPrefill) -> Result<()> {
     let to_stderr = c.json.as_ref().is_some_and(|p| p.as_os_str() == "-");
     let say = |line: String| if to_stderr { eprintln!("{line}") } else { println!("{line}") };
     say(format!(
-        "{:<7} {:>5} {:>5} {:>9} {:>8} {:>10} {:>9} {:>10} {:>6} {:>6}",
-        "strat", "ranks", "batch", "cached", "new", "ms", "TF/rank", "moved MB", "picked", "eff"
+        "{:<7} {:>5} {:>5} {:>9} {:>8} {:>10} {:>9} {:>10} {:>6} {:>6} {:>10}",
+        "strat", "ranks", "batch", "cached", "new", "ms", "TF/rank", "moved MB", "picked", "eff", "model ms"
     ));
     let mut rng = rand::rngs::StdRng::seed_from_u64(c.seed);
     let mut rows = Vec::new();
@@ -127,11 +131,13 @@ pub fn run(c: CachedPrefill) -> Result<()> {
             let opts = PlanOptions { layout: Some(step.layout.clone()), ..PlanOptions::forward() };
             let t0 = Instant::now();
             let strategies = [Strategy::PassQ, Strategy::Ring];
-            let pick = least_traffic(&strategies, s.ranks, &step.shape, &step.mask, DType::BF16, &opts)?.strategy;
+            let rates = Rates::default();
+            let pick = fastest(&strategies, s.ranks, &step.shape, &step.mask, DType::BF16, &opts, &rates)?.strategy;
             let flops = 4.0 * (step.mask.area() * (c.heads * c.head_dim) as u64) as f64;
             let one = Attention::new(step.shape, step.mask.clone())?;
+            eprintln!("cached {cached}, new {new}: one device ...");
             let single = time_single(&c, &one, &mut rng)?;
-            let row = |strategy: &str, ranks: usize, ms: f64, bytes_moved: u64, picked: bool| Row {
+            let row = |strategy: &str, ranks: usize, ms: f64, bytes_moved: u64, picked: bool, estimate_ms| Row {
                 backend: if c.gpu.is_some() { "cuda" } else { "cpu" }.into(),
                 strategy: strategy.into(),
                 ranks,
@@ -146,20 +152,23 @@ pub fn run(c: CachedPrefill) -> Result<()> {
                 tflops_per_rank: flops / ms / 1e9 / ranks as f64,
                 bytes_moved,
                 picked,
+                estimate_ms,
                 scaling_eff: (ranks > 1).then(|| single / (ranks as f64 * ms)),
             };
-            rows.push(row("single", 1, single, 0, false));
+            rows.push(row("single", 1, single, 0, false, None));
             for st in strategies {
-                let bytes = build(st, s.ranks, &step.shape, &step.mask, DType::BF16, &opts)?.summary().bytes_moved;
+                let plan = build(st, s.ranks, &step.shape, &step.mask, DType::BF16, &opts)?;
+                let (bytes, estimate) = (plan.summary().bytes_moved, plan.estimate(&rates).ms);
                 let ranks = Ranks { plan: opts.clone(), ..Ranks::new(s.ranks, st) };
                 let exec = if s.on_gpus { Execution::GpuRanks(ranks) } else { Execution::CpuRanks(ranks) };
                 let attn = Attention::new(step.shape, step.mask.clone())?.on(exec);
+                eprintln!("cached {cached}, new {new}: {st} on {} ranks ...", s.ranks);
                 let ms = time_spread(&attn, DType::BF16, c.repeats, &mut rng)?;
-                rows.push(row(&st.to_string(), s.ranks, ms, bytes, st == pick));
+                rows.push(row(&st.to_string(), s.ranks, ms, bytes, st == pick, Some(estimate)));
             }
             for r in &rows[rows.len() - 3..] {
                 say(format!(
-                    "{:<7} {:>5} {:>5} {:>9} {:>8} {:>10.3} {:>9.1} {:>10.1} {:>6} {:>6}",
+                    "{:<7} {:>5} {:>5} {:>9} {:>8} {:>10.3} {:>9.1} {:>10.1} {:>6} {:>6} {:>10}",
                     r.strategy,
                     r.ranks,
                     r.batch,
@@ -169,7 +178,8 @@ pub fn run(c: CachedPrefill) -> Result<()> {
                     r.tflops_per_rank,
                     r.bytes_moved as f64 / 1e6,
                     if r.picked { "yes" } else { "" },
-                    r.scaling_eff.map_or(String::new(), |e| format!("{:.0}%", 100.0 * e))
+                    r.scaling_eff.map_or(String::new(), |e| format!("{:.0}%", 100.0 * e)),
+                    r.estimate_ms.map_or(String::new(), |e| format!("{e:.3}"))
                 ));
             }
             eprintln!("cached {cached}, new {new}: {:.1} s", t0.elapsed().as_secs_f64());

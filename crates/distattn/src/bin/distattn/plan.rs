@@ -5,7 +5,7 @@ use anyhow::Result;
 use clap::Args;
 use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::plan::Pass;
-use distattn::planner::{build, least_traffic};
+use distattn::planner::{build, fastest};
 use distattn::{AttnShape, DType, MaskSpec, PlanOptions, Strategy};
 
 use crate::run::StrategyArgs;
@@ -62,8 +62,8 @@ pub struct PlanArgs {
     /// request's home rank (decode).
     #[arg(long, requires = "serve")]
     prefill: bool,
-    /// Serving: pass-q (queries travel), ring (the cache travels) or auto (the one moving the
-    /// fewest bytes).
+    /// Serving: pass-q (queries travel), ring (the cache travels) or auto (the one the
+    /// planner's time model estimates faster).
     #[arg(long, default_value = "auto", requires = "serve")]
     serve_strategy: String,
 }
@@ -88,6 +88,13 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&plan.summary())?);
     } else {
         print!("{plan}");
+        let rates = distattn::plan::Rates::default();
+        println!(
+            "estimate: {:.3} ms at {:.0} TFLOP/s and {:.0} GB/s links per device",
+            plan.estimate(&rates).ms,
+            rates.flops_per_s / 1e12,
+            rates.link_bytes_per_s / 1e9
+        );
     }
     Ok(())
 }
@@ -120,5 +127,5 @@ fn serving_plan(args: &PlanArgs, requests: &str) -> Result<distattn::Plan> {
         "auto" => vec![Strategy::PassQ, Strategy::Ring],
         s => vec![s.parse::<Strategy>()?],
     };
-    Ok(least_traffic(&candidates, world, &step.shape, &step.mask, args.dtype, &opts)?)
+    Ok(fastest(&candidates, world, &step.shape, &step.mask, args.dtype, &opts, &Default::default())?)
 }
