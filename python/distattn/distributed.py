@@ -245,6 +245,19 @@ class ContextParallel:
         return int(t)
 
 
+def _appended(buf: Optional[Tensor], held: int, rows: Tensor) -> Tensor:
+    """``buf`` with ``rows`` written after its first ``held`` rows; a full buffer is replaced by
+    one twice as large (at least 16 rows), so a request's appends cost amortized O(1) each."""
+    n = held + rows.shape[0]
+    if buf is None or buf.shape[0] < n:
+        grown = rows.new_empty((max(n, 16, 2 * (0 if buf is None else buf.shape[0])), *rows.shape[1:]))
+        if held:
+            grown[:held] = buf[:held]
+        buf = grown
+    buf[held:n] = rows
+    return buf
+
+
 class KVCacheGroup:
     """Attention over a KV cache spread over the ranks of ``group`` (Infinite-LLM's
     DistAttention): each request's tokens are dealt out to the ranks by ``placement``
@@ -255,7 +268,7 @@ class KVCacheGroup:
     already appended) against ``cached + new`` keys, causal. ``local_queries`` and
     ``local_keys`` say which rows this rank holds, in the order ``attention`` takes them;
     ``strategy`` is ``"pass-q"`` (queries travel, partial O and LSE come back), ``"ring"`` (the
-    cache travels) or ``"auto"`` (whichever moves fewer bytes). Forward only (serving); exact.
+    cache travels) or ``"auto"`` (whichever the planner's time model estimates faster). Forward only (serving); exact.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, placement: str = "pages:16", *, timeout: float = 300.0):
@@ -263,8 +276,9 @@ class KVCacheGroup:
         self.placement = placement
         self.rank, self.world = self._cp.rank, self._cp.world
         self._steps: Dict[tuple, tuple] = {}
-        # The cache this rank holds (``add``/``step``): per request its home, its length and
-        # the K/V of the positions placed here, ascending.
+        # The cache this rank holds (``add``/``step``): per request its home, its length, the
+        # K/V of the positions placed here (ascending, in buffers with room to grow) and how many
+        # rows of them are filled.
         self._requests: Dict[object, list] = {}
 
     # ------------------------------------------------------------------ a cache that grows
@@ -282,7 +296,7 @@ class KVCacheGroup:
         if not 0 <= home < self.world:
             raise ValueError(f"home rank {home} is not a rank of a group of {self.world}")
         self._block()
-        self._requests[rid] = [home, 0, None, None]
+        self._requests[rid] = [home, 0, None, None, 0]
 
     def drop(self, rid) -> None:
         """Ends request ``rid``, freeing its cache (every rank calls it alike)."""
@@ -297,7 +311,7 @@ class KVCacheGroup:
         block = self._block()
         plan = []  # (rid, home, cached, new)
         for rid, new in batch:
-            home, length, _, _ = self._requests[rid]
+            home, length = self._requests[rid][:2]
             plan.append((rid, home, length, int(new)))
         mine = [(rid, cached, new) for rid, home, cached, new in plan if home == self.rank]
         if q.shape[1] != sum(n for _, _, n in mine) or k_new.shape[1] != q.shape[1] or v_new.shape != k_new.shape:
@@ -340,14 +354,15 @@ class KVCacheGroup:
         for rid, _, _, new in plan:
             entry = self._requests[rid]
             if got[rid]:
-                kk = torch.stack([a for a, _ in got[rid]])
-                vv = torch.stack([b for _, b in got[rid]])
-                entry[2] = kk if entry[2] is None else torch.cat([entry[2], kk])
-                entry[3] = vv if entry[3] is None else torch.cat([entry[3], vv])
+                held = entry[4]
+                entry[2] = _appended(entry[2], held, torch.stack([a for a, _ in got[rid]]))
+                entry[3] = _appended(entry[3], held, torch.stack([b for _, b in got[rid]]))
+                entry[4] = held + len(got[rid])
             entry[1] += new
         empty = k_new.new_empty((0, *shape[1:]))
-        k = torch.cat([self._requests[rid][2] if self._requests[rid][2] is not None else empty for rid, *_ in plan])[None]
-        v = torch.cat([self._requests[rid][3] if self._requests[rid][3] is not None else empty for rid, *_ in plan])[None]
+        held = [self._requests[rid] for rid, *_ in plan]
+        k = torch.cat([e[2][: e[4]] if e[2] is not None else empty for e in held])[None]
+        v = torch.cat([e[3][: e[4]] if e[3] is not None else empty for e in held])[None]
         requests = [(home, cached, new) for _, home, cached, new in plan]
         return self.attention(q, k, v, requests, False, strategy, softmax_scale, return_lse)
 
