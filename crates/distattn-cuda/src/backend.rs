@@ -4,6 +4,7 @@
 
 use crate::aux::{MergeDims, OLse, PieceList, PieceOp};
 use crate::buffer::GpuBuf;
+use crate::decode::decode_reads_pay;
 use crate::device::CudaBackend;
 use crate::{driver_err, CudaElement};
 use cudarc::driver::{sys, CudaEvent};
@@ -115,7 +116,7 @@ impl CudaBackend {
         o: &mut GpuBuf,
         lse: &mut GpuBuf,
     ) -> Result<()> {
-        if let Some(runs) = &block.row_runs {
+        if let Some(runs) = block.row_runs.as_ref().filter(|r| decode_reads_pay(r, block.shape.k_len)) {
             if self.decode_blocks(T::DTYPE, block.shape.head_dim).is_ok() {
                 return self.block_decode::<T>(block, runs, inputs.q, inputs.k, inputs.v, opts, o, lse);
             }

@@ -22,6 +22,14 @@ use distattn_exec::{Block, Piece};
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 
+/// Whether the decode kernel suits a block whose rows keep these key runs: each row reads its
+/// run on its own there, so rows sharing keys (a training block's) read them once per row where
+/// the flash kernels read them once per tile of rows. Up to 4 reads of each key pay (a decode
+/// batch reads each once; a speculative step of 4 rows, 4 times).
+pub(crate) fn decode_reads_pay(runs: &[(usize, usize)], k_len: usize) -> bool {
+    runs.iter().map(|r| r.1).sum::<usize>() <= 4 * k_len
+}
+
 /// Device addresses of a decode step's tensors: Q and O `[batch, q_rows, heads, d]` (bf16 or
 /// f16), LSE `[batch, heads, q_rows]` f32, the K and V caches `[pages, page_size, kv_heads, d]`,
 /// the page table `[batch, max_pages]` and lengths `[batch]` (i32).
@@ -543,5 +551,20 @@ impl<T: CudaElement> DecodeBuffers<T> {
         // SAFETY: as in `plan` (which the caller ran first: the workspace is planned), the table
         // checked by check_cache.
         unsafe { gpu.decode_raw(st, T::DTYPE, &t, &ws, &self.step) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_decode_kernel_takes_blocks_that_read_each_key_a_few_times() {
+        // A batch of requests, disjoint runs; 4 rows of one request on the same keys.
+        assert!(decode_reads_pay(&[(0, 100), (100, 50), (150, 0)], 150));
+        assert!(decode_reads_pay(&[(0, 97), (0, 98), (0, 99), (0, 100)], 100));
+        // A training block's 64 causal rows over the same keys: the flash kernels.
+        let causal: Vec<(usize, usize)> = (0..64).map(|i| (0, 1000 + i)).collect();
+        assert!(!decode_reads_pay(&causal, 1064));
     }
 }
