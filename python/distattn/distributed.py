@@ -319,47 +319,60 @@ class KVCacheGroup:
                 f"q/k_new/v_new hold {q.shape[1]}/{k_new.shape[1]}/{v_new.shape[1]} rows; the requests homed on "
                 f"rank {self.rank} add {sum(n for _, _, n in mine)}"
             )
-        owner = lambda home, pos: (home + pos // block) % self.world  # noqa: E731
-        # Rows this rank sends to each owner (and keeps), in batch then position order.
-        out = {r: [] for r in range(self.world)}
+        def owners(home, cached, new):
+            # Each new position's rank: blocks of `block` tokens dealt round-robin from the home.
+            return (home + torch.arange(cached, cached + new) // block) % self.world
+
+        hkv, d = k_new.shape[2], k_new.shape[3]
+        kv_new = torch.stack([k_new[0], v_new[0]], 1)  # [rows, 2, h_kv, d]: a row's K and V travel together
+        # Rows this rank sends to each owner (and keeps): per request (batch order) its row
+        # indices into kv_new, positions ascending.
+        rows_to = {r: [] for r in range(self.world)}
         at = 0
         for rid, cached, new in mine:
-            home = self.rank
-            for j in range(new):
-                out[owner(home, cached + j)].append((rid, at + j))
+            own = owners(self.rank, cached, new)
+            for r in own.unique().tolist():
+                rows_to[r].append((rid, (at + torch.nonzero(own == r).flatten()).to(kv_new.device)))
             at += new
-        sends = {r: torch.cat([torch.stack([k_new[0, i], v_new[0, i]]) for _, i in rows]) for r, rows in out.items() if rows and r != self.rank}
-        # Rows this rank receives: the new positions it owns of requests homed elsewhere.
+        sends = {
+            r: kv_new[torch.cat([i for _, i in parts])].reshape(-1, hkv, d)
+            for r, parts in rows_to.items()
+            if parts and r != self.rank
+        }
+        # What this rank receives, per home: the requests (batch order) and how many of their new
+        # positions it owns.
         incoming = {}
         for rid, home, cached, new in plan:
             if home != self.rank:
-                for j in range(new):
-                    if owner(home, cached + j) == self.rank:
-                        incoming.setdefault(home, []).append(rid)
-        shape = (2, k_new.shape[2], k_new.shape[3])
-        recvs = {r: torch.empty((len(rows) * 2, *shape[1:]), dtype=k_new.dtype, device=k_new.device) for r, rows in incoming.items()}
+                n = int((owners(home, cached, new) == self.rank).sum())
+                if n:
+                    incoming.setdefault(home, []).append((rid, n))
+        recvs = {
+            r: torch.empty((2 * sum(n for _, n in parts), hkv, d), dtype=k_new.dtype, device=k_new.device)
+            for r, parts in incoming.items()
+        }
         ops = [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(self._cp.group, r), self._cp.group) for r, t in sends.items()]
         ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(self._cp.group, r), self._cp.group) for r, t in recvs.items()]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        # Append what stays and what came, in position order per request.
-        got = {rid: [] for rid, _, _, _ in plan}
-        for rid, i in out[self.rank]:
-            got[rid].append((k_new[0, i], v_new[0, i]))
-        for r, rows in incoming.items():
-            buf = recvs[r].view(len(rows), 2, *shape[1:])
-            for n, rid in enumerate(rows):
-                got[rid].append((buf[n, 0], buf[n, 1]))
+        # Append what stays and what came: each request's rows here come from one rank, in
+        # position order.
+        got = {rid: kv_new[i] for rid, i in rows_to[self.rank]}
+        for r, parts in incoming.items():
+            buf, at = recvs[r].view(-1, 2, hkv, d), 0
+            for rid, n in parts:
+                got[rid], at = buf[at : at + n], at + n
         for rid, _, _, new in plan:
             entry = self._requests[rid]
-            if got[rid]:
+            rows = got.get(rid)
+            if rows is not None:
                 held = entry[4]
-                entry[2] = _appended(entry[2], held, torch.stack([a for a, _ in got[rid]]))
-                entry[3] = _appended(entry[3], held, torch.stack([b for _, b in got[rid]]))
-                entry[4] = held + len(got[rid])
+                entry[2] = _appended(entry[2], held, rows[:, 0])
+                entry[3] = _appended(entry[3], held, rows[:, 1])
+                entry[4] = held + rows.shape[0]
             entry[1] += new
-        empty = k_new.new_empty((0, *shape[1:]))
+        empty = k_new.new_empty((0, hkv, d))
         held = [self._requests[rid] for rid, *_ in plan]
         k = torch.cat([e[2][: e[4]] if e[2] is not None else empty for e in held])[None]
         v = torch.cat([e[3][: e[4]] if e[3] is not None else empty for e in held])[None]
