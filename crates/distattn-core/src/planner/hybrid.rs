@@ -89,8 +89,15 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
         if let Some(c) = step.checked_sub(1).filter(|&c| c < chunks) {
             rings(b, step, &sliced[c], &ring_of, u_deg);
         }
-        if chunks > 1 {
-            b.label(step, chunk_label(step, chunks));
+        // Ring steps carry the ring's labels; the all-to-alls say what they are.
+        let label = match step {
+            _ if chunks > 1 => Some(chunk_label(step, chunks)),
+            0 => Some(format!("all-to-all in groups of {u_deg}")),
+            s if s == r_deg + 1 => Some("all-to-all back".to_string()),
+            _ => None,
+        };
+        if let Some(label) = label {
+            b.label(step, label);
         }
     }
     Ok(())

@@ -293,6 +293,10 @@ fn chunked_ulysses_overlaps_each_all_to_all_with_the_previous_chunks_attention()
     let mask = Mask::causal(4096, 4096).unwrap();
     let default = build(Strategy::Ulysses, 2, &shape, &mask, DType::BF16, &PlanOptions::forward()).unwrap();
     assert_eq!(default.ranks[0].steps.len(), 3);
+    assert_eq!(
+        (default.step_labels[0].as_str(), default.step_labels[2].as_str()),
+        ("all-to-all in groups of 2", "all-to-all back")
+    );
     for pass in [PlanOptions::forward(), PlanOptions::backward(RingBackward::KvCirculate)] {
         let opts = PlanOptions { head_chunks: Some(4), ..pass };
         let plan = build(Strategy::Ulysses, 2, &shape, &mask, DType::BF16, &opts).unwrap();
