@@ -6,7 +6,8 @@
 # and are timed spread only). Writes OUT/decode-P<gpus>-b<batch>-<placement>.json and a log.
 # Then prompts onto a spread cache (`distattn bench --cached-prefill`): NEW_TOKENS (default
 # 1,256,4096,32768,262144) onto PREFILL_CACHED (default 262144) cached tokens, pass-q against
-# pass-KV and the planner's pick, and a fresh 1M-token prompt (OUT/prefill-P<gpus>-*.json).
+# pass-KV and the planner's pick, and a fresh 1M-token prompt on contiguous and zig-zag chunks
+# (OUT/prefill-P<gpus>-*.json).
 #   bench/gpu_serve.sh OUT [CONTEXTS]      (default 1048576,4194304)
 # Env: DISTATTN_BIN (default target/release/distattn, built with
 # `cargo build --release -p distattn --features cli`); PARTS (default decode,prefill).
@@ -44,8 +45,10 @@ for P in 2 4; do
       --heads 32 --kv-heads 8 --head-dims 128 --repeats 3 --json "$OUT/prefill-P$P-new$N.json" 2>&1 \
       | tee "$OUT/prefill-P$P-new$N.log" || rc=1
   done
-  echo "== a fresh 1M-token prompt, $P GPUs"
-  "$BIN" bench --cached-prefill --gpus "$P" --seqs 0 --new-tokens 1048576 --heads 32 --kv-heads 8 --head-dims 128 \
-    --repeats 1 --json "$OUT/prefill-P$P-1m.json" 2>&1 | tee "$OUT/prefill-P$P-1m.log" || rc=1
+  for PL in contiguous zigzag; do
+    echo "== a fresh 1M-token prompt, $P GPUs, $PL placement"
+    "$BIN" bench --cached-prefill --gpus "$P" --seqs 0 --new-tokens 1048576 --heads 32 --kv-heads 8 --head-dims 128 \
+      --placement $PL --repeats 1 --json "$OUT/prefill-P$P-1m-$PL.json" 2>&1 | tee "$OUT/prefill-P$P-1m-$PL.log" || rc=1
+  done
 done
 exit $rc

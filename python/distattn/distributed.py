@@ -262,7 +262,9 @@ class KVCacheGroup:
     """Attention over a KV cache spread over the ranks of ``group`` (Infinite-LLM's
     DistAttention): each request's tokens are dealt out to the ranks by ``placement``
     (``"pages:N"``: pages of N tokens round-robin from the request's home rank;
-    ``"contiguous"``: one chunk per rank), and a step's attention runs where the keys live.
+    ``"contiguous:N"``: one chunk per rank of a request of up to N tokens; ``"zigzag:N"``: two
+    chunks per rank, an early and a late one, so that a long prompt's causal work is even), and
+    a step's attention runs where the keys live.
 
     A step is a list of requests ``(home, cached, new)``: ``new`` tokens (queries, their K/V
     already appended) against ``cached + new`` keys, causal. ``local_queries`` and
@@ -283,11 +285,15 @@ class KVCacheGroup:
 
     # ------------------------------------------------------------------ a cache that grows
 
-    def _block(self) -> int:
+    def _dealing(self):
+        """Tokens per block, and whether blocks go up and back down the ranks (zig-zag)."""
         kind, _, n = self.placement.partition(":")
-        if not n.isdigit() or kind not in ("pages", "contiguous"):
-            raise ValueError(f"a growing cache needs placement pages:N or contiguous:N (capacity), got {self.placement!r}")
-        return int(n) if kind == "pages" else -(-int(n) // self.world)
+        if not n.isdigit() or int(n) == 0 or kind not in ("pages", "contiguous", "zigzag"):
+            raise ValueError(
+                f"a growing cache needs placement pages:N, contiguous:N or zigzag:N (capacity), got {self.placement!r}"
+            )
+        parts = {"pages": 0, "contiguous": self.world, "zigzag": 2 * self.world}[kind]
+        return (int(n) if parts == 0 else -(-int(n) // parts)), kind == "zigzag"
 
     def add(self, rid, home: int) -> None:
         """Starts request ``rid`` homed on rank ``home`` (every rank calls it alike)."""
@@ -295,7 +301,7 @@ class KVCacheGroup:
             raise ValueError(f"request {rid!r} exists already")
         if not 0 <= home < self.world:
             raise ValueError(f"home rank {home} is not a rank of a group of {self.world}")
-        self._block()
+        self._dealing()
         self._requests[rid] = [home, 0, None, None, 0]
 
     def drop(self, rid) -> None:
@@ -308,7 +314,7 @@ class KVCacheGroup:
         d]`` and their K/V ``[1, rows, h_kv, d]``. Their K/V go to the ranks the placement puts
         them on (appended in place), then the step's attention runs; returns O (and the LSE)
         of this rank's rows, like q."""
-        block = self._block()
+        block, zigzag = self._dealing()
         plan = []  # (rid, home, cached, new)
         for rid, new in batch:
             home, length = self._requests[rid][:2]
@@ -320,8 +326,12 @@ class KVCacheGroup:
                 f"rank {self.rank} add {sum(n for _, _, n in mine)}"
             )
         def owners(home, cached, new):
-            # Each new position's rank: blocks of `block` tokens dealt round-robin from the home.
-            return (home + torch.arange(cached, cached + new) // block) % self.world
+            # Each new position's rank: blocks of `block` tokens dealt from the home, round-robin
+            # or up and back down the ranks (distattn_core::kv_placement).
+            j = torch.arange(cached, cached + new) // block
+            turn = j % (2 * self.world)
+            turn = torch.where(turn < self.world, turn, 2 * self.world - 1 - turn) if zigzag else j % self.world
+            return (home + turn) % self.world
 
         hkv, d = k_new.shape[2], k_new.shape[3]
         kv_new = torch.stack([k_new[0], v_new[0]], 1)  # [rows, 2, h_kv, d]: a row's K and V travel together

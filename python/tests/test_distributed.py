@@ -330,7 +330,7 @@ def _growing_cache_case(rank, world, placement):
     return errors
 
 
-@pytest.mark.parametrize("placement", ["pages:8", "contiguous:64"])
+@pytest.mark.parametrize("placement", ["pages:8", "contiguous:64", "zigzag:48"])
 def test_growing_cache_appends_where_placed_and_matches_f64(placement):
     for ok, value in _run(2, _growing_cache_case, placement):
         assert ok, value

@@ -2,11 +2,14 @@
 //! tokens live, and the attention problem of one serving step over such a cache.
 //!
 //! A [`KvPlacement`] cuts every request's token positions into blocks of `block_tokens` and
-//! deals the blocks out round-robin starting at the request's home rank: block `j` of a
-//! request homed on `h` lives on rank `(h + j) mod P`. Blocks as large as a request's capacity
-//! split by P give contiguous chunks ([`KvPlacement::contiguous`]); blocks of one page give
-//! interleaved pages ([`KvPlacement::interleaved`]). A token appended at position `p` goes to
-//! [`KvPlacement::owner`] of `p`, so appends never move what is cached.
+//! deals the blocks out starting at the request's home rank, round-robin (block `j` of a
+//! request homed on `h` lives on rank `(h + j) mod P`) or zig-zag (ranks `h, h+1, …, h+P−1`,
+//! then back down, and again). Blocks as large as a request's capacity split by P give
+//! contiguous chunks ([`KvPlacement::contiguous`]); blocks of one page give interleaved pages
+//! ([`KvPlacement::interleaved`]); two blocks per rank dealt zig-zag give each rank an early
+//! and a late chunk ([`KvPlacement::zigzag`]), so a causal prompt's work is even. A token
+//! appended at position `p` goes to [`KvPlacement::owner`] of `p`, so appends never move what
+//! is cached.
 //!
 //! [`ServingStep`] is one step of a batch of requests (decode, speculative or chunked steps,
 //! prefill onto a cached prefix) as one packed attention problem: the new tokens of every
@@ -25,6 +28,9 @@ pub struct KvPlacement {
     pub world: usize,
     /// Tokens per block dealt to one rank.
     pub block_tokens: usize,
+    /// Blocks go up and back down the ranks (zig-zag) rather than round and round.
+    #[serde(default)]
+    pub zigzag: bool,
 }
 
 impl KvPlacement {
@@ -42,8 +48,19 @@ impl KvPlacement {
         Self::new(page_size, world)
     }
 
-    /// `pages:N`, `contiguous:N` (chunks of requests of up to N tokens: a cache that grows
-    /// keeps its placement) or `contiguous` (chunks of requests of up to `capacity` tokens).
+    /// Zig-zag chunks: a request of up to `capacity` tokens in `2 · world` chunks, chunk `j`
+    /// and chunk `2 · world − 1 − j` on rank `(home + j) mod world` (as zigzag rings split a
+    /// training sequence): a prompt prefilled over them is causal-balanced.
+    pub fn zigzag(capacity: usize, world: usize) -> Result<KvPlacement> {
+        if capacity == 0 {
+            return Err(Error::ZeroDim { what: "KV cache capacity" });
+        }
+        Ok(KvPlacement { zigzag: true, ..Self::new(capacity.div_ceil(2 * world.max(1)), world)? })
+    }
+
+    /// `pages:N`, `contiguous:N` / `zigzag:N` (chunks of requests of up to N tokens: a cache
+    /// that grows keeps its placement) or `contiguous` / `zigzag` (chunks of requests of up to
+    /// `capacity` tokens).
     pub fn from_spec(spec: &str, capacity: usize, world: usize) -> Result<KvPlacement> {
         let num = |n: &str| {
             n.parse::<usize>()
@@ -51,11 +68,14 @@ impl KvPlacement {
         };
         match spec.trim().split_once(':') {
             None if spec.trim() == "contiguous" => Self::contiguous(capacity, world),
+            None if spec.trim() == "zigzag" => Self::zigzag(capacity, world),
             Some(("contiguous", n)) => Self::contiguous(num(n)?, world),
+            Some(("zigzag", n)) => Self::zigzag(num(n)?, world),
             Some(("pages", n)) => Self::interleaved(num(n)?, world),
-            _ => {
-                Err(Error::invalid("placement", format!("expected pages:N, contiguous:N or contiguous, got '{spec}'")))
-            }
+            _ => Err(Error::invalid(
+                "placement",
+                format!("expected pages:N, contiguous[:N] or zigzag[:N], got '{spec}'"),
+            )),
         }
     }
 
@@ -66,20 +86,37 @@ impl KvPlacement {
         if block_tokens == 0 {
             return Err(Error::ZeroDim { what: "placement block" });
         }
-        Ok(KvPlacement { world, block_tokens })
+        Ok(KvPlacement { world, block_tokens, zigzag: false })
+    }
+
+    /// The rank, counted from the home, that block `j` goes to.
+    fn turn(&self, j: usize) -> usize {
+        let p = self.world;
+        match j % (2 * p) {
+            c if self.zigzag && c >= p => 2 * p - 1 - c,
+            _ => j % p,
+        }
     }
 
     /// The rank holding position `pos` of a request homed on `home`.
     pub fn owner(&self, home: usize, pos: usize) -> usize {
-        (home + pos / self.block_tokens) % self.world
+        (home + self.turn(pos / self.block_tokens)) % self.world
     }
 
     /// The positions (of `0..len`) of a request homed on `home` that `rank` holds, ascending.
     pub fn positions(&self, home: usize, len: usize, rank: usize) -> Vec<Range<usize>> {
-        let first = (rank + self.world - home % self.world) % self.world;
-        (first..len.div_ceil(self.block_tokens))
-            .step_by(self.world)
-            .map(|j| j * self.block_tokens..((j + 1) * self.block_tokens).min(len))
+        let mine = (rank + self.world - home % self.world) % self.world;
+        let block = |j: usize| j * self.block_tokens..((j + 1) * self.block_tokens).min(len);
+        let blocks = len.div_ceil(self.block_tokens);
+        if !self.zigzag {
+            return (mine..blocks).step_by(self.world).map(block).collect();
+        }
+        // Per turn of 2P blocks: block `mine` on the way up, `2P − 1 − mine` on the way down.
+        let p = self.world;
+        (0..blocks.div_ceil(2 * p))
+            .flat_map(|t| [2 * p * t + mine, 2 * p * t + 2 * p - 1 - mine])
+            .filter(|&j| j < blocks)
+            .map(block)
             .collect()
     }
 }
@@ -198,12 +235,41 @@ mod tests {
         assert!(chunks.positions(0, 600, 3).is_empty());
         assert!(KvPlacement::interleaved(0, 2).is_err());
         assert!(KvPlacement::contiguous(0, 2).is_err());
+        assert!(KvPlacement::zigzag(0, 2).is_err());
         assert_eq!(KvPlacement::from_spec("pages:8", 100, 2).unwrap(), KvPlacement::interleaved(8, 2).unwrap());
         assert_eq!(KvPlacement::from_spec("contiguous", 100, 2).unwrap().block_tokens, 50);
         assert_eq!(KvPlacement::from_spec("contiguous:1000", 100, 2).unwrap().block_tokens, 500);
         for bad in ["pages:x", "pages", "chunks:4", "pages:0"] {
             assert!(KvPlacement::from_spec(bad, 100, 2).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn zigzag_chunks_go_up_the_ranks_and_back_down() {
+        // Capacity 16 on 2 ranks: 4 chunks of 4; from home 1, ranks 1, 0, 0, 1; a longer
+        // request starts another turn.
+        let pl = KvPlacement::from_spec("zigzag:16", 9, 2).unwrap();
+        assert_eq!(pl, KvPlacement::zigzag(16, 2).unwrap());
+        assert_eq!((0..20).step_by(4).map(|p| pl.owner(1, p)).collect::<Vec<_>>(), vec![1, 0, 0, 1, 1]);
+        assert_eq!(pl.positions(1, 20, 1), vec![0..4, 12..16, 16..20]);
+        assert_eq!(pl.positions(1, 14, 0), vec![4..8, 8..12]);
+        for (world, len) in [(3, 31), (4, 64), (1, 5)] {
+            let pl = KvPlacement::zigzag(24, world).unwrap();
+            for home in 0..world {
+                let mut seen = vec![0; len];
+                for rank in 0..world {
+                    for r in pl.positions(home, len, rank) {
+                        for pos in r {
+                            assert_eq!(pl.owner(home, pos), rank, "world {world} home {home} pos {pos}");
+                            seen[pos] += 1;
+                        }
+                    }
+                }
+                assert!(seen.iter().all(|&n| n == 1), "every position held once");
+            }
+        }
+        assert_eq!(KvPlacement::from_spec("zigzag", 100, 2).unwrap().block_tokens, 25);
+        assert!(KvPlacement::from_spec("zigzag:x", 100, 2).is_err());
     }
 
     #[test]

@@ -16,6 +16,7 @@ fn placements(world: usize, capacity: usize) -> Vec<(&'static str, KvPlacement)>
         ("contiguous", KvPlacement::contiguous(capacity, world).unwrap()),
         ("pages of 16", KvPlacement::interleaved(16, world).unwrap()),
         ("pages of 1", KvPlacement::interleaved(1, world).unwrap()),
+        ("zig-zag chunks", KvPlacement::zigzag(capacity, world).unwrap()),
     ]
 }
 

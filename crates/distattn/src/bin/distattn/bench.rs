@@ -93,7 +93,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 16, requires = "decode")]
     page_size: usize,
     /// With --decode or --cached-prefill and --world/--gpus: how a request's cache is dealt out
-    /// to the ranks (contiguous, contiguous:N or pages:N; see `distattn plan --help`).
+    /// to the ranks (contiguous[:N], zigzag[:N] or pages:N; see `distattn plan --help`).
     #[arg(long, default_value = "contiguous")]
     placement: String,
     /// Time a prefill of --new-tokens per request onto --seqs cached tokens instead, the cache

@@ -55,7 +55,9 @@ pub struct PlanArgs {
     #[arg(long)]
     serve: Option<String>,
     /// Where the serving cache lives: contiguous (each request's capacity split into one chunk
-    /// per rank) or pages:N (pages of N tokens dealt round-robin from the request's home).
+    /// per rank), zigzag (into two chunks per rank, an early and a late one: a prompt's causal
+    /// work even) or pages:N (pages of N tokens dealt round-robin from the request's home);
+    /// contiguous:N and zigzag:N for requests of up to N tokens.
     #[arg(long, default_value = "pages:16", requires = "serve")]
     placement: String,
     /// Serving: place each new token's query beside its K/V (prefill) instead of on the
