@@ -1,6 +1,7 @@
 //! A plan's run time estimated without hardware: every rank's program replayed on its two lanes
 //! (compute, comm) as [`crate::schedule`] issues it, each op starting when its lane is free and
-//! the buffers it reads are written. A block costs its FLOPs at the compute rate; a transfer
+//! the buffers it reads are written. A block costs its FLOPs at the compute rate or the bytes
+//! of its buffers at the memory rate, whichever is more (a decode block reads its keys); a transfer
 //! group starts when this rank and every peer in it have reached it and lasts the larger of the
 //! bytes it sends and receives at the link rate; copies, adds and merges cost their bytes at
 //! the memory rate. Steps are not barriers: a rank that received its block computes while
@@ -126,7 +127,10 @@ impl Plan {
             rep.next += 1;
             let (reads, writes) = reads_writes(op);
             let cost = match op {
-                Op::Fwd { .. } | Op::Bwd { .. } => op_flops(op, prog, &self.shape) / rates.flops_per_s,
+                Op::Fwd { .. } | Op::Bwd { .. } => {
+                    let bytes: f64 = reads.iter().map(|&b| mem_bytes(b)).sum();
+                    (op_flops(op, prog, &self.shape) / rates.flops_per_s).max(bytes / rates.memory_bytes_per_s)
+                }
                 Op::Copy { src, dst } | Op::Add { src, dst } => {
                     2.0 * mem_bytes(*src).min(mem_bytes(*dst)) / rates.memory_bytes_per_s
                 }

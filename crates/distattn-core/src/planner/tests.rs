@@ -336,4 +336,12 @@ fn estimates_replay_work_and_transfers_on_two_lanes() {
         close(ms, 1_048_576.0 / 1e9 * 1e3 + block);
     }
     close(e.ms, e.per_rank_ms[0]);
+    // A decode row against 64k keys: bound by reading them (K and V, bf16), not by its FLOPs.
+    let decode = AttnShape::new(1, 1, 65536, 8, 8, 64).unwrap();
+    let rates = Rates { flops_per_s: 1e12, link_bytes_per_s: 1e9, memory_bytes_per_s: 1e12 };
+    let plan = build(Strategy::Ring, 1, &decode, &Mask::full(1, 65536).unwrap(), DType::BF16, &PlanOptions::forward())
+        .unwrap();
+    let kv_bytes = 2.0 * 65536.0 * 8.0 * 64.0 * 2.0;
+    let ms = plan.estimate(&rates).ms;
+    assert!(ms >= kv_bytes / 1e12 * 1e3 && ms < 1.01 * kv_bytes / 1e12 * 1e3, "{ms} ms");
 }
