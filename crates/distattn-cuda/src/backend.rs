@@ -37,27 +37,12 @@ fn in_bounds(what: &str, pieces: &[Piece], src: &GpuBuf, dst: &GpuBuf) -> Result
 }
 
 /// The widest unit (16, 8 or 4 bytes, else the element's) dividing both addresses and every
-/// offset, length and stride of `pieces`, which count `elem`-byte elements.
+/// offset, length and stride of `pieces`, which count `elem`-byte elements. Units are powers of
+/// two, so one divides every value exactly when it divides their bitwise OR.
 fn copy_unit(elem: usize, src: u64, dst: u64, pieces: &[Piece]) -> usize {
     let fields = pieces.iter().flat_map(|p| [p.src, p.dst, p.len, p.src_stride, p.dst_stride]);
-    let gcd_elems = fields.fold(0usize, gcd);
-    [16, 8, 4]
-        .into_iter()
-        .find(|&u| {
-            u > elem
-                && src.is_multiple_of(u as u64)
-                && dst.is_multiple_of(u as u64)
-                && (gcd_elems * elem).is_multiple_of(u)
-        })
-        .unwrap_or(elem)
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
+    let bytes = fields.fold(src | dst, |acc, x| acc | (x * elem) as u64);
+    [16, 8, 4].into_iter().find(|&u| u > elem && bytes.is_multiple_of(u as u64)).unwrap_or(elem)
 }
 
 impl CudaBackend {

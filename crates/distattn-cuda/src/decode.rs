@@ -441,32 +441,18 @@ impl<T: CudaElement> DecodeBuffers<T> {
     ) -> Result<Self> {
         shape.check_q("q", q.len())?;
         cache.check(shape)?;
-        let lens: Vec<i32> = cache.lengths.iter().map(|&l| i32_of("cache length", l)).collect::<Result<_>>()?;
         let st = gpu.stream();
         let up = driver_err("uploading decode inputs");
-        let alloc = driver_err("allocating the decode workspace");
-        let w = gpu.decode_workspace(T::DTYPE, shape)?;
-        Ok(DecodeBuffers {
-            q: st.clone_htod(q).map_err(&up)?,
-            k_cache: st.clone_htod(cache.k).map_err(&up)?,
-            v_cache: st.clone_htod(cache.v).map_err(&up)?,
-            page_table: st.clone_htod(cache.page_table).map_err(&up)?,
-            seqlens: st.clone_htod(&lens).map_err(&up)?,
-            o: st.clone_htod(&vec![T::from_f32(f32::NAN); shape.q_elems()]).map_err(&up)?,
-            lse: st.clone_htod(&vec![f32::NAN; shape.lse_elems()]).map_err(&up)?,
-            cu_tiles: st.alloc_zeros::<i64>(w.cu_tiles).map_err(&alloc)?,
-            part_o: st.alloc_zeros::<f32>(w.part_o).map_err(&alloc)?,
-            part_lse: st.alloc_zeros::<f32>(w.part_lse).map_err(&alloc)?,
-            counters: st.alloc_zeros::<i32>(w.counters).map_err(&alloc)?,
-            step: DecodeStep {
-                shape: *shape,
-                layout: cache.layout,
-                max_pages: cache.max_pages(),
-                seqlen_add: 0,
-                opts: *opts,
-                row_table: false,
-            },
-        })
+        let step = DecodeStep {
+            shape: *shape,
+            layout: cache.layout,
+            max_pages: cache.max_pages(),
+            seqlen_add: 0,
+            opts: *opts,
+            row_table: false,
+        };
+        let [q, k, v] = [q, cache.k, cache.v].map(|x| st.clone_htod(x).map_err(&up));
+        Self::with_inputs(gpu, [q?, k?, v?], cache.page_table, cache.lengths, step)
     }
 
     /// A step over caches of random values in [-1.7, 1.7) made on the GPU (only the page table
@@ -486,31 +472,47 @@ impl<T: CudaElement> DecodeBuffers<T> {
         let max_pages = lengths.iter().map(|l| l.div_ceil(page_size.max(1))).max().unwrap_or(0).max(1);
         let layout = PagedLayout::new(shape.batch * max_pages, page_size, shape.kv_heads, shape.head_dim)?;
         let table: Vec<i32> = (0..shape.batch * max_pages).map(|p| i32_of("page", p)).collect::<Result<_>>()?;
-        let lens: Vec<i32> = lengths.iter().map(|&l| i32_of("cache length", l)).collect::<Result<_>>()?;
         let st = gpu.stream();
-        let alloc = driver_err("allocating a random decode step");
         let aux = gpu.aux(T::DTYPE)?;
         let random = |n: usize, seed: u64| -> Result<CudaSlice<T>> {
-            let x = st.alloc_zeros::<T>(n.max(1)).map_err(&alloc)?;
+            let x = st.alloc_zeros::<T>(n.max(1)).map_err(driver_err("allocating a random decode step"))?;
             // SAFETY: `x` holds n (at least one) values of T, the module's type, on this stream.
             unsafe { aux.rand_fill(st, x.device_ptr(st).0, n, seed, 1.7)? };
             Ok(x)
         };
-        let w = gpu.decode_workspace(T::DTYPE, shape)?;
+        let inputs =
+            [random(shape.q_elems(), seed)?, random(layout.elems(), seed ^ 1)?, random(layout.elems(), seed ^ 2)?];
+        let step = DecodeStep { shape: *shape, layout, max_pages, seqlen_add: 0, opts: *opts, row_table: false };
+        Self::with_inputs(gpu, inputs, &table, lengths, step)
+    }
+
+    /// The step's buffers around Q, K and V already on the GPU: the page table and lengths
+    /// uploaded, O and LSE poisoned with NaN, the workspace allocated.
+    fn with_inputs(
+        gpu: &CudaBackend,
+        [q, k_cache, v_cache]: [CudaSlice<T>; 3],
+        page_table: &[i32],
+        lengths: &[usize],
+        step: DecodeStep,
+    ) -> Result<Self> {
+        let lens: Vec<i32> = lengths.iter().map(|&l| i32_of("cache length", l)).collect::<Result<_>>()?;
+        let st = gpu.stream();
         let up = driver_err("uploading decode inputs");
+        let alloc = driver_err("allocating the decode workspace");
+        let w = gpu.decode_workspace(T::DTYPE, &step.shape)?;
         Ok(DecodeBuffers {
-            q: random(shape.q_elems(), seed)?,
-            k_cache: random(layout.elems(), seed ^ 1)?,
-            v_cache: random(layout.elems(), seed ^ 2)?,
-            page_table: st.clone_htod(&table).map_err(&up)?,
+            q,
+            k_cache,
+            v_cache,
+            page_table: st.clone_htod(page_table).map_err(&up)?,
             seqlens: st.clone_htod(&lens).map_err(&up)?,
-            o: st.alloc_zeros::<T>(shape.q_elems()).map_err(&alloc)?,
-            lse: st.alloc_zeros::<f32>(shape.lse_elems()).map_err(&alloc)?,
+            o: st.clone_htod(&vec![T::from_f32(f32::NAN); step.shape.q_elems()]).map_err(&up)?,
+            lse: st.clone_htod(&vec![f32::NAN; step.shape.lse_elems()]).map_err(&up)?,
             cu_tiles: st.alloc_zeros::<i64>(w.cu_tiles).map_err(&alloc)?,
             part_o: st.alloc_zeros::<f32>(w.part_o).map_err(&alloc)?,
             part_lse: st.alloc_zeros::<f32>(w.part_lse).map_err(&alloc)?,
             counters: st.alloc_zeros::<i32>(w.counters).map_err(&alloc)?,
-            step: DecodeStep { shape: *shape, layout, max_pages, seqlen_add: 0, opts: *opts, row_table: false },
+            step,
         })
     }
 

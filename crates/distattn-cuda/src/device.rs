@@ -397,16 +397,18 @@ impl CudaBackend {
         Ok(v)
     }
 
-    /// Fills `buf` (bf16 or f16) with deterministic values uniform in `[-a, a)`, on the compute
-    /// lane: inputs for timing runs, generated where they are used.
-    pub fn fill_random(&self, buf: &mut GpuBuf, seed: u64, a: f32) -> Result<()> {
-        let aux = self.aux(buf.dtype())?;
-        if aux.dtype() != buf.dtype() {
-            return Err(Error::UnsupportedDType(format!("{} (random fills are bf16 or f16)", buf.dtype())));
+    /// A new buffer of `n` deterministic values (bf16 or f16) uniform in `[-a, a)`, made on the
+    /// compute lane: inputs for timing runs, generated where they are used.
+    pub fn random_buf(&self, dtype: DType, n: usize, seed: u64, a: f32) -> Result<GpuBuf> {
+        let aux = self.aux(dtype)?;
+        if aux.dtype() != dtype {
+            return Err(Error::UnsupportedDType(format!("{dtype} (random fills are bf16 or f16)")));
         }
         let s = &self.stream;
-        // SAFETY: `buf` holds len() values of the module's type (dtypes checked above), and the
-        // fill runs on the compute stream, ordered with the buffer's other uses there.
-        unsafe { aux.rand_fill(s, buf.ptr(s), buf.len(), seed, a) }
+        let buf = GpuBuf::alloc(s, dtype, n)?;
+        // SAFETY: `buf` holds n values of the module's type (dtypes checked above), and the fill
+        // runs on the compute stream, ordered with the buffer's other uses there.
+        unsafe { aux.rand_fill(s, buf.ptr(s), n, seed, a) }?;
+        Ok(buf)
     }
 }

@@ -131,11 +131,7 @@ pub fn device_inputs(g: &GpuRank, prog: &PreparedRank, seed: u64) -> Result<Vec<
         out.push(match t {
             Tensor::Lse => GpuBuf::filled(s, DType::F32, n, 12.0)?,
             Tensor::Delta => GpuBuf::filled(s, DType::F32, n, 0.0)?,
-            _ => {
-                let mut b = GpuBuf::alloc(s, DType::BF16, n)?;
-                g.backend.fill_random(&mut b, seed * 131 + (g.rank() * 17 + i) as u64, 1.7)?;
-                b
-            }
+            _ => g.backend.random_buf(DType::BF16, n, seed * 131 + (g.rank() * 17 + i) as u64, 1.7)?,
         });
     }
     Ok(out)

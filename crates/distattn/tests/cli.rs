@@ -784,4 +784,5 @@ fn bench_cached_prefill_times_both_rings_and_names_the_planners_pick() {
     one_line_error(&distattn(&[&base[..], &["--new-tokens", "4"]].concat()), "--gpus N or --world N");
     one_line_error(&distattn(&[&base[..], &["--new-tokens", "0", "--world", "2"]].concat()), "--new-tokens");
     one_line_error(&distattn(&["bench", "--cached-prefill", "--world", "2"]), "--new-tokens");
+    one_line_error(&distattn(&["bench", "--seqs", "64", "--placement", "zigzag"]), "--decode or --cached-prefill");
 }

@@ -387,4 +387,13 @@ fn ulysses_head_chunks_match_single_and_bad_counts_are_errors() {
         assert!(matches!(e, Error::Unsupported { .. }), "{chunks} chunks: {e}");
         assert!(e.to_string().contains("head chunks"), "{e}");
     }
+    // Hybrid with a ring part takes no chunks (one chunk is what it runs).
+    let hybrid = |chunks| Ranks {
+        plan: PlanOptions { head_chunks: Some(chunks), ..Default::default() },
+        ..Ranks::new(4, Strategy::Hybrid { ulysses_degree: 2 })
+    };
+    let e = on_ranks(&shape, &mask, hybrid(2)).forward(&q, &k, &v).unwrap_err();
+    assert!(e.to_string().contains("without a ring"), "{e}");
+    let got = on_ranks(&shape, &mask, hybrid(1)).forward(&q, &k, &v).unwrap();
+    assert!(rel_err(&got.o, &want.o) < TOL, "hybrid, one chunk");
 }

@@ -70,7 +70,9 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
     }
     let per_rank = kvh / u_deg;
     let chunks = match b.opts.head_chunks {
-        _ if r_deg > 1 => 1,
+        Some(c) if c != 1 && r_deg > 1 => {
+            return Err(b.unsupported(format!("{c} head chunks: chunks are for Ulysses without a ring")))
+        }
         Some(c) if c == 0 || c > per_rank => {
             return Err(b.unsupported(format!("{c} head chunks: expected 1 to the {per_rank} KV heads of a rank")))
         }

@@ -186,11 +186,7 @@ fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)
     let be = CudaBackend::new(0)?;
     let s = be.stream().clone();
     let opts = AttnOptions::default();
-    let mk = |n: usize, seed: u64| -> Result<GpuBuf> {
-        let mut b = GpuBuf::alloc(&s, DType::BF16, n)?;
-        be.fill_random(&mut b, seed, 1.7)?;
-        Ok(b)
-    };
+    let mk = |n: usize, seed: u64| be.random_buf(DType::BF16, n, seed, 1.7);
     let (q, k, v, dout) =
         (mk(shape.q_elems(), 1)?, mk(shape.kv_elems(), 2)?, mk(shape.kv_elems(), 3)?, mk(shape.q_elems(), 4)?);
     let mut o = GpuBuf::alloc(&s, DType::BF16, shape.q_elems())?;

@@ -93,9 +93,10 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 16, requires = "decode")]
     page_size: usize,
     /// With --decode or --cached-prefill and --world/--gpus: how a request's cache is dealt out
-    /// to the ranks (contiguous[:N], zigzag[:N] or pages:N; see `distattn plan --help`).
-    #[arg(long, default_value = "contiguous")]
-    placement: String,
+    /// to the ranks (contiguous[:N], zigzag[:N] or pages:N; see `distattn plan --help`)
+    /// [default: contiguous].
+    #[arg(long)]
+    placement: Option<String>,
     /// Time a prefill of --new-tokens per request onto --seqs cached tokens instead, the cache
     /// spread over --world/--gpus ranks by --placement, each query beside its key: with pass-q
     /// and with pass-KV (ring), against one device's flash kernel, and which the planner's
@@ -477,13 +478,17 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
     if args.world > 1 && args.backend == BackendArg::Auto {
         args.backend = BackendArg::Cpu;
     }
+    if args.placement.is_some() && !(args.decode || args.cached_prefill) {
+        bail!("--placement places a serving cache: add --decode or --cached-prefill");
+    }
+    let placement = args.placement.take().unwrap_or_else(|| "contiguous".into());
     if args.cached_prefill {
         let (ranks, on_gpus) = match (gpus, args.world) {
             (g, _) if g > 1 => (g, true),
             (_, w) if w > 1 => (w, false),
             _ => bail!("--cached-prefill spreads the cache: add --gpus N or --world N (N >= 2)"),
         };
-        distattn::kv_placement::KvPlacement::from_spec(&args.placement, 1, ranks)?;
+        distattn::kv_placement::KvPlacement::from_spec(&placement, 1, ranks)?;
         let gpu = match args.backend.execution(DType::BF16)? {
             Execution::Cuda(g) => Some(g),
             _ => None,
@@ -497,7 +502,7 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
             kv_heads: args.kv_heads.unwrap_or(if heads.is_multiple_of(8) { heads / 4 } else { heads }),
             head_dim: args.head_dims.first().copied().unwrap_or(128),
             gpu,
-            spread: crate::decode_bench::Spread { ranks, on_gpus, placement: args.placement },
+            spread: crate::decode_bench::Spread { ranks, on_gpus, placement },
             repeats: args.repeats,
             json: args.json,
             seed: args.seed,
@@ -512,11 +517,7 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
             (_, w) if w > 1 => Some((w, false)),
             _ => None,
         }
-        .map(|(ranks, on_gpus)| crate::decode_bench::Spread {
-            ranks,
-            on_gpus,
-            placement: args.placement.clone(),
-        });
+        .map(|(ranks, on_gpus)| crate::decode_bench::Spread { ranks, on_gpus, placement });
         if let Some(s) = &spread {
             // A bad placement spec fails before any work.
             distattn::kv_placement::KvPlacement::from_spec(&s.placement, 1, s.ranks)?;

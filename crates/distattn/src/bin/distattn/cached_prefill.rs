@@ -78,11 +78,7 @@ fn time_single(c: &CachedPrefill, attn: &Attention, rng: &mut rand::rngs::StdRng
         return crate::bench::median_ms(c.repeats, || Ok(crate::tensors::forward(attn, &q, &k, &v).map(|_| ())?));
     };
     let s = gpu.stream();
-    let random = |n: usize, seed: u64| -> Result<GpuBuf> {
-        let mut b = GpuBuf::alloc(s, DType::BF16, n)?;
-        gpu.fill_random(&mut b, seed, 1.7)?;
-        Ok(b)
-    };
+    let random = |n: usize, seed: u64| gpu.random_buf(DType::BF16, n, seed, 1.7);
     let (q, k, v) = (random(shape.q_elems(), 1)?, random(shape.kv_elems(), 2)?, random(shape.kv_elems(), 3)?);
     let mut o = GpuBuf::alloc(s, DType::BF16, shape.q_elems())?;
     let mut lse = GpuBuf::alloc(s, DType::F32, shape.lse_elems())?;
