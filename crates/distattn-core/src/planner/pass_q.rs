@@ -1,10 +1,13 @@
 //! Pass-Q: queries travel to the keys (Infinite-LLM's DistAttention; the pass-Q ring of
 //! context-parallel inference). K and V never move: they stay where the layout places them,
-//! which for a KV cache spread over the ranks is where the cache lives. At step t, every rank
-//! sends its own queries to the rank t places after it (if that rank holds keys they attend),
-//! which computes them against its K/V into a partial (O, LSE) and sends it straight back
-//! (phase 1); the owner merges each returned partial by LSE. Sends come from the owner, never
-//! forwarded, so no step waits for another's compute; step 0 is the owner's own block.
+//! which for a KV cache spread over the ranks is where the cache lives. Step 0 is every rank's
+//! own block. In step 1 every rank sends its queries to each rank holding keys they attend, in
+//! one group; at step t a rank computes the queries of the rank t places before it against its
+//! K/V into a partial (O, LSE) and sends it straight back (phase 1); the owner merges each
+//! returned partial by LSE. All queries leave at once because a rank's comm lane runs in
+//! order: a query send queued behind the return of step t − 1 would wait for that step's
+//! compute elsewhere, and a decode step's P − 1 remote blocks would run one after another
+//! instead of side by side.
 //!
 //! Bytes moved per rank: its queries to each rank that needs them and an f32 O and LSE back,
 //! against the K/V a ring would move: the cheaper side when few queries meet many keys
@@ -37,7 +40,11 @@ fn forward(b: &mut Builder, bufs: &[FwdBufs]) {
     for t in 0..p {
         b.label(
             t,
-            if t == 0 { "pass-q 0: own keys".to_string() } else { format!("pass-q {t}: queries to rank r+{t}") },
+            match t {
+                0 => "pass-q 0: own keys".to_string(),
+                1 => "pass-q 1: all out; from r-1".to_string(),
+                _ => format!("pass-q {t}: queries from r-{t}"),
+            },
         );
         // Every rank's compute of the step is emitted before the partials go back (phase 1),
         // so a rank's return group never precedes the block that fills it.
@@ -55,7 +62,7 @@ fn forward(b: &mut Builder, bufs: &[FwdBufs]) {
             if crate::plan::area(b.mask, &q_tokens, &k_tokens) == 0 {
                 continue;
             }
-            let q = b.transfer(t, 0, owner, at, own.q);
+            let q = b.transfer(1, 0, owner, at, own.q);
             let heads = b.all_heads(Tensor::O);
             let part = OutBufs {
                 o: b.alloc(at, t, BufDesc::new(Tensor::O, q_tokens.clone(), heads.clone()), Fill::Zero),
