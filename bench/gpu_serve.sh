@@ -10,7 +10,10 @@
 # (OUT/prefill-P<gpus>-*.json).
 #   bench/gpu_serve.sh OUT [CONTEXTS]      (default 1048576,4194304)
 # Env: DISTATTN_BIN (default target/release/distattn, built with
-# `cargo build --release -p distattn --features cli`); PARTS (default decode,prefill).
+# `cargo build --release -p distattn --features cli`); PARTS (default decode,prefill);
+# GPU_COUNTS (default "2 4"); PLACEMENTS (default "contiguous pages:16"); LONGEST (contexts,
+# comma-separated, timed at batch 1 on the most GPUs present after the rest: the longest that
+# fits one GPU and the longest the spread cache holds; none by default).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_serve.sh OUT [CONTEXTS]}
 CONTEXTS=${2:-1048576,4194304}
@@ -22,11 +25,12 @@ NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/nvidia-smi.txt"
 PARTS=${PARTS:-decode,prefill}
 rc=0
-for P in 2 4; do
+GPU_COUNTS=${GPU_COUNTS:-2 4}
+for P in $GPU_COUNTS; do
   [[ ",$PARTS," == *",decode,"* ]] || break
   [ "$P" -le "$NGPU" ] || { echo "== $P GPUs: only $NGPU here, skipped"; continue; }
   for B in 1 16; do
-    for PL in contiguous pages:16; do
+    for PL in ${PLACEMENTS:-contiguous pages:16}; do
       name="decode-P$P-b$B-${PL/:/}"
       echo "== $name"
       "$BIN" bench --decode --gpus "$P" --batch "$B" --seqs "$CONTEXTS" --head-dims 128 --heads 32 --kv-heads 8 \
@@ -34,7 +38,12 @@ for P in 2 4; do
     done
   done
 done
-for P in 2 4; do
+if [ -n "${LONGEST:-}" ] && [[ ",$PARTS," == *",decode,"* ]]; then
+  echo "== the longest contexts, batch 1, $NGPU GPUs: $LONGEST"
+  "$BIN" bench --decode --gpus "$NGPU" --batch 1 --seqs "$LONGEST" --head-dims 128 --heads 32 --kv-heads 8 \
+    --placement contiguous --repeats 3 --json "$OUT/decode-P$NGPU-b1-longest.json" 2>&1 | tee "$OUT/decode-P$NGPU-b1-longest.log" || rc=1
+fi
+for P in $GPU_COUNTS; do
   [[ ",$PARTS," == *",prefill,"* ]] || break
   [ "$P" -le "$NGPU" ] || continue
   # One process per point: on 2 H200s a process that had timed four points aborted in the fifth

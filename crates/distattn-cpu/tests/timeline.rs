@@ -15,7 +15,7 @@ fn cpu_ranks_record_their_timelines() {
     let progs = prepare_all(&plan, &mask).unwrap();
     let (q, kv) = (vec![0.5f32; shape.q_elems()], vec![0.25f32; shape.kv_elems()]);
     let full = HostTensors { q: &q, k: &kv, v: &kv, backward: None };
-    let ctl = ExecOptions { timeline: true, fail: None };
+    let ctl = ExecOptions { timeline: true, ..Default::default() };
     let runs = run_ranks(4, Duration::from_secs(30), |comm| {
         run_rank(&progs[comm.rank()], &CpuBackend, comm, &full, &AttnOptions::default(), &ctl)
     })

@@ -43,7 +43,7 @@ fn a_failed_rank_stops_the_others_with_its_name() {
     let (q, kv) = (vec![half::bf16::ONE; shape.q_elems()], vec![half::bf16::ONE; shape.kv_elems()]);
     let full = HostTensors { q: &q, k: &kv, v: &kv, backward: None };
     for kind in [FailureKind::Error, FailureKind::Panic] {
-        let ctl = ExecOptions { timeline: false, fail: Some(InjectedFailure { rank: 2, step: 1, kind }) };
+        let ctl = ExecOptions { fail: Some(InjectedFailure { rank: 2, step: 1, kind }), ..Default::default() };
         let t0 = std::time::Instant::now();
         let e = with_peer_ranks(4, 0, Duration::from_secs(60), |backend, comm| {
             run_rank(&progs[comm.rank()], backend, comm, &full, &AttnOptions::default(), &ctl)

@@ -44,6 +44,11 @@ pub struct ExecOptions {
     pub timeline: bool,
     /// Test hook: make a rank fail.
     pub fail: Option<InjectedFailure>,
+    /// Runs of the program back to back on the same inputs, waited for once at the end, as a
+    /// model's layers run one after another without the host waiting between them (a
+    /// sustained timing: total time over runs); the last run's outputs and timeline are
+    /// returned. 0 means 1.
+    pub runs: usize,
 }
 
 /// What one execution returns.
@@ -159,6 +164,72 @@ where
     B: Backend,
     C: Communicator<Buf = B::CommBuf>,
 {
+    // Blocks issued, in issue order, and how many of them have completed.
+    let mut progress: Vec<B::Event> = Vec::new();
+    let mut done = 0;
+    let mut inputs = inputs;
+    for _ in 1..ctl.runs.max(1) {
+        let untimed = ExecOptions { timeline: false, ..*ctl };
+        let mut issued = issue(prog, backend, comm, opts, inputs, &untimed, &mut progress, &mut done)?;
+        // The next run is issued on the same lanes after this one's end, so it reads the
+        // inputs after this run has; the rest is freed on the compute lane, which the end
+        // orders after both lanes' last use.
+        inputs = prog.inputs.iter().map(|&(_, id)| issued.store.take(id)).collect::<Result<_>>()?;
+        for buf in issued.store.bufs.into_iter().flatten() {
+            backend.free(Lane::Compute, buf);
+        }
+    }
+    let mut issued = issue(prog, backend, comm, opts, inputs, ctl, &mut progress, &mut done)?;
+    wait_done(backend, comm, &issued.end, &progress, done)?;
+    let timeline = match &issued.t_start {
+        Some(t0) => {
+            let ms = |e: &B::Event| backend.elapsed_ms(t0, e);
+            let mut steps = Vec::with_capacity(prog.steps);
+            for (t, (span, tr)) in issued.compute_span.iter().zip(&issued.transfers).enumerate() {
+                let compute = match span {
+                    [Some(a), Some(b)] => Some((ms(a)?, ms(b)?)),
+                    _ => None,
+                };
+                let tr = tr.iter().map(|(a, b)| Ok((ms(a)?, ms(b)?))).collect::<Result<Vec<_>>>()?;
+                steps.push(StepTimes::new(t, compute, tr));
+            }
+            Some(Timeline { rank: prog.rank, total_ms: ms(&issued.end)?, steps })
+        }
+        None => None,
+    };
+    let outputs = prog.outputs.iter().map(|&(_, b)| issued.store.take(b)).collect::<Result<Vec<_>>>()?;
+    // What is left in the store (the inputs) is released when it drops.
+    Ok(RankRun { outputs, timeline })
+}
+
+/// One run of a program issued onto the lanes, not yet waited for.
+struct Issued<B: Backend> {
+    store: Store<B::Buf>,
+    /// Recorded on the compute lane after both lanes' last op.
+    end: B::Event,
+    /// With a timeline: the run's start, each step's compute span and transfers.
+    t_start: Option<B::Event>,
+    compute_span: Vec<[Option<B::Event>; 2]>,
+    transfers: Vec<Vec<(B::Event, B::Event)>>,
+}
+
+/// Issues every op of `prog` in the schedule's order; each block's completion event goes to
+/// `progress` (those already done, all of them on the CPU, advance `done` as they issue).
+#[allow(clippy::too_many_arguments)]
+fn issue<B, C>(
+    prog: &PreparedRank,
+    backend: &B,
+    comm: &C,
+    opts: &AttnOptions,
+    inputs: Vec<B::Buf>,
+    ctl: &ExecOptions,
+    progress: &mut Vec<B::Event>,
+    done: &mut usize,
+) -> Result<Issued<B>>
+where
+    B: Backend,
+    C: Communicator<Buf = B::CommBuf>,
+{
     let sched = &prog.schedule;
     let timed = ctl.timeline;
     let t_start = if timed { Some(backend.record(Lane::Compute, true)?) } else { None };
@@ -175,8 +246,6 @@ where
     // gradient partial only after the next step's compute), so no span stands for them.
     let mut compute_span: Vec<[Option<B::Event>; 2]> = (0..prog.steps).map(|_| [None, None]).collect();
     let mut transfers: Vec<Vec<(B::Event, B::Event)>> = (0..prog.steps).map(|_| Vec::new()).collect();
-    let mut progress: Vec<B::Event> = Vec::new();
-    let mut done = 0;
 
     let fail_step =
         ctl.fail.filter(|f| f.rank == prog.rank).map(|f| (f.kind, f.step.min(prog.steps.saturating_sub(1))));
@@ -233,35 +302,16 @@ where
             progress.push(backend.record(lane, false)?);
             // Blocks already done (all of them on the CPU) restart the stall clock now, so a
             // long run reports progress while it issues.
-            report_progress(backend, comm, &progress, &mut done)?;
+            report_progress(backend, comm, progress, done)?;
         }
         if so.signals {
             events[so.id] = Some(backend.record(lane, false)?);
         }
     }
-    // Join the comm lane into compute and wait for the end, polling for failures.
+    // Join the comm lane into compute: the end covers both.
     backend.wait(Lane::Compute, &backend.record(Lane::Comm, false)?)?;
     let end = backend.record(Lane::Compute, timed)?;
-    wait_done(backend, comm, &end, &progress, done)?;
-    let timeline = match t_start {
-        Some(t0) => {
-            let ms = |e: &B::Event| backend.elapsed_ms(&t0, e);
-            let mut steps = Vec::with_capacity(prog.steps);
-            for (t, (span, tr)) in compute_span.iter().zip(&transfers).enumerate() {
-                let compute = match span {
-                    [Some(a), Some(b)] => Some((ms(a)?, ms(b)?)),
-                    _ => None,
-                };
-                let tr = tr.iter().map(|(a, b)| Ok((ms(a)?, ms(b)?))).collect::<Result<Vec<_>>>()?;
-                steps.push(StepTimes::new(t, compute, tr));
-            }
-            Some(Timeline { rank: prog.rank, total_ms: ms(&end)?, steps })
-        }
-        None => None,
-    };
-    let outputs = prog.outputs.iter().map(|&(_, b)| store.take(b)).collect::<Result<Vec<_>>>()?;
-    // What is left in the store (the inputs) is released when it drops.
-    Ok(RankRun { outputs, timeline })
+    Ok(Issued { store, end, t_start, compute_span, transfers })
 }
 
 /// Waits until `end` has completed, polling the transport for failures; each block of

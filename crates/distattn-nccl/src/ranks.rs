@@ -161,6 +161,9 @@ pub struct GpuBench {
     pub backward: bool,
     pub repeats: usize,
     pub timeline: bool,
+    /// Runs per timed call, issued back to back and waited for once (a decode step's layers:
+    /// the host does not wait between them); the time per run is reported. 0 means 1.
+    pub runs: usize,
 }
 
 /// Times a strategy on local GPUs for a bf16 problem, with the ranks, communicators and
@@ -186,10 +189,19 @@ pub fn time_gpu_strategy(bench: &GpuBench, shape: &AttnShape, mask: &Mask, opts:
             let inputs = device_inputs(g, prog, seed)?;
             g.comm.wait_stream(g.backend.stream())?;
             g.comm.barrier()?;
+            // A timeline comes from one run alone.
+            let runs = if timeline { 1 } else { bench.runs.max(1) };
             let t0 = Instant::now();
-            let r = execute(prog, &g.backend, &g.comm, opts, inputs, &ExecOptions { timeline, fail: None })?;
+            let r = execute(
+                prog,
+                &g.backend,
+                &g.comm,
+                opts,
+                inputs,
+                &ExecOptions { timeline, runs, ..Default::default() },
+            )?;
             drop(r.outputs);
-            Ok((t0.elapsed().as_secs_f64() * 1e3, r.timeline))
+            Ok((t0.elapsed().as_secs_f64() * 1e3 / runs as f64, r.timeline))
         };
         // times[pass][repetition]; the first run of each pass is the warm-up.
         let mut times = vec![Vec::new(); progs.len()];

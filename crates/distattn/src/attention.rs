@@ -272,7 +272,7 @@ impl<O: Element> Attention<O> {
     fn run_ranks<T: Element>(&self, pass: Pass, full: &HostTensors<'_, T>) -> Result<Vec<Shard>> {
         let r = self.ranks()?;
         let p = self.prepared(pass, T::DTYPE)?;
-        let ctl = ExecOptions { timeline: false, fail: r.fail };
+        let ctl = ExecOptions { fail: r.fail, ..Default::default() };
         let per_rank = match &self.exec {
             #[cfg(feature = "nccl")]
             Execution::GpuRanks(_) => distattn_nccl::with_gpu_ranks(r.world, r.first_gpu, r.timeout, |g| {

@@ -318,7 +318,7 @@ fn bench(a: &BenchArgs) -> Res<()> {
             g.comm().wait_stream(g.backend().stream())?;
             g.comm().barrier()?;
             let t0 = Instant::now();
-            let ctl = ExecOptions { timeline, fail: None };
+            let ctl = ExecOptions { timeline, ..Default::default() };
             let r = execute(&pf_r, g.backend(), g.comm(), &opts, fin, &ctl)?;
             let mut tls: Vec<Timeline> = r.timeline.into_iter().collect();
             drop(r.outputs);

@@ -403,6 +403,7 @@ pub(crate) fn gpu_bench(r: &Ranks, backward: bool, repeats: usize, timeline: boo
         backward,
         repeats,
         timeline,
+        runs: 1,
     }
 }
 

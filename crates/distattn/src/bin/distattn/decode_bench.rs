@@ -11,7 +11,7 @@ use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::{Attention, DType, Element, Execution, HostTensor, PlanOptions, Ranks, Strategy};
 use distattn_cuda::decode::DecodeBuffers;
 use distattn_cuda::{CudaBackend, CudaElement};
-use distattn_nccl::time_gpu_strategy;
+use distattn_nccl::{time_gpu_strategy, GpuBench};
 use distattn_testkit::decode::{reference, DecodeCase};
 use distattn_testkit::{cast, lse_err, rel_err};
 use half::{bf16, f16};
@@ -81,6 +81,10 @@ struct Report {
     rows: Vec<Row>,
 }
 
+/// Layers timed back to back, one device's and a spread cache's alike: what one layer of a
+/// decode step costs while the host does not wait between layers.
+const LAYERS: usize = 20;
+
 /// Median milliseconds of `f` over `repeats` runs after a warm-up.
 fn median(repeats: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
     f()?;
@@ -121,8 +125,7 @@ fn time_gpu<T: CudaElement>(
 ) -> Result<f64> {
     let step = DecodeBuffers::<T>::random(gpu, shape, page_size, &vec![context; shape.batch], opts, 7)?;
     step.plan(gpu)?;
-    // Layers back to back between two events: what one layer of a decode step costs.
-    const LAYERS: usize = 20;
+    // Layers back to back between two events.
     let st = gpu.stream();
     let flags = Some(distattn_cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     median(repeats, || {
@@ -207,15 +210,16 @@ fn check_spread(s: &Spread, seed: u64) -> Result<String> {
     ))
 }
 
-/// Median milliseconds of one spread step: on GPUs from a barrier to the slowest rank's end,
-/// inputs generated on the GPUs; on CPU ranks around the whole call.
+/// Median milliseconds of one spread step: on GPUs [`LAYERS`] steps issued back to back from a
+/// barrier to the slowest rank's end, inputs generated on the GPUs; on CPU ranks around the
+/// whole call.
 pub(crate) fn time_spread(attn: &Attention, dtype: DType, repeats: usize, rng: &mut rand::rngs::StdRng) -> Result<f64> {
     match attn.execution() {
         Execution::GpuRanks(r) => {
             if dtype != DType::BF16 {
                 bail!("--decode --gpus times bf16 caches, not {dtype}");
             }
-            let bench = crate::bench::gpu_bench(r, false, repeats, false);
+            let bench = GpuBench { runs: LAYERS, ..crate::bench::gpu_bench(r, false, repeats, false) };
             Ok(time_gpu_strategy(&bench, attn.shape(), attn.mask(), attn.options())?.fwd_ms)
         }
         _ => {

@@ -1,0 +1,58 @@
+//! Runs of a program issued back to back (`ExecOptions::runs`, how the decode bench times a
+//! step's layers) read the same inputs each time: the last run's outputs equal one run's, for
+//! a forward and a backward plan on thread ranks.
+
+use distattn_core::plan::Pass;
+use distattn_core::planner::build;
+use distattn_core::{AttnOptions, AttnShape, DType, Mask, PlanOptions, Strategy};
+use distattn_cpu::CpuBackend;
+use distattn_exec::{prepare_all, run_rank, run_ranks, BackwardTensors, Communicator, ExecOptions, HostTensors, Shard};
+use distattn_testkit::random::{randn, seeded_rng};
+use std::time::Duration;
+
+fn shards(strategy: Strategy, pass: Pass, runs: usize, full: &HostTensors<'_, f32>, shape: &AttnShape) -> Vec<Shard> {
+    let mask = Mask::causal(shape.q_len, shape.k_len).unwrap();
+    let plan = build(strategy, 3, shape, &mask, DType::F32, &PlanOptions::forward().with_pass(pass)).unwrap();
+    let progs = prepare_all(&plan, &mask).unwrap();
+    let ctl = ExecOptions { runs, ..Default::default() };
+    run_ranks(3, Duration::from_secs(30), |comm| {
+        run_rank(&progs[comm.rank()], &CpuBackend, comm, full, &AttnOptions::default(), &ctl)
+    })
+    .unwrap()
+    .into_iter()
+    .flat_map(|r| r.shards)
+    .collect()
+}
+
+#[test]
+fn runs_back_to_back_return_what_one_run_does() {
+    let (mut rng, seed) = seeded_rng("runs_back_to_back_return_what_one_run_does");
+    // 301 tokens over 3 ranks: uneven shards; GQA 4/2.
+    let shape = AttnShape::new(1, 301, 301, 4, 2, 16).unwrap();
+    let (q, k, v) = (
+        randn(&mut rng, shape.q_elems(), 1.0),
+        randn(&mut rng, shape.kv_elems(), 1.0),
+        randn(&mut rng, shape.kv_elems(), 1.0),
+    );
+    let fwd = HostTensors { q: &q, k: &k, v: &v, backward: None };
+    for strategy in [Strategy::PassQ, Strategy::Zigzag] {
+        let one = shards(strategy, Pass::Forward, 1, &fwd, &shape);
+        assert!(one.iter().any(|s| s.data.iter().any(|&x| x != 0.0)), "seed {seed}: the outputs are not all zero");
+        assert_eq!(shards(strategy, Pass::Forward, 4, &fwd, &shape), one, "seed {seed}: {strategy:?} forward");
+    }
+    let out = distattn_testkit::reference::forward(
+        &q,
+        &k,
+        &v,
+        &shape,
+        &Mask::causal(301, 301).unwrap(),
+        &AttnOptions::default(),
+    )
+    .unwrap();
+    let (o, lse): (Vec<f32>, Vec<f32>) =
+        (out.o.iter().map(|&x| x as f32).collect(), out.lse.iter().map(|&x| x as f32).collect());
+    let d_o = randn(&mut rng, shape.q_elems(), 1.0);
+    let bwd = HostTensors { backward: Some(BackwardTensors { o: &o, lse: &lse, d_o: &d_o }), ..fwd };
+    let one = shards(Strategy::Zigzag, Pass::Backward, 1, &bwd, &shape);
+    assert_eq!(shards(Strategy::Zigzag, Pass::Backward, 3, &bwd, &shape), one, "seed {seed}: zigzag backward");
+}
