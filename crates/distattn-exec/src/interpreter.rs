@@ -47,7 +47,9 @@ pub struct ExecOptions {
     /// Runs of the program back to back on the same inputs, waited for once at the end, as a
     /// model's layers run one after another without the host waiting between them (a
     /// sustained timing: total time over runs); the last run's outputs and timeline are
-    /// returned. 0 means 1.
+    /// returned. 0 means 1. A buffer one lane frees after the other lane used it is reused
+    /// only once the device has passed the free, so the runs' such buffers can all be held at
+    /// once: meant for steps whose buffers are small (a decode step), not for prefill.
     pub runs: usize,
 }
 
