@@ -71,8 +71,9 @@ pub struct BenchArgs {
     /// end on the slowest rank.
     #[arg(long)]
     gpus: Option<usize>,
-    /// With --gpus: write every strategy's per-step timelines (one more run each) to this
-    /// file; `distattn timeline FILE --svg DIR` prints and draws them.
+    /// With --gpus: write every strategy's per-step timelines (one more run each; with
+    /// --decode, of one layer of each spread step) to this file; `distattn timeline FILE --svg
+    /// DIR` prints and draws them.
     #[arg(long, value_name = "FILE")]
     timelines: Option<PathBuf>,
     /// Strategies timed when --world or --gpus > 1.
@@ -84,7 +85,7 @@ pub struct BenchArgs {
     /// with the K/V bytes read per second. With --world P (CPU ranks) or --gpus P (bf16) also
     /// the step over a cache spread over P ranks (pass-q: the queries travel), request i homed
     /// on rank i mod P, and its time against one device's.
-    #[arg(long, conflicts_with_all = ["timelines", "forward_only"])]
+    #[arg(long, conflicts_with = "forward_only")]
     decode: bool,
     /// With --decode: query rows per request (1 to 16).
     #[arg(long, default_value_t = 1, requires = "decode")]
@@ -545,6 +546,7 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
             json: args.json,
             seed: args.seed,
             spread,
+            timelines: args.timelines,
         });
     }
     let single = args.backend.execution(DType::BF16)?;

@@ -8,6 +8,7 @@ use crate::tensors;
 use anyhow::{bail, Result};
 use distattn::decode::{decode, DecodeOptions, DecodeShape};
 use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
+use distattn::timeline::{Timeline, TimelineRun};
 use distattn::{Attention, DType, Element, Execution, HostTensor, PlanOptions, Ranks, Strategy};
 use distattn_cuda::decode::DecodeBuffers;
 use distattn_cuda::{CudaBackend, CudaElement};
@@ -36,6 +37,8 @@ pub struct DecodeBench {
     pub seed: u64,
     /// The step also over a cache spread over ranks.
     pub spread: Option<Spread>,
+    /// Write the GPU ranks' timelines of one layer of each spread step here.
+    pub timelines: Option<PathBuf>,
 }
 
 /// A decode step over a KV cache spread over `ranks` ranks: in-process CPU ranks, or local
@@ -210,25 +213,35 @@ fn check_spread(s: &Spread, seed: u64) -> Result<String> {
     ))
 }
 
-/// Median milliseconds of one spread step: on GPUs [`LAYERS`] steps issued back to back from a
-/// barrier to the slowest rank's end, inputs generated on the GPUs; on CPU ranks around the
-/// whole call.
-pub(crate) fn time_spread(attn: &Attention, dtype: DType, repeats: usize, rng: &mut rand::rngs::StdRng) -> Result<f64> {
+/// Median milliseconds of one spread step: on GPUs `runs` steps issued back to back (the host
+/// not waiting between them) from a barrier to the slowest rank's end, over `runs`, inputs
+/// generated on the GPUs, and with `timeline` every rank's timeline of one more step alone; on
+/// CPU ranks around one whole call.
+pub(crate) fn time_spread(
+    attn: &Attention,
+    dtype: DType,
+    repeats: usize,
+    runs: usize,
+    timeline: bool,
+    rng: &mut rand::rngs::StdRng,
+) -> Result<(f64, Vec<Timeline>)> {
     match attn.execution() {
         Execution::GpuRanks(r) => {
             if dtype != DType::BF16 {
                 bail!("--decode --gpus times bf16 caches, not {dtype}");
             }
-            let bench = GpuBench { runs: LAYERS, ..crate::bench::gpu_bench(r, false, repeats, false) };
-            Ok(time_gpu_strategy(&bench, attn.shape(), attn.mask(), attn.options())?.fwd_ms)
+            let bench = GpuBench { runs, ..crate::bench::gpu_bench(r, false, repeats, timeline) };
+            let t = time_gpu_strategy(&bench, attn.shape(), attn.mask(), attn.options())?;
+            Ok((t.fwd_ms, t.timelines))
         }
         _ => {
             let [q, k, v] = random_inputs(rng, attn, dtype);
-            median(repeats, || {
+            let ms = median(repeats, || {
                 let t = Instant::now();
                 tensors::forward(attn, &q, &k, &v)?;
                 Ok(t.elapsed().as_secs_f64() * 1e3)
-            })
+            })?;
+            Ok((ms, Vec::new()))
         }
     }
 }
@@ -302,6 +315,7 @@ pub fn run(a: DecodeBench) -> Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
     let opts = DecodeOptions { causal: true, ..Default::default() };
     let mut rows = Vec::new();
+    let mut timelines = Vec::new();
     for &context in &a.lengths {
         for &d in &a.head_dims {
             let shape = DecodeShape::new(a.batch, a.q_rows, a.heads, a.kv_heads, d)?;
@@ -372,13 +386,26 @@ pub fn run(a: DecodeBench) -> Result<()> {
                         .map(|i| StepRequest { home: i % s.ranks, cached: context - a.q_rows, new: a.q_rows })
                         .collect();
                     let attn = spread_step(s, &requests, a.heads, a.kv_heads, d)?;
-                    let ms = time_spread(&attn, dtype, a.repeats, &mut rng)?;
+                    let (ms, ranks) = time_spread(&attn, dtype, a.repeats, LAYERS, a.timelines.is_some(), &mut rng)?;
+                    if !ranks.is_empty() {
+                        timelines.push(TimelineRun {
+                            strategy: "pass-q".into(),
+                            seq: context,
+                            pass: format!("decode b{}", a.batch),
+                            mask: s.placement.clone(),
+                            ranks,
+                        });
+                    }
                     let eff = single.map(|t| t / (s.ranks as f64 * ms));
                     rows.push(row("pass-q", s.ranks, Some(s.placement.clone()), ms, eff));
                     print(&rows[rows.len() - 1]);
                 }
             }
         }
+    }
+    if let Some(path) = &a.timelines {
+        std::fs::write(path, serde_json::to_string(&timelines)?)?;
+        eprintln!("timelines of {} steps in {} (distattn timeline FILE prints them)", timelines.len(), path.display());
     }
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&Report { device, check, rows })?;
