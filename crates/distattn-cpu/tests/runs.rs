@@ -24,6 +24,22 @@ fn shards(strategy: Strategy, pass: Pass, runs: usize, full: &HostTensors<'_, f3
     .collect()
 }
 
+/// Largest difference between two runs' shards relative to the largest value (the CPU backend's
+/// parallel reductions may add in another order from one run to the next).
+fn differ(a: &[Shard], b: &[Shard]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut scale = 0f32;
+    let mut diff = 0f32;
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!((x.tensor, &x.desc), (y.tensor, &y.desc));
+        for (p, q) in x.data.iter().zip(&y.data) {
+            scale = scale.max(p.abs());
+            diff = diff.max((p - q).abs());
+        }
+    }
+    diff / scale.max(f32::MIN_POSITIVE)
+}
+
 #[test]
 fn runs_back_to_back_return_what_one_run_does() {
     let (mut rng, seed) = seeded_rng("runs_back_to_back_return_what_one_run_does");
@@ -38,7 +54,8 @@ fn runs_back_to_back_return_what_one_run_does() {
     for strategy in [Strategy::PassQ, Strategy::Zigzag] {
         let one = shards(strategy, Pass::Forward, 1, &fwd, &shape);
         assert!(one.iter().any(|s| s.data.iter().any(|&x| x != 0.0)), "seed {seed}: the outputs are not all zero");
-        assert_eq!(shards(strategy, Pass::Forward, 4, &fwd, &shape), one, "seed {seed}: {strategy:?} forward");
+        let e = differ(&shards(strategy, Pass::Forward, 4, &fwd, &shape), &one);
+        assert!(e < 1e-6, "seed {seed}: {strategy:?} forward differs by {e:e}");
     }
     let out = distattn_testkit::reference::forward(
         &q,
@@ -54,5 +71,6 @@ fn runs_back_to_back_return_what_one_run_does() {
     let d_o = randn(&mut rng, shape.q_elems(), 1.0);
     let bwd = HostTensors { backward: Some(BackwardTensors { o: &o, lse: &lse, d_o: &d_o }), ..fwd };
     let one = shards(Strategy::Zigzag, Pass::Backward, 1, &bwd, &shape);
-    assert_eq!(shards(Strategy::Zigzag, Pass::Backward, 3, &bwd, &shape), one, "seed {seed}: zigzag backward");
+    let e = differ(&shards(Strategy::Zigzag, Pass::Backward, 3, &bwd, &shape), &one);
+    assert!(e < 1e-6, "seed {seed}: zigzag backward differs by {e:e}");
 }

@@ -7,7 +7,8 @@
 //! returned partial by LSE. All queries leave at once because a rank's comm lane runs in
 //! order: a query send queued behind the return of step t − 1 would wait for that step's
 //! compute elsewhere, and a decode step's P − 1 remote blocks would run one after another
-//! instead of side by side.
+//! instead of side by side. Small partials (a decode step's) all go back in one group at the
+//! last step instead, which saves the host a group launch per step.
 //!
 //! Bytes moved per rank: its queries to each rank that needs them and an f32 O and LSE back,
 //! against the K/V a ring would move: the cheaper side when few queries meet many keys
@@ -33,10 +34,21 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
     Ok(())
 }
 
+/// Partials up to this size (an owner's f32 O) all go back in one group at the last step:
+/// launching a group costs the host about 0.1 ms (4 × H200, NCCL 2.28: a decode step's three
+/// returns took 0.12–0.14 ms each after their data was sent), more than such a transfer takes.
+/// Larger ones go back as computed, overlapping the blocks after them.
+const RETURN_TOGETHER_BYTES: usize = 16 << 20;
+
 fn forward(b: &mut Builder, bufs: &[FwdBufs]) {
     let p = b.world;
+    let s = b.shape;
+    let largest = (0..p).map(|r| b.desc(r, bufs[r].q).tokens.len()).max().unwrap_or(0);
+    let together = largest * s.batch * s.heads * s.head_dim * 4 <= RETURN_TOGETHER_BYTES;
     // (step, owner, partial as received by the owner)
     let mut returned = Vec::new();
+    // (owner, rank that computed it, partial) not yet sent back.
+    let mut computed = Vec::new();
     for t in 0..p {
         b.label(
             t,
@@ -48,7 +60,6 @@ fn forward(b: &mut Builder, bufs: &[FwdBufs]) {
         );
         // Every rank's compute of the step is emitted before the partials go back (phase 1),
         // so a rank's return group never precedes the block that fills it.
-        let mut computed = Vec::new();
         for owner in 0..p {
             let at = (owner + t) % p;
             let own = bufs[owner];
@@ -71,8 +82,10 @@ fn forward(b: &mut Builder, bufs: &[FwdBufs]) {
             b.fwd(at, t, FwdBufs { q, kv: bufs[at].kv, out: part });
             computed.push((owner, at, part));
         }
-        for (owner, at, part) in computed {
-            returned.push((t, owner, b.transfer_set(t, 1, at, owner, part)));
+        if !together || t + 1 == p {
+            for (owner, at, part) in computed.drain(..) {
+                returned.push((t, owner, b.transfer_set(t, 1, at, owner, part)));
+            }
         }
     }
     // Each partial is merged on its owner once received, after the step's own compute.
