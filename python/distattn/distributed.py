@@ -382,10 +382,15 @@ class KVCacheGroup:
                 entry[3] = _appended(entry[3], held, rows[:, 1])
                 entry[4] = held + rows.shape[0]
             entry[1] += new
-        empty = k_new.new_empty((0, hkv, d))
-        held = [self._requests[rid] for rid, *_ in plan]
-        k = torch.cat([e[2][: e[4]] if e[2] is not None else empty for e in held])[None]
-        v = torch.cat([e[3][: e[4]] if e[3] is not None else empty for e in held])[None]
+        # The step's keys here: each request's filled rows, in batch order. A lone request's
+        # are a view of its buffer; several are packed into one copy.
+        held = [e for e in (self._requests[rid] for rid, *_ in plan) if e[4]]
+
+        def packed(i):
+            parts = [e[i][: e[4]] for e in held]
+            return (parts[0] if len(parts) == 1 else torch.cat(parts) if parts else k_new.new_empty((0, hkv, d)))[None]
+
+        k, v = packed(2), packed(3)
         requests = [(home, cached, new) for _, home, cached, new in plan]
         return self.attention(q, k, v, requests, False, strategy, softmax_scale, return_lse)
 
