@@ -8,10 +8,12 @@
 
 use crate::decode_bench::{random_inputs, time_spread, Spread};
 use anyhow::{bail, Result};
+use distattn::decode::{DecodeOptions, DecodeShape, MAX_DECODE_ROWS};
 use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::plan::Rates;
 use distattn::planner::{build, fastest};
 use distattn::{Attention, DType, Execution, PlanOptions, Ranks, Strategy};
+use distattn_cuda::decode::DecodeBuffers;
 use distattn_cuda::{CudaBackend, GpuBuf};
 use half::bf16;
 use rand::SeedableRng;
@@ -41,7 +43,8 @@ pub struct CachedPrefill {
 #[derive(Serialize)]
 struct Row {
     backend: String,
-    /// `single` (one device, the flash kernel), `pass-q` or `ring` (pass-KV).
+    /// `single` (one device, the flash kernel), `single-decode` (one GPU, the paged decode
+    /// kernel: up to 16 new tokens), `pass-q` or `ring` (pass-KV).
     strategy: String,
     ranks: usize,
     placement: Option<String>,
@@ -68,6 +71,25 @@ struct Row {
 struct Report {
     device: String,
     rows: Vec<Row>,
+}
+
+/// One GPU's paged decode kernel on the step (its new tokens as each request's query rows,
+/// causal), one call at a time as the spread side is timed, median milliseconds; `None` beyond
+/// the decode kernel's rows or without a GPU. For a few new tokens this is the faster
+/// one-device kernel: the flash kernel's tiles are mostly padding there.
+fn time_single_decode(c: &CachedPrefill, cached: usize, new: usize) -> Result<Option<f64>> {
+    let Some(gpu) = c.gpu.as_deref().filter(|_| new <= MAX_DECODE_ROWS) else {
+        return Ok(None);
+    };
+    let shape = DecodeShape::new(c.batch, new, c.heads, c.kv_heads, c.head_dim)?;
+    let opts = DecodeOptions { causal: true, ..Default::default() };
+    let step = DecodeBuffers::<bf16>::random(gpu, &shape, 16, &vec![cached + new; c.batch], &opts, 7)?;
+    step.plan(gpu)?;
+    let ms = crate::bench::median_ms(c.repeats, || {
+        step.run(gpu)?;
+        Ok(gpu.synchronize()?)
+    })?;
+    Ok(Some(ms))
 }
 
 /// One device's forward of the whole step, median milliseconds (on a GPU, of inputs made there).
@@ -132,7 +154,10 @@ pub fn run(c: CachedPrefill) -> Result<()> {
             let flops = 4.0 * (step.mask.area() * (c.heads * c.head_dim) as u64) as f64;
             let one = Attention::new(step.shape, step.mask.clone())?;
             eprintln!("cached {cached}, new {new}: one device ...");
-            let single = time_single(&c, &one, &mut rng)?;
+            let flash = time_single(&c, &one, &mut rng)?;
+            let decode = time_single_decode(&c, cached, new)?;
+            // The spread steps are compared with the faster one-device kernel.
+            let single = decode.map_or(flash, |d| d.min(flash));
             let row = |strategy: &str, ranks: usize, ms: f64, bytes_moved: u64, picked: bool, estimate_ms| Row {
                 backend: if c.gpu.is_some() { "cuda" } else { "cpu" }.into(),
                 strategy: strategy.into(),
@@ -151,7 +176,11 @@ pub fn run(c: CachedPrefill) -> Result<()> {
                 estimate_ms,
                 scaling_eff: (ranks > 1).then(|| single / (ranks as f64 * ms)),
             };
-            rows.push(row("single", 1, single, 0, false, None));
+            let first = rows.len();
+            rows.push(row("single", 1, flash, 0, false, None));
+            if let Some(ms) = decode {
+                rows.push(row("single-decode", 1, ms, 0, false, None));
+            }
             for st in strategies {
                 let plan = build(st, s.ranks, &step.shape, &step.mask, DType::BF16, &opts)?;
                 let (bytes, estimate) = (plan.summary().bytes_moved, plan.estimate(&rates).ms);
@@ -163,7 +192,7 @@ pub fn run(c: CachedPrefill) -> Result<()> {
                 let (ms, _) = time_spread(&attn, DType::BF16, c.repeats, 1, false, &mut rng)?;
                 rows.push(row(&st.to_string(), s.ranks, ms, bytes, st == pick, Some(estimate)));
             }
-            for r in &rows[rows.len() - 3..] {
+            for r in &rows[first..] {
                 say(format!(
                     "{:<7} {:>5} {:>5} {:>9} {:>8} {:>10.3} {:>9.1} {:>10.1} {:>6} {:>6} {:>10}",
                     r.strategy,
