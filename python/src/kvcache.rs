@@ -212,6 +212,7 @@ impl<'a> DecodeCall<'a> {
             seqlen_add: self.new_tokens,
             opts: self.opts,
             row_table: false,
+            o_f32: false,
         };
         // SAFETY: every descriptor was checked against this call (shapes, dtypes, device,
         // contiguity; the workspace sized by decode_workspace and planned before the decode, for

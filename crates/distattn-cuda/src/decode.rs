@@ -31,7 +31,7 @@ pub(crate) fn decode_reads_pay(runs: &[(usize, usize)], k_len: usize) -> bool {
 }
 
 /// Device addresses of a decode step's tensors: Q and O `[batch, q_rows, heads, d]` (bf16 or
-/// f16), LSE `[batch, heads, q_rows]` f32, the K and V caches `[pages, page_size, kv_heads, d]`,
+/// f16; O f32 with [`DecodeStep::o_f32`]), LSE `[batch, heads, q_rows]` f32, the K and V caches `[pages, page_size, kv_heads, d]`,
 /// the page table `[batch, max_pages]` and lengths `[batch]` (i32).
 #[derive(Debug, Clone, Copy)]
 pub struct DecodePtrs {
@@ -78,6 +78,9 @@ pub struct DecodeStep {
     /// The page table holds each request's first key row in one contiguous cache (`layout` one
     /// page of all its rows, `max_pages` 1) rather than page numbers.
     pub row_table: bool,
+    /// O is written as f32 at [`DecodePtrs::o`] (a distributed step's partial, merged in f32)
+    /// rather than in the input dtype.
+    pub o_f32: bool,
 }
 
 fn i32_of(what: &str, v: usize) -> Result<i32> {
@@ -100,8 +103,9 @@ impl CudaBackend {
 
     /// A block of one key run per row (`runs`, [`Block::row_runs`]) through the decode kernel, reading K and V in place:
     /// each query row (of each batch entry) is a request of one row whose keys are its run (a
-    /// row table, no pages), O and LSE then widened and laid out as a block's (f32 O, LSE
-    /// `[batch, heads, q_len]`). O passes through the input dtype, as the decode kernel writes it.
+    /// row table, no pages). The kernel writes the block's f32 O directly (rows in the block's
+    /// order); its LSE `[batch · q_len, heads]` is the block's `[batch, heads, q_len]` for one
+    /// query row, else laid out by a copy.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn block_decode<T: CudaElement>(
         &self,
@@ -141,8 +145,8 @@ impl CudaBackend {
             .map(|n| GpuBuf::alloc(s, DType::F32, n.max(1)))
             .into_iter()
             .collect::<Result<Vec<_>>>()?;
-        let o_t = GpuBuf::alloc(s, T::DTYPE, sh.q_elems())?;
-        let lse_t = GpuBuf::alloc(s, DType::F32, rows * sh.heads)?;
+        // A step of several query rows per batch entry gets its LSE in the kernel's layout first.
+        let lse_t = if sh.q_len == 1 { None } else { Some(GpuBuf::alloc(s, DType::F32, rows * sh.heads)?) };
         let ws = DecodeWorkspacePtrs {
             cu_tiles: ws_bufs[0].ptr(s),
             part_o: ws_bufs[1].ptr(s),
@@ -153,8 +157,8 @@ impl CudaBackend {
             q: q.ptr(s),
             k_cache: k.ptr(s),
             v_cache: v.ptr(s),
-            o: o_t.ptr(s),
-            lse: lse_t.ptr(s),
+            o: o.ptr(s),
+            lse: lse_t.as_ref().unwrap_or(lse).ptr(s),
             page_table: table,
             seqlens: table + 4 * rows as u64,
         };
@@ -166,28 +170,37 @@ impl CudaBackend {
             seqlen_add: 0,
             opts: DecodeOptions { attn: *opts, causal: false },
             row_table: true,
+            o_f32: true,
         };
-        // SAFETY: Q, K, V are the block's buffers ([b, q_len or k_len, heads, d], checked by
-        // the interpreter), every run inside its batch entry's keys (from the block's mask); the
-        // table and lengths were uploaded for the compute stream (`list` and the cache keep
-        // them); the workspace and outputs were just allocated on it at decode_workspace's sizes,
-        // and everything runs on that stream.
+        // SAFETY: Q, K, V, O (f32) and LSE are the block's buffers ([b, q_len or k_len, heads,
+        // d] and [b, heads, q_len], checked by the interpreter), every run inside its batch
+        // entry's keys (from the block's mask); the table and lengths were uploaded for the
+        // compute stream (`list` and the cache keep them); the workspace (and lse_t) were just
+        // allocated on it at decode_workspace's sizes, and everything runs on that stream.
         unsafe {
             self.decode_plan_raw(s, T::DTYPE, &shape, ptrs.seqlens, 0, key_rows, &ws)?;
             self.decode_raw(s, T::DTYPE, &ptrs, &ws, &step)?;
         }
-        o.fill(s, 0.0)?;
-        self.run_pieces(Lane::Compute, &o_t, o, &[Piece::run(0, 0, sh.q_elems())], true)?;
-        // LSE [batch · q_len, heads] to [batch, heads, q_len]: a head's column per piece.
-        let columns: Vec<Piece> = (0..sh.batch)
-            .flat_map(|b| {
-                (0..sh.heads).map(move |h| {
-                    Piece::strided(b * sh.q_len * sh.heads + h, (b * sh.heads + h) * sh.q_len, 1, sh.q_len, sh.heads, 1)
+        if let Some(lse_t) = lse_t {
+            // LSE [batch · q_len, heads] to [batch, heads, q_len]: a head's column per piece.
+            let columns: Vec<Piece> = (0..sh.batch)
+                .flat_map(|b| {
+                    (0..sh.heads).map(move |h| {
+                        Piece::strided(
+                            b * sh.q_len * sh.heads + h,
+                            (b * sh.heads + h) * sh.q_len,
+                            1,
+                            sh.q_len,
+                            sh.heads,
+                            1,
+                        )
+                    })
                 })
-            })
-            .collect();
-        self.run_pieces(Lane::Compute, &lse_t, lse, &columns, false)?;
-        for b in ws_bufs.into_iter().chain([o_t, lse_t]) {
+                .collect();
+            self.run_pieces(Lane::Compute, &lse_t, lse, &columns, false)?;
+            lse_t.free_on(s);
+        }
+        for b in ws_bufs {
             b.free_on(s);
         }
         Ok(())
@@ -319,6 +332,7 @@ impl CudaBackend {
             },
             scale_log2: step.opts.attn.scale_for(s.head_dim)? * LOG2E,
             row_table: step.row_table as i32,
+            o_f32: step.o_f32 as i32,
         };
         i32_of("cache capacity", step.max_pages * step.layout.page_size)?;
         let launch_cfg = LaunchConfig {
@@ -450,6 +464,7 @@ impl<T: CudaElement> DecodeBuffers<T> {
             seqlen_add: 0,
             opts: *opts,
             row_table: false,
+            o_f32: false,
         };
         let [q, k, v] = [q, cache.k, cache.v].map(|x| st.clone_htod(x).map_err(&up));
         Self::with_inputs(gpu, [q?, k?, v?], cache.page_table, cache.lengths, step)
@@ -482,7 +497,8 @@ impl<T: CudaElement> DecodeBuffers<T> {
         };
         let inputs =
             [random(shape.q_elems(), seed)?, random(layout.elems(), seed ^ 1)?, random(layout.elems(), seed ^ 2)?];
-        let step = DecodeStep { shape: *shape, layout, max_pages, seqlen_add: 0, opts: *opts, row_table: false };
+        let step =
+            DecodeStep { shape: *shape, layout, max_pages, seqlen_add: 0, opts: *opts, row_table: false, o_f32: false };
         Self::with_inputs(gpu, inputs, &table, lengths, step)
     }
 

@@ -168,6 +168,7 @@ kernel_params! {
         page_shift: i32,
         scale_log2: f32,
         row_table: i32,
+        o_f32: i32,
     }
 
     /// The KV append's (`append_kv`).

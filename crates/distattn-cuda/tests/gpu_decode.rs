@@ -125,7 +125,15 @@ fn append_then_decode_in_one_step() {
         counters: addr(&counters, st),
     };
     let max_pages = case.page_table.len() / shape.batch;
-    let step = DecodeStep { shape, layout: case.layout, max_pages, seqlen_add: shape.q_rows, opts, row_table: false };
+    let step = DecodeStep {
+        shape,
+        layout: case.layout,
+        max_pages,
+        seqlen_add: shape.q_rows,
+        opts,
+        row_table: false,
+        o_f32: false,
+    };
     for _ in 0..2 {
         // SAFETY: every buffer above was allocated on this stream with the sizes the step needs;
         // the page table covers every length after the append.
@@ -199,12 +207,16 @@ fn decode_shaped_blocks_match_f64() {
 
     let gpu = gpu();
     let (mut rng, seed) = seeded_rng("decode_shaped_blocks_match_f64");
-    for (requests, heads, kv_heads, d, pages) in
-        [(5, 32, 8, 128, false), (16, 8, 1, 64, false), (7, 32, 8, 128, true), (65, 4, 2, 128, false)]
-    {
+    for (requests, heads, kv_heads, d, pages) in [
+        (5, 32, 8, 128, false),
+        (16, 8, 1, 64, false),
+        (7, 32, 8, 128, true),
+        (1, 32, 8, 128, true),
+        (65, 4, 2, 128, false),
+    ] {
         // One new token per request against its cached keys; the block keeps the keys from 300
         // on of the packed matrix (a rank's part), so the first request's row keeps none, or
-        // every other page of 16 keys.
+        // every other page of 16 keys. One request: the block's LSE is the kernel's layout.
         let k_lens: Vec<usize> = (0..requests).map(|i| if i == 0 { 200 } else { rng.random_range(1..5000) }).collect();
         let full = Mask::per_document(&vec![1; requests], &k_lens, Mask::causal).unwrap();
         let mask = if pages {

@@ -220,8 +220,9 @@ __device__ __forceinline__ void dec_merge(const DecodeParams& p, const int* slot
                 *(float4*)(p.part_o + ((size_t)out_slot * DEC_ROWS + r) * D + col) = acc;
             } else {
                 const int gr = at.r0 + r, qi = gr / at.G, h = at.kvh * at.G + gr % at.G;
-                elem_t* dst = p.o + (((size_t)at.b * p.q_rows + qi) * p.heads + h) * D + col;
-                *(uint2*)dst = make_uint2(pack2(acc.x, acc.y), pack2(acc.z, acc.w));
+                const size_t i = (((size_t)at.b * p.q_rows + qi) * p.heads + h) * D + col;
+                if (p.o_f32) *(float4*)((float*)p.o + i) = acc;
+                else *(uint2*)(p.o + i) = make_uint2(pack2(acc.x, acc.y), pack2(acc.z, acc.w));
             }
         }
     }
@@ -415,7 +416,9 @@ extern "C" __global__ void __launch_bounds__(DEC_NT, 1) flash_decode(const Decod
             for (int w = 0; w < DEC_WARPS; ++w) acc += Wr[w * DEC_ROWS + r] * Ow[(w * DEC_ROWS + r) * D + col];
             if (whole) {
                 const int gr = r0 + r, qi = gr / G, h = kvh * G + gr % G;
-                p.o[(((size_t)b * p.q_rows + qi) * p.heads + h) * D + col] = from_f32(acc);
+                const size_t i = (((size_t)b * p.q_rows + qi) * p.heads + h) * D + col;
+                if (p.o_f32) ((float*)p.o)[i] = acc;
+                else p.o[i] = from_f32(acc);
             } else {
                 p.part_o[((size_t)slot * DEC_ROWS + r) * D + col] = acc;
             }

@@ -138,6 +138,9 @@ struct DecodeParams {
     // 1: page_table[b] is request b's first key row of one contiguous cache (max_pages 1, page_size
     // the cache's rows), as a block of a spread cache's decode holds its keys.
     int row_table;
+    // 1: O is written as f32 at `o` (a distributed step's partial, merged in f32) instead of in
+    // the input dtype.
+    int o_f32;
 };
 
 // Appends new_tokens tokens per request (k_new/v_new [batch, new_tokens, kv_heads, head_dim])
