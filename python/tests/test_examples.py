@@ -73,3 +73,16 @@ def test_train_llama_policies_and_context_parallel_match_sdpa(tmp_path):
     assert runs["layer"][0]["attention_forwards_per_step"] == 2 * layers
     assert runs["remat"][0]["attention_forwards_per_step"] == layers
     assert runs["cp"][0]["world"] == 2 and runs["cp"][0]["attention_forwards_per_step"] == layers
+
+
+def test_serving_over_a_spread_cache_generates_what_one_process_does():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = str(EXAMPLES / "serve_spread_cache.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), script]
+    r = subprocess.run(cmd + ["--placement", "zigzag:256"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1].endswith("OK"), r.stdout
