@@ -47,7 +47,8 @@ for P in $GPU_COUNTS; do
   [[ ",$PARTS," == *",prefill,"* ]] || break
   [ "$P" -le "$NGPU" ] || continue
   # One process per point: on 2 H200s a process that had timed four points aborted in the fifth
-  # (glibc "double free or corruption", 2026-11-26); each point alone runs clean.
+  # (glibc "double free or corruption", 2026-11-26, first session); each point alone ran clean,
+  # and so did the same five points in one process under cuda-gdb later that day.
   for N in $(echo "${NEW_TOKENS:-1,256,4096,32768,262144}" | tr , ' '); do
     echo "== $N new tokens onto ${PREFILL_CACHED:-262144} cached, spread over $P GPUs"
     "$BIN" bench --cached-prefill --gpus "$P" --seqs "${PREFILL_CACHED:-262144}" --new-tokens "$N" \
