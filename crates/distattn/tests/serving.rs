@@ -131,3 +131,11 @@ fn the_time_model_picks_pass_q_for_decode_and_new_tokens_on_one_rank_and_pass_kv
     let e = build(Strategy::Zigzag, world, &step.shape, &step.mask, DType::BF16, &opts).unwrap_err();
     assert!(e.to_string().contains("placement"), "{e}");
 }
+
+#[path = "../examples/spread_decode.rs"]
+mod spread_decode_example;
+
+#[test]
+fn the_spread_decode_example_runs() {
+    spread_decode_example::main().unwrap();
+}
