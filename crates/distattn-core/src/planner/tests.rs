@@ -345,3 +345,35 @@ fn estimates_replay_work_and_transfers_on_two_lanes() {
     let ms = plan.estimate(&rates).ms;
     assert!(ms >= kv_bytes / 1e12 * 1e3 && ms < 1.01 * kv_bytes / 1e12 * 1e3, "{ms} ms");
 }
+
+#[test]
+fn pass_q_sends_queries_at_once_and_returns_small_partials_together() {
+    use crate::plan::Op;
+    // 4 ranks, causal, contiguous: rank r's queries attend ranks 0..=r, so every step from 1
+    // computes some owner's queries elsewhere. Returns the (step, phase) of every group that
+    // sends something.
+    let groups = |n: usize| {
+        let shape = AttnShape::new(1, n, n, 32, 8, 128).unwrap();
+        let plan =
+            build(Strategy::PassQ, 4, &shape, &Mask::causal(n, n).unwrap(), DType::BF16, &PlanOptions::forward())
+                .unwrap();
+        plan.validate().unwrap();
+        let mut groups = std::collections::BTreeSet::new();
+        for prog in &plan.ranks {
+            for (step, ops) in prog.steps.iter().enumerate() {
+                for op in ops {
+                    if let Op::Comm { phase, sends, .. } = op {
+                        if !sends.is_empty() {
+                            groups.insert((step, phase % 16));
+                        }
+                    }
+                }
+            }
+        }
+        groups.into_iter().collect::<Vec<_>>()
+    };
+    // 1024 queries a rank: an owner's f32 O is 16 MB, small enough to go back at the end.
+    assert_eq!(groups(4096), [(1, 0), (3, 1)]);
+    // 1025: each partial goes back in the step that computed it.
+    assert_eq!(groups(4100), [(1, 0), (1, 1), (2, 1), (3, 1)]);
+}
