@@ -147,61 +147,32 @@ where
     // The whole run is under the stall clock, restarted by every block completed: a rank
     // stuck anywhere is aborted, a long healthy run is not.
     let watching = comm.stall_watch_begin();
-    let r = run(prog, backend, comm, opts, inputs, ctl);
+    let r = (|| {
+        // Blocks issued, in issue order, and how many of them have completed.
+        let (mut progress, mut done) = (Vec::new(), 0);
+        let mut inputs = inputs;
+        let untimed = ExecOptions { timeline: false, ..*ctl };
+        for _ in 1..ctl.runs.max(1) {
+            let mut issued = issue(prog, backend, comm, opts, inputs, &untimed, &mut progress, &mut done)?;
+            // The next run is issued on the same lanes after this one's end, so it reads the
+            // inputs after this run has; the rest is freed on the compute lane, which the end
+            // orders after both lanes' last use.
+            inputs = prog.inputs.iter().map(|&(_, id)| issued.store.take(id)).collect::<Result<_>>()?;
+            for buf in issued.store.bufs.into_iter().flatten() {
+                backend.free(Lane::Compute, buf);
+            }
+        }
+        let mut issued = issue(prog, backend, comm, opts, inputs, ctl, &mut progress, &mut done)?;
+        wait_done(backend, comm, &issued.end, &progress, done)?;
+        let timeline = issued.timeline(backend, prog.rank)?;
+        let outputs = prog.outputs.iter().map(|&(_, b)| issued.store.take(b)).collect::<Result<Vec<_>>>()?;
+        // What is left in the store (the inputs) is released when it drops.
+        Ok(RankRun { outputs, timeline })
+    })();
     if watching {
         comm.stall_watch_end();
     }
     r
-}
-
-fn run<B, C>(
-    prog: &PreparedRank,
-    backend: &B,
-    comm: &C,
-    opts: &AttnOptions,
-    inputs: Vec<B::Buf>,
-    ctl: &ExecOptions,
-) -> Result<RankRun<B::Buf>>
-where
-    B: Backend,
-    C: Communicator<Buf = B::CommBuf>,
-{
-    // Blocks issued, in issue order, and how many of them have completed.
-    let mut progress: Vec<B::Event> = Vec::new();
-    let mut done = 0;
-    let mut inputs = inputs;
-    for _ in 1..ctl.runs.max(1) {
-        let untimed = ExecOptions { timeline: false, ..*ctl };
-        let mut issued = issue(prog, backend, comm, opts, inputs, &untimed, &mut progress, &mut done)?;
-        // The next run is issued on the same lanes after this one's end, so it reads the
-        // inputs after this run has; the rest is freed on the compute lane, which the end
-        // orders after both lanes' last use.
-        inputs = prog.inputs.iter().map(|&(_, id)| issued.store.take(id)).collect::<Result<_>>()?;
-        for buf in issued.store.bufs.into_iter().flatten() {
-            backend.free(Lane::Compute, buf);
-        }
-    }
-    let mut issued = issue(prog, backend, comm, opts, inputs, ctl, &mut progress, &mut done)?;
-    wait_done(backend, comm, &issued.end, &progress, done)?;
-    let timeline = match &issued.t_start {
-        Some(t0) => {
-            let ms = |e: &B::Event| backend.elapsed_ms(t0, e);
-            let mut steps = Vec::with_capacity(prog.steps);
-            for (t, (span, tr)) in issued.compute_span.iter().zip(&issued.transfers).enumerate() {
-                let compute = match span {
-                    [Some(a), Some(b)] => Some((ms(a)?, ms(b)?)),
-                    _ => None,
-                };
-                let tr = tr.iter().map(|(a, b)| Ok((ms(a)?, ms(b)?))).collect::<Result<Vec<_>>>()?;
-                steps.push(StepTimes::new(t, compute, tr));
-            }
-            Some(Timeline { rank: prog.rank, total_ms: ms(&issued.end)?, steps })
-        }
-        None => None,
-    };
-    let outputs = prog.outputs.iter().map(|&(_, b)| issued.store.take(b)).collect::<Result<Vec<_>>>()?;
-    // What is left in the store (the inputs) is released when it drops.
-    Ok(RankRun { outputs, timeline })
 }
 
 /// One run of a program issued onto the lanes, not yet waited for.
@@ -213,6 +184,24 @@ struct Issued<B: Backend> {
     t_start: Option<B::Event>,
     compute_span: Vec<[Option<B::Event>; 2]>,
     transfers: Vec<Vec<(B::Event, B::Event)>>,
+}
+
+impl<B: Backend> Issued<B> {
+    /// The run's timeline (once it has completed), if one was recorded.
+    fn timeline(&self, backend: &B, rank: usize) -> Result<Option<Timeline>> {
+        let Some(t0) = &self.t_start else { return Ok(None) };
+        let ms = |e: &B::Event| backend.elapsed_ms(t0, e);
+        let mut steps = Vec::with_capacity(self.compute_span.len());
+        for (t, (span, tr)) in self.compute_span.iter().zip(&self.transfers).enumerate() {
+            let compute = match span {
+                [Some(a), Some(b)] => Some((ms(a)?, ms(b)?)),
+                _ => None,
+            };
+            let tr = tr.iter().map(|(a, b)| Ok((ms(a)?, ms(b)?))).collect::<Result<Vec<_>>>()?;
+            steps.push(StepTimes::new(t, compute, tr));
+        }
+        Ok(Some(Timeline { rank, total_ms: ms(&self.end)?, steps }))
+    }
 }
 
 /// Issues every op of `prog` in the schedule's order; each block's completion event goes to

@@ -73,9 +73,6 @@ impl UniqueId {
 
 // The id is 128 plain bytes, so it is Send and Sync without an unsafe impl; this stops the
 // build if a binding ever changes that.
-/// How long a pending NCCL call is polled without sleeping before the poll backs off.
-const SETTLE_SPIN: Duration = Duration::from_millis(2);
-
 const _: () = {
     const fn send_sync<T: Send + Sync>() {}
     send_sync::<UniqueId>()
@@ -125,6 +122,9 @@ pub fn process_gone(pid: u32) -> bool {
         Ok(s) => s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])).unwrap_or(false),
     }
 }
+
+/// How long a pending NCCL call is polled without sleeping before the poll backs off.
+const SETTLE_SPIN: Duration = Duration::from_millis(2);
 
 impl Inner {
     fn failure(&self) -> Option<Error> {

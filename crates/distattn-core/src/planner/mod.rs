@@ -100,7 +100,7 @@ pub fn fastest(
     for &s in candidates {
         let plan = build(s, world, shape, mask, dtype, opts)?;
         let key = (plan.estimate(rates).ms, plan.summary().bytes_moved);
-        if best.as_ref().is_none_or(|(b, _)| key.0 < b.0 || (key.0 == b.0 && key.1 < b.1)) {
+        if best.as_ref().is_none_or(|(b, _)| key < *b) {
             best = Some((key, plan));
         }
     }
