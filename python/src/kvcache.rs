@@ -205,15 +205,7 @@ impl<'a> DecodeCall<'a> {
             page_table: self.page_table.0,
             seqlens: self.seqlens.0,
         };
-        let step = DecodeStep {
-            shape: self.shape,
-            layout: self.layout,
-            max_pages: self.max_pages,
-            seqlen_add: self.new_tokens,
-            opts: self.opts,
-            row_table: false,
-            o_f32: false,
-        };
+        let step = DecodeStep::paged(self.shape, self.layout, self.max_pages, self.new_tokens, self.opts);
         // SAFETY: every descriptor was checked against this call (shapes, dtypes, device,
         // contiguity; the workspace sized by decode_workspace and planned before the decode, for
         // these lengths and new tokens: the Python layer's contract for `planned`): each address

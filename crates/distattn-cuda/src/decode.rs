@@ -31,8 +31,9 @@ pub(crate) fn decode_reads_pay(runs: &[(usize, usize)], k_len: usize) -> bool {
 }
 
 /// Device addresses of a decode step's tensors: Q and O `[batch, q_rows, heads, d]` (bf16 or
-/// f16; O f32 with [`DecodeStep::o_f32`]), LSE `[batch, heads, q_rows]` f32, the K and V caches `[pages, page_size, kv_heads, d]`,
-/// the page table `[batch, max_pages]` and lengths `[batch]` (i32).
+/// f16; O f32 with [`DecodeStep::o_f32`]), LSE `[batch, heads, q_rows]` f32, the K and V
+/// caches `[pages, page_size, kv_heads, d]`, the page table `[batch, max_pages]` and lengths
+/// `[batch]` (i32).
 #[derive(Debug, Clone, Copy)]
 pub struct DecodePtrs {
     pub q: u64,
@@ -83,6 +84,19 @@ pub struct DecodeStep {
     pub o_f32: bool,
 }
 
+impl DecodeStep {
+    /// A step over a paged cache, O in the input dtype.
+    pub fn paged(
+        shape: DecodeShape,
+        layout: PagedLayout,
+        max_pages: usize,
+        seqlen_add: usize,
+        opts: DecodeOptions,
+    ) -> DecodeStep {
+        DecodeStep { shape, layout, max_pages, seqlen_add, opts, row_table: false, o_f32: false }
+    }
+}
+
 fn i32_of(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::invalid(what, format!("{v} does not fit the kernels' 32-bit indices")))
 }
@@ -101,11 +115,11 @@ impl CudaBackend {
         Ok(cfg)
     }
 
-    /// A block of one key run per row (`runs`, [`Block::row_runs`]) through the decode kernel, reading K and V in place:
-    /// each query row (of each batch entry) is a request of one row whose keys are its run (a
-    /// row table, no pages). The kernel writes the block's f32 O directly (rows in the block's
-    /// order); its LSE `[batch · q_len, heads]` is the block's `[batch, heads, q_len]` for one
-    /// query row, else laid out by a copy.
+    /// A block of one key run per row (`runs`, [`Block::row_runs`]) through the decode kernel,
+    /// reading K and V in place: each query row (of each batch entry) is a request of one row
+    /// whose keys are its run (a row table, no pages). The kernel writes the block's f32 O
+    /// directly (rows in the block's order); its LSE `[batch · q_len, heads]` is the block's
+    /// `[batch, heads, q_len]` for one query row, else laid out by a copy.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn block_decode<T: CudaElement>(
         &self,
@@ -163,15 +177,9 @@ impl CudaBackend {
             seqlens: table + 4 * rows as u64,
         };
         let key_rows = (sh.batch * sh.k_len).max(1);
-        let step = DecodeStep {
-            shape,
-            layout: PagedLayout::new(1, key_rows, sh.kv_heads, sh.head_dim)?,
-            max_pages: 1,
-            seqlen_add: 0,
-            opts: DecodeOptions { attn: *opts, causal: false },
-            row_table: true,
-            o_f32: true,
-        };
+        let layout = PagedLayout::new(1, key_rows, sh.kv_heads, sh.head_dim)?;
+        let opts = DecodeOptions { attn: *opts, causal: false };
+        let step = DecodeStep { row_table: true, o_f32: true, ..DecodeStep::paged(shape, layout, 1, 0, opts) };
         // SAFETY: Q, K, V, O (f32) and LSE are the block's buffers ([b, q_len or k_len, heads,
         // d] and [b, heads, q_len], checked by the interpreter), every run inside its batch
         // entry's keys (from the block's mask); the table and lengths were uploaded for the
@@ -457,15 +465,7 @@ impl<T: CudaElement> DecodeBuffers<T> {
         cache.check(shape)?;
         let st = gpu.stream();
         let up = driver_err("uploading decode inputs");
-        let step = DecodeStep {
-            shape: *shape,
-            layout: cache.layout,
-            max_pages: cache.max_pages(),
-            seqlen_add: 0,
-            opts: *opts,
-            row_table: false,
-            o_f32: false,
-        };
+        let step = DecodeStep::paged(*shape, cache.layout, cache.max_pages(), 0, *opts);
         let [q, k, v] = [q, cache.k, cache.v].map(|x| st.clone_htod(x).map_err(&up));
         Self::with_inputs(gpu, [q?, k?, v?], cache.page_table, cache.lengths, step)
     }
@@ -497,8 +497,7 @@ impl<T: CudaElement> DecodeBuffers<T> {
         };
         let inputs =
             [random(shape.q_elems(), seed)?, random(layout.elems(), seed ^ 1)?, random(layout.elems(), seed ^ 2)?];
-        let step =
-            DecodeStep { shape: *shape, layout, max_pages, seqlen_add: 0, opts: *opts, row_table: false, o_f32: false };
+        let step = DecodeStep::paged(*shape, layout, max_pages, 0, *opts);
         Self::with_inputs(gpu, inputs, &table, lengths, step)
     }
 

@@ -125,15 +125,7 @@ fn append_then_decode_in_one_step() {
         counters: addr(&counters, st),
     };
     let max_pages = case.page_table.len() / shape.batch;
-    let step = DecodeStep {
-        shape,
-        layout: case.layout,
-        max_pages,
-        seqlen_add: shape.q_rows,
-        opts,
-        row_table: false,
-        o_f32: false,
-    };
+    let step = DecodeStep::paged(shape, case.layout, max_pages, shape.q_rows, opts);
     for _ in 0..2 {
         // SAFETY: every buffer above was allocated on this stream with the sizes the step needs;
         // the page table covers every length after the append.

@@ -1,7 +1,8 @@
 //! A KV cache spread over ranks (DistAttention): a serving step planned with pass-q (queries
 //! travel, the cache stays) or a ring over the same placement (pass-KV), run on in-process
 //! CPU ranks through the one interpreter, equals decode over one whole cache and the f64
-//! reference — ragged batches, GQA, 1 and 4 new tokens, contiguous and interleaved placements.
+//! reference — ragged batches, GQA, 1 and 4 new tokens, contiguous, interleaved and zig-zag
+//! placements.
 
 use distattn::decode::{decode, DecodeOptions, DecodeShape, PagedCache, PagedLayout};
 use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
