@@ -270,7 +270,8 @@ class KVCacheGroup:
     already appended) against ``cached + new`` keys, causal. ``local_queries`` and
     ``local_keys`` say which rows this rank holds, in the order ``attention`` takes them;
     ``strategy`` is ``"pass-q"`` (queries travel, partial O and LSE come back), ``"ring"`` (the
-    cache travels) or ``"auto"`` (whichever the planner's time model estimates faster). Forward only (serving); exact.
+    cache travels) or ``"auto"`` (whichever the planner's time model estimates faster). Forward
+    only (serving); exact.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, placement: str = "pages:16", *, timeout: float = 300.0):
@@ -285,15 +286,13 @@ class KVCacheGroup:
 
     # ------------------------------------------------------------------ a cache that grows
 
-    def _dealing(self):
-        """Tokens per block, and whether blocks go up and back down the ranks (zig-zag)."""
+    def _check_growable(self):
+        """A growing cache's placement fixes where each position goes: its capacity is named."""
         kind, _, n = self.placement.partition(":")
         if not n.isdigit() or int(n) == 0 or kind not in ("pages", "contiguous", "zigzag"):
             raise ValueError(
                 f"a growing cache needs placement pages:N, contiguous:N or zigzag:N (capacity), got {self.placement!r}"
             )
-        parts = {"pages": 0, "contiguous": self.world, "zigzag": 2 * self.world}[kind]
-        return (int(n) if parts == 0 else -(-int(n) // parts)), kind == "zigzag"
 
     def add(self, rid, home: int) -> None:
         """Starts request ``rid`` homed on rank ``home`` (every rank calls it alike)."""
@@ -301,7 +300,7 @@ class KVCacheGroup:
             raise ValueError(f"request {rid!r} exists already")
         if not 0 <= home < self.world:
             raise ValueError(f"home rank {home} is not a rank of a group of {self.world}")
-        self._dealing()
+        self._check_growable()
         self._requests[rid] = [home, 0, None, None, 0]
 
     def drop(self, rid) -> None:
@@ -314,7 +313,7 @@ class KVCacheGroup:
         d]`` and their K/V ``[1, rows, h_kv, d]``. Their K/V go to the ranks the placement puts
         them on (appended in place), then the step's attention runs; returns O (and the LSE)
         of this rank's rows, like q."""
-        block, zigzag = self._dealing()
+        self._check_growable()
         plan = []  # (rid, home, cached, new)
         for rid, new in batch:
             home, length = self._requests[rid][:2]
@@ -326,12 +325,8 @@ class KVCacheGroup:
                 f"rank {self.rank} add {sum(n for _, _, n in mine)}"
             )
         def owners(home, cached, new):
-            # Each new position's rank: blocks of `block` tokens dealt from the home, round-robin
-            # or up and back down the ranks (distattn_core::kv_placement).
-            j = torch.arange(cached, cached + new) // block
-            turn = j % (2 * self.world)
-            turn = torch.where(turn < self.world, turn, 2 * self.world - 1 - turn) if zigzag else j % self.world
-            return (home + turn) % self.world
+            # Each new position's rank, as the placement deals it.
+            return torch.tensor(_native.kv_owners(self.placement, self.world, home, cached, new), dtype=torch.long)
 
         hkv, d = k_new.shape[2], k_new.shape[3]
         kv_new = torch.stack([k_new[0], v_new[0]], 1)  # [rows, 2, h_kv, d]: a row's K and V travel together

@@ -179,6 +179,14 @@ pub fn nccl_unique_id(py: Python<'_>) -> PyResult<Py<PyBytes>> {
     Ok(PyBytes::new(py, &id.to_bytes()).unbind())
 }
 
+/// The rank holding each of positions `start..start + count` of a request homed on `home`, its
+/// cache placed by `placement` (`pages:N`, `contiguous:N` or `zigzag:N`) over `world` ranks.
+#[pyfunction]
+pub fn kv_owners(placement: &str, world: usize, home: usize, start: usize, count: usize) -> PyResult<Vec<usize>> {
+    let p = KvPlacement::from_spec(placement, start + count, world).map_err(crate::to_py)?;
+    Ok((start..start + count).map(|pos| p.owner(home, pos)).collect())
+}
+
 /// The strategy named `name` (`hybrid:U` for a Ulysses degree), as distattn prints it; an
 /// unknown name is a `ValueError` listing the strategies.
 #[pyfunction]
@@ -245,10 +253,10 @@ impl CpRank {
     }
 
     /// Rank `rank` of one serving step over a KV cache spread over the group: `requests` as
-    /// `(home, cached, new)`, the cache placed by `placement` (`contiguous` or `pages:N`), the
-    /// queries at their home (`prefill` false) or beside their keys, run by `strategy`
-    /// (`pass-q`, `ring`, or `auto`: the one the planner's time model estimates faster). Returns the rank and the
-    /// strategy used.
+    /// `(home, cached, new)`, the cache placed by `placement` (`contiguous[:N]`, `zigzag[:N]`
+    /// or `pages:N`), the queries at their home (`prefill` false) or beside their keys, run by
+    /// `strategy` (`pass-q`, `ring`, or `auto`: the one the planner's time model estimates
+    /// faster). Returns the rank and the strategy used.
     #[staticmethod]
     #[pyo3(signature = (requests, placement, prefill, strategy, world, rank, heads, kv_heads, head_dim, softmax_scale, transport))]
     #[allow(clippy::too_many_arguments)] // the step, the group and the heads

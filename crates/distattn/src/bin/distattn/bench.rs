@@ -1,6 +1,7 @@
 //! `distattn bench`: forward and backward throughput on the backend present, with a
 //! correctness check against the f64 reference first.
 
+use crate::decode_bench::Spread;
 use crate::run::BackendArg;
 use crate::tensors;
 use anyhow::{bail, Result};
@@ -483,28 +484,28 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
     if args.placement.is_some() && !(args.decode || args.cached_prefill) {
         bail!("--placement places a serving cache: add --decode or --cached-prefill");
     }
-    let placement = args.placement.take().unwrap_or_else(|| "contiguous".into());
+    let spread = Spread::from_args(gpus, args.world, args.placement.take().unwrap_or_else(|| "contiguous".into()))?;
+    // The serving benches default to 32 query heads, GQA 4:1 where the heads allow.
+    let serving_heads = args.heads.unwrap_or(32);
+    let serving_kv_heads =
+        args.kv_heads.unwrap_or(if serving_heads.is_multiple_of(8) { serving_heads / 4 } else { serving_heads });
     if args.cached_prefill {
-        let (ranks, on_gpus) = match (gpus, args.world) {
-            (g, _) if g > 1 => (g, true),
-            (_, w) if w > 1 => (w, false),
-            _ => bail!("--cached-prefill spreads the cache: add --gpus N or --world N (N >= 2)"),
+        let Some(spread) = spread else {
+            bail!("--cached-prefill spreads the cache: add --gpus N or --world N (N >= 2)")
         };
-        distattn::kv_placement::KvPlacement::from_spec(&placement, 1, ranks)?;
         let gpu = match args.backend.execution(DType::BF16)? {
             Execution::Cuda(g) => Some(g),
             _ => None,
         };
-        let heads = args.heads.unwrap_or(32);
         return crate::cached_prefill::run(crate::cached_prefill::CachedPrefill {
             cached: if args.seqs.is_empty() { vec![131072] } else { args.seqs },
             new_tokens: args.new_tokens,
             batch: args.batch,
-            heads,
-            kv_heads: args.kv_heads.unwrap_or(if heads.is_multiple_of(8) { heads / 4 } else { heads }),
+            heads: serving_heads,
+            kv_heads: serving_kv_heads,
             head_dim: args.head_dims.first().copied().unwrap_or(128),
             gpu,
-            spread: crate::decode_bench::Spread { ranks, on_gpus, placement },
+            spread,
             repeats: args.repeats,
             json: args.json,
             seed: args.seed,
@@ -514,16 +515,6 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
         args.head_dims = vec![64, 128];
     }
     if args.decode {
-        let spread = match (gpus, args.world) {
-            (g, _) if g > 1 => Some((g, true)),
-            (_, w) if w > 1 => Some((w, false)),
-            _ => None,
-        }
-        .map(|(ranks, on_gpus)| crate::decode_bench::Spread { ranks, on_gpus, placement });
-        if let Some(s) = &spread {
-            // A bad placement spec fails before any work.
-            distattn::kv_placement::KvPlacement::from_spec(&s.placement, 1, s.ranks)?;
-        }
         let gpu = args.backend != BackendArg::Cpu && distattn_cuda::cuda_available();
         if args.seqs.is_empty() {
             args.seqs = if gpu { vec![32768, 131072] } else { vec![4096, 32768] };
@@ -531,13 +522,12 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
         if args.dtypes.is_empty() {
             args.dtypes = vec![DType::BF16];
         }
-        let heads = args.heads.unwrap_or(32);
         return crate::decode_bench::run(crate::decode_bench::DecodeBench {
             lengths: args.seqs,
             batch: args.batch,
             q_rows: args.q_rows,
-            heads,
-            kv_heads: args.kv_heads.unwrap_or(if heads.is_multiple_of(8) { heads / 4 } else { heads }),
+            heads: serving_heads,
+            kv_heads: serving_kv_heads,
             head_dims: args.head_dims,
             dtypes: args.dtypes,
             page_size: args.page_size,

@@ -50,6 +50,20 @@ pub struct Spread {
     pub placement: String,
 }
 
+impl Spread {
+    /// The ranks `--gpus G` (G > 1) or else `--world W` (W > 1) spread a cache over, placed by
+    /// `placement` (checked now, before any work); `None` for one device.
+    pub fn from_args(gpus: usize, world: usize, placement: String) -> Result<Option<Spread>> {
+        let (ranks, on_gpus) = match (gpus, world) {
+            (g, _) if g > 1 => (g, true),
+            (_, w) if w > 1 => (w, false),
+            _ => return Ok(None),
+        };
+        KvPlacement::from_spec(&placement, 1, ranks)?;
+        Ok(Some(Spread { ranks, on_gpus, placement }))
+    }
+}
+
 #[derive(Serialize)]
 struct Row {
     backend: String,
