@@ -31,7 +31,9 @@ pub const KERNEL_HEADERS: &[(&str, &str)] = &[
     ("sm90/primitives.cuh", include_str!("kernels/sm90/primitives.cuh")),
     ("sm90/forward.cu", include_str!("kernels/sm90/forward.cu")),
     ("sm90/forward_e4m3.cu", include_str!("kernels/sm90/forward_e4m3.cu")),
+    ("sm90/backward_loads.cuh", include_str!("kernels/sm90/backward_loads.cuh")),
     ("sm90/backward.cu", include_str!("kernels/sm90/backward.cu")),
+    ("sm90/backward_wide.cu", include_str!("kernels/sm90/backward_wide.cu")),
     ("decode.cu", include_str!("kernels/decode.cu")),
 ];
 
@@ -56,7 +58,7 @@ pub struct KernelConfig {
     /// Backward with every GEMM tiled over the 8 warps (`flash_bwd_dkdv2`; sm_90+, d 64/128).
     pub bwd_v2: bool,
     /// Backward on warpgroup MMAs, warp-specialized with TMA loads (`flash_bwd_ws`; sm_90a,
-    /// d 64/96/128).
+    /// every head dim: 128-key tiles up to d 128, 64-key tiles above).
     pub bwd_wg: bool,
     /// Forward on warpgroup MMAs, warp-specialized with TMA loads (`flash_fwd_ws`; sm_90a,
     /// every head dim): a producer warp and 2 consumer warpgroups x 64 rows, 128-key tiles
@@ -138,8 +140,8 @@ impl KernelConfig {
 
     /// The configuration for an NVRTC target: the v2 backward on sm_90 and newer (it needs
     /// 173 KB of shared memory at d 128), unless `DISTATTN_KCFG` says `bwd_v2=0`, and 8-warp
-    /// blocks above d 128; on sm_90a the warpgroup-MMA kernels (forward at every head dim,
-    /// backward at d 64, 96 and 128), unless it says `bwd_wg=0` / `fwd_wg=0`.
+    /// blocks above d 128; on sm_90a the warpgroup-MMA kernels (forward and backward at every
+    /// head dim), unless it says `bwd_wg=0` / `fwd_wg=0`.
     pub fn for_arch(mut self, arch: &str) -> Self {
         let major: u32 = arch
             .trim_start_matches("sm_")
@@ -179,9 +181,9 @@ impl KernelConfig {
         }
         let hopper = arch == "sm_90a";
         // (`bwd_v2=0` keeps the mma.sync v1 backward, as it does off Hopper.)
-        self.bwd_wg = hopper && matches!(self.head_dim, 64 | 96 | 128) && !off("bwd_v2") && !off("bwd_wg");
+        self.bwd_wg = hopper && !off("bwd_v2") && !off("bwd_wg");
         if self.bwd_wg {
-            // Its tile plan: 128 keys (8 warps' worth) x 64 query rows.
+            // Its tile plan: 128 keys (64 above d 128, bwd_bn) x 64 query rows; 8 consumer warps.
             self.bwd_bm = 64;
             self.bwd_warps = 8;
         }
@@ -228,13 +230,19 @@ impl KernelConfig {
     pub fn bwd_threads(&self) -> usize {
         32 * self.bwd_warps + if self.bwd_wg { 128 } else { 0 }
     }
+    /// Keys per tile of the dK/dV kernel: a warp's 16 (mma.sync), or the warp-specialized
+    /// kernel's 128 (64 above d 128, where its consumers split the columns instead).
     pub fn bwd_bn(&self) -> usize {
-        16 * self.bwd_warps
+        if self.bwd_wg && self.head_dim > 128 {
+            64
+        } else {
+            16 * self.bwd_warps
+        }
     }
     /// Blocks per key tile of the dK/dV kernel: above d 128, flash_bwd_dkdv splits dK and dV
     /// (which a warp holds in registers) into column halves, one block each.
     pub fn bwd_parts(&self) -> usize {
-        if self.head_dim > 128 {
+        if self.head_dim > 128 && !self.bwd_wg {
             2
         } else {
             1
@@ -265,6 +273,11 @@ impl KernelConfig {
     }
     /// Dynamic shared memory of the dK/dV kernel, bytes.
     pub fn bwd_smem(&self) -> usize {
+        if self.bwd_wg && self.head_dim > 128 {
+            // 64 rows of K, V and of Q, dO in 2 stages (256 columns); P and dS twice; LSE and
+            // delta in 2 stages; 1 KB to align the base; 5 mbarriers.
+            return (6 * 64 * 256 + 4 * 64 * 64) * 2 + 4 * 64 * 4 + 1024 + 128;
+        }
         if self.bwd_wg {
             // K, V; Q, dO in 2 stages (tiles of whole 64-column blocks); dS^T twice; dQ (f32) of
             // both consumers; LSE and delta in 2 stages; 1 KB to align the base; 9 mbarriers.

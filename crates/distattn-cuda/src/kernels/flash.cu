@@ -15,6 +15,7 @@
 #include "sm80/forward.cu"
 #include "sm80/backward.cu"
 #include "sm90/backward.cu"
+#include "sm90/backward_wide.cu"
 #include "sm90/forward.cu"
 #include "sm90/forward_e4m3.cu"
 #include "decode.cu"

@@ -1,4 +1,4 @@
-#include "sm90/primitives.cuh"
+#include "sm90/backward_loads.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && BWD_WG && (D == 128 || D == 96 || D == 64)
 // ---------------------------------------------------------------- backward (sm_90a)
@@ -21,7 +21,7 @@
 // dS^T under dV, the dQ staging under dK). dS^T is double-buffered, so one barrier per item
 // (dS^T of both consumers stored) orders its reuse.
 #define WG_BN 128
-#define WG_BM 64
+#define WG_BM BWD_ITEM_ROWS
 #define BS_STAGES 2
 // Adds a swizzled f32 tile of R rows x 32 columns (128-byte rows) at src into rows r0.. and
 // columns c0.. of (head h, batch b) of an f32 tensor; rows past its end are dropped.
@@ -59,7 +59,6 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const int k0 = kt * WG_BN;
     const int e0 = p.tile_ptr[kt], ne = p.tile_ptr[kt + 1] - e0;
     const int total = G * ne;
-    constexpr u32 ITEM_BYTES = 2 * WG_BM * DK * 2;
 
     if (tid == 0) {
         mbar_init(full_kv, 1);
@@ -79,39 +78,10 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     constexpr int PROD_REGS = DK == 128 ? 24 : 40, CONS_REGS = DK == 128 ? 240 : 232;
     if (wg == 0) {
         reg_dealloc<PROD_REGS>();
-        if (wi == 0 && total > 0) { // loads
-            if (lane == 0) {
-                mbar_expect_tx(full_kv, 2 * WG_BN * DK * 2);
-                tma_load_rows<WG_BN>(Ks, &tk, full_kv, k0, kvh, b);
-                tma_load_rows<WG_BN>(Vs, &tv, full_kv, k0, kvh, b);
-            }
-            // (24 registers: the item's head and tile entry are stepped, not divided out.)
-            int h = kvh * G, ei = 0;
-#pragma unroll 1
-            for (int it = 0; it < total; ++it) {
-                const int st = it % BS_STAGES, ph = (it / BS_STAGES) & 1;
-                const int qt = p.tiles[e0 + ei].x;
-                if (it >= BS_STAGES) mbar_wait(freed + 8 * st, ph ^ 1);
-                // LSE (in log2 units) and minus delta of the item's rows; rows past the end, and rows
-                // that see no key (LSE -inf), get +inf: P = 2^(s - inf) = 0.
-#pragma unroll
-                for (int r = lane; r < WG_BM; r += 32) {
-                    const int row = qt * WG_BM + r;
-                    const size_t off = ((size_t)b * p.heads + h) * p.q_len + row;
-                    const bool ok = row < p.q_len;
-                    const float lv = ok ? p.lse[off] : NEG_INF;
-                    lse_s[st * WG_BM + r] = lv == NEG_INF ? POS_INF : lv * LOG2E;
-                    del_s[st * WG_BM + r] = ok ? -p.delta[off] : 0.f;
-                }
-                __syncwarp();
-                if (lane == 0) { // the arrival releases the rows stored above with the copies' bytes
-                    mbar_expect_tx(full + 8 * st, ITEM_BYTES);
-                    tma_load_rows<WG_BM>(Qs + st * WG_BM * DK * 2, &tq, full + 8 * st, qt * WG_BM, h, b);
-                    tma_load_rows<WG_BM>(dOs + st * WG_BM * DK * 2, &tdo, full + 8 * st, qt * WG_BM, h, b);
-                }
-                if (++ei == ne) { ei = 0; ++h; }
-            }
-        } else if (wi == 1 && lane == 0 && total > 0) { // dQ reductions: 2 boxes per consumer
+        if (wi == 0 && total > 0)
+            bwd_load<WG_BN, BS_STAGES>(p, &tq, &tdo, &tk, &tv, Ks, Vs, Qs, dOs, WG_BM * DK * 2, lse_s, del_s, full_kv,
+                                       full, freed, k0, kvh, b, e0, ne, total, lane);
+        else if (wi == 1 && lane == 0 && total > 0) { // dQ reductions: 2 boxes per consumer
             int h = kvh * G, ei = 0;
 #pragma unroll 1
             for (int it = 0; it < total; ++it) {
