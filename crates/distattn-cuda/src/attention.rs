@@ -14,7 +14,9 @@ use crate::compile::{backend_err, KernelConfig};
 use crate::device::{CudaBackend, DeviceTiles};
 use crate::params::{BwdParams, FwdParams};
 use crate::{driver_err, tma, CudaElement};
-use cudarc::driver::{sys, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    sys, CudaFunction, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, Result};
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -269,6 +271,62 @@ impl CudaBackend {
         // until the launch (an evicted plan is freed after every stream's work). The maps
         // describe q, d_o, k, v and dq_acc as those buffers.
         unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the dK/dV kernel"))?;
+        if cfg.dq_kernel().is_some() {
+            let dq = kern.dq.as_ref().ok_or_else(|| Error::Internal("the dQ kernel was not loaded".into()))?;
+            // SAFETY: as above, for the same params with the by-query plan the dQ kernel reads.
+            unsafe { self.launch_dq(s, dq, cfg, bp, dtype, shape, mask) }?;
+        }
+        Ok(())
+    }
+
+    /// Launches the backward's separate dQ kernel (`KernelConfig::dq_kernel`), which adds
+    /// scale·dS·K into `bp.dq_acc` by query tile.
+    ///
+    /// # Safety
+    /// `bp` is the dK/dV launch's parameters, whose addresses [`CudaBackend::launch_dkdv`]'s
+    /// contract covers; `dq` is the module's dQ kernel of `cfg`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_dq(
+        &self,
+        s: &CudaStream,
+        dq: &CudaFunction,
+        cfg: KernelConfig,
+        mut bp: BwdParams,
+        dtype: DType,
+        shape: &AttnShape,
+        mask: &Mask,
+    ) -> Result<()> {
+        let (bm, bn) = cfg.dq_tile();
+        let tiles = self.tiles(mask, bm, bn, false)?;
+        let subs = shape.heads / shape.kv_heads;
+        bp.tile_ptr = tiles.ptr.device_ptr(s).0;
+        bp.tiles = tiles.tiles.device_ptr(s).0;
+        bp.bits = tiles.bits.device_ptr(s).0;
+        bp.n_tiles = tiles.n_major as i32;
+        bp.group = launch_group(&tiles, subs, shape, self.sm_count());
+        let blocks = tiles.n_major * shape.heads * shape.batch;
+        let launch_cfg = LaunchConfig {
+            grid_dim: (grid_x(blocks)?, 1, 1),
+            block_dim: (cfg.bwd_threads() as u32, 1, 1),
+            shared_mem_bytes: cfg.dq_smem() as u32,
+        };
+        let (q_rows, kv_rows) = (tma::RowsTensor::of_queries(shape), tma::RowsTensor::of_keys(shape));
+        let maps = [
+            tma::TensorMap::rows(bp.q, q_rows, dtype, bm as u32)?,
+            tma::TensorMap::rows(bp.dout, q_rows, dtype, bm as u32)?,
+            tma::TensorMap::rows(bp.k, kv_rows, dtype, bn as u32)?,
+            tma::TensorMap::rows(bp.v, kv_rows, dtype, bn as u32)?,
+        ];
+        let mut launch = s.launch_builder(dq);
+        launch.arg(&bp);
+        for m in &maps {
+            launch.arg(m);
+        }
+        // SAFETY: the kernel takes BwdParams and four tensor maps by value (params.cuh); the
+        // addresses are the dK/dV launch's (this function's contract), the by-query plan was
+        // built for this mask and these tile sizes and `tiles` keeps it alive until the launch,
+        // and the maps describe q, d_o, k and v with the kernel's box rows.
+        unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the dQ kernel"))?;
         Ok(())
     }
 

@@ -58,7 +58,8 @@ pub struct KernelConfig {
     /// Backward with every GEMM tiled over the 8 warps (`flash_bwd_dkdv2`; sm_90+, d 64/128).
     pub bwd_v2: bool,
     /// Backward on warpgroup MMAs, warp-specialized with TMA loads (`flash_bwd_ws`; sm_90a,
-    /// every head dim: 128-key tiles up to d 128, 64-key tiles above).
+    /// every head dim: 128-key tiles up to d 128; above, 64-key tiles and dQ from a second
+    /// kernel, `dq_kernel`).
     pub bwd_wg: bool,
     /// Forward on warpgroup MMAs, warp-specialized with TMA loads (`flash_fwd_ws`; sm_90a,
     /// every head dim): a producer warp and 2 consumer warpgroups x 64 rows, 128-key tiles
@@ -215,6 +216,26 @@ impl KernelConfig {
         } else {
             "flash_bwd_dkdv"
         }
+    }
+
+    /// The dQ kernel of the backward where the dK/dV kernel leaves dQ to a second one: the
+    /// warpgroup backward above d 128 (`flash_bwd_dq_ws`, by query tile).
+    pub fn dq_kernel(&self) -> Option<&'static str> {
+        (self.bwd_wg && self.head_dim > 128).then_some("flash_bwd_dq_ws")
+    }
+    /// Whether the backward's kernels fit a GPU's shared memory (bytes a block may have).
+    pub fn bwd_fits(&self, max_smem: usize) -> bool {
+        self.bwd_smem() <= max_smem && self.dq_kernel().is_none_or(|_| self.dq_smem() <= max_smem)
+    }
+    /// Query rows x keys of the dQ kernel's tiles.
+    pub fn dq_tile(&self) -> (usize, usize) {
+        (128, 32)
+    }
+    /// Dynamic shared memory of the dQ kernel, bytes: Q and dO of the query tile, K and V in 3
+    /// stages (256 columns); the tile's LSE and delta; 1 KB to align the base; 7 mbarriers.
+    pub fn dq_smem(&self) -> usize {
+        let (bm, bn) = self.dq_tile();
+        (2 * bm + 3 * 2 * bn) * 256 * 2 + 2 * bm * 4 + 1024 + 128
     }
 
     /// Threads per block of the forward kernel (the warp-specialized one adds a producer
@@ -729,6 +750,8 @@ mod tests {
             let h = c.for_arch("sm_90a");
             assert!(h.fwd_smem() <= 227 * 1024, "{h:?} fwd smem {}", h.fwd_smem());
             assert!(h.bwd_smem() <= 227 * 1024, "{h:?} bwd smem {}", h.bwd_smem());
+            assert!(h.dq_smem() <= 227 * 1024, "{h:?} dq smem {}", h.dq_smem());
+            assert_eq!(h.dq_kernel().is_some(), c.head_dim > 128);
             assert_eq!(c.fwd_bn % 32, 0);
         }
         assert!(matches!(KernelConfig::new(DType::BF16, 80), Err(Error::UnsupportedHeadDim { .. })));

@@ -2,38 +2,84 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && BWD_WG && (D == 192 || D == 256)
 // ---------------------------------------------------------------- backward, d 192 and 256 (sm_90a)
-// The job of flash_bwd_ws (backward.cu) where dK and dV of a warpgroup's 64 keys over every
-// column would take 256 registers a thread: one block per 64-key tile, a loop over the 64-row
-// query items of every query head of the KV head, and the two consumer warpgroups split the
-// work by key for the scores and by column for the gradients. Consumer c:
+// Above d 128 the d <= 128 kernel's plan does not fit: a warpgroup's dK and dV over every column
+// would take 256 registers a thread, and a staged f32 dQ tile the shared memory that two stages
+// of Q and dO leave. So two kernels, each accumulating in registers what it writes:
+//
+// flash_bwd_ws (dK, dV): one block per 64-key tile and a loop over the 64-row query items of
+// every query head of the KV head (the d <= 128 kernel's tile plan and loads); the two consumer
+// warpgroups split the scores by key and the gradients by column. Consumer c:
 //   S_c = Q K_c^T, dP_c = dO V_c^T     (keys 32c..32c+31: 64 x 32, shared x shared)
 //   P_c, dS_c = P_c (dP_c - delta)     (registers -> shared memory, [query][key] tiles)
 //   dV_c += P^T dO_c, dK_c += dS^T Q_c (columns 128c..128c+127, all 64 keys: A = P^T, dS^T
 //                                       read transposed from shared memory)
-//   dQ_c = dS K_c                      (the same columns, in two 64-column halves added into
-//                                       dq_acc with vector reductions from registers: a
-//                                       staged 64 x 256 f32 tile would not fit the shared
-//                                       memory beside two stages of Q and dO)
+// P and dS are double-buffered, so one barrier per product (P of both consumers stored, dS of
+// both stored) orders their use and reuse.
+//
+// flash_bwd_dq_ws (dQ): one block per 128-row query tile of one query head, a loop over its
+// 32-key tiles like the forward's; consumer c owns rows 64c..64c+63:
+//   S = Q K^T, dP = dO V^T (64 x 32), dS = P (dP - delta), dQ += dS K (dS as the register A
+//   operand), then dq_acc += scale dQ.
+// Recomputing S and dP (7 products per 64 x 64 x d block instead of 5) costs less than adding
+// dQ into dq_acc from the dK/dV kernel: with 64-key tiles that is 64 KB of f32 reductions per
+// item, which bound that kernel (the L2 at 84% of its throughput; on an H100 at 16k, 18.2 ms
+// against 15.2 for these two, 8 heads of d 256).
+//
 // At d 192 the tiles keep 256 columns: the fourth block of Q, K, V and dO is never loaded, the
-// scores read only the first three, and the gradients' columns past 192 are neither added
-// nor stored. Warpgroup 0 loads (warp 0: K and V once; per item Q and dO with TMA and the LSE
-// and delta rows, into WB_STAGES stages). The second dQ half of an item is added while the
-// next item's scores run on the tensor cores; P and dS are double-buffered, so one barrier per
-// product (P of both consumers stored, dS of both stored) orders their use and reuse.
+// scores read only the first three, and the gradients' columns past 192 are not stored.
 #define WB_BN 64
 #define WB_BM BWD_ITEM_ROWS
 #define WB_STAGES 2
-#define WB_COLS 256 // tile columns: four 64-column swizzled blocks of WB_BM (= WB_BN) rows
-#define WB_BLOCK (64 * 128) // bytes of one column block of a tile
+#define WB_BLOCK (64 * 128) // bytes of one 64-row column block
+#define WQ_BM 128
+#define WQ_BN 32
+#define WQ_STAGES 3
 
-// acc += A B^T over the first DK columns (K-major [64 rows][WB_COLS] tiles; B: the 32 rows from
-// b_row0).
-__device__ __forceinline__ void wb_scores(float (&acc)[16], u32 a, u32 b, int b_row0) {
-    const u64 da0 = wg_desc(a, 16, 1024), db0 = wg_desc(b + b_row0 * 128, 16, 1024);
+// The mbarriers of both kernels: `once` for the tiles loaded once (one arrival with their bytes),
+// then STAGES `full` (the same) and `freed` (one arrival per consumer warp) ones, 8 bytes each.
+template <int STAGES>
+__device__ __forceinline__ void wb_init_barriers(u32 once, u32 full, u32 freed) {
+    if (threadIdx.x == 0) {
+        mbar_init(once, 1);
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(full + 8 * i, 1);
+            mbar_init(freed + 8 * i, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// acc (64 x 32) = A B^T over the first DK columns: A the 64 rows at a of a K-major tile of
+// A_ROWS rows, B the 32 rows at b of one of B_ROWS rows (tiles of four 64-column blocks).
+template <int A_ROWS, int B_ROWS>
+__device__ __forceinline__ void wb_scores(float (&acc)[16], u32 a, u32 b) {
+    const u64 da0 = wg_desc(a, 16, 1024), db0 = wg_desc(b, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < DK / 16; ++kk) {
-        const u32 off = (kk >> 2) * WB_BLOCK + (kk & 3) * 32;
-        wgmma_ss_n32<0, 0>(acc, wg_desc_add(da0, off), wg_desc_add(db0, off));
+        const u32 in_block = (kk & 3) * 32;
+        const u64 da = wg_desc_add(da0, (kk >> 2) * A_ROWS * 128 + in_block);
+        const u64 db = wg_desc_add(db0, (kk >> 2) * B_ROWS * 128 + in_block);
+        if (kk == 0) wgmma_ss_n32<0, 0, 0>(acc, da, db);
+        else wgmma_ss_n32<1, 0, 0>(acc, da, db);
+    }
+}
+
+// Word i of a partial tile's bitmask at bits + moff, all ones for a full tile (moff < 0).
+__device__ __forceinline__ u32 wb_mask_word(const u32* bits, int moff, int i) { return moff >= 0 ? bits[moff + i] : ~0u; }
+
+// P = 2^(S scale_log2 - LSE) of a thread's 64 x 32 scores (rows' LSE l0, l1), +0 where the mask
+// drops the pair (a dropped NaN score too), into p. Mask words w0, w1 of the rows: bit 8j + 2t
+// (+1) is accumulator block j's key; tbit = 1 << 2t, shifted here by constants only. (Written
+// otherwise — shifts by 2t in the loop, selects or branches on the bits — ptxas serializes
+// the warpgroup products around it, C7515.)
+__device__ __forceinline__ void wb_probs(float (&p)[16], const float (&s)[16], float l0, float l1, u32 w0, u32 w1,
+                                         u32 tbit, float sl2) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const u32 bit = tbit << (8 * (j >> 2) + (j & 1));
+        const u32 k = ((j & 2 ? w1 : w0) & bit) ? ~0u : 0u;
+        p[j] = __uint_as_float(__float_as_uint(fast_exp2(fmaf(s[j], sl2, j & 2 ? -l1 : -l0))) & k);
     }
 }
 
@@ -46,45 +92,20 @@ __device__ __forceinline__ void wb_grad(float (&acc)[64], u32 x, u32 y, int c) {
         wgmma_ss_n128<1, 1>(acc, wg_desc_add(dx, kq * 16 * 128), wg_desc_add(dy, kq * 16 * 128), 1);
 }
 
-// acc (64 x 64) = dS K[:, 64 cb..]: dS a [query][key] tile (K-major), K's column block cb (N-major).
-__device__ __forceinline__ void wb_dq(float (&acc)[32], u32 ds, u32 ks, int cb) {
-    const u64 da = wg_desc(ds, 16, 1024), db = wg_desc(ks + cb * WB_BLOCK, WB_BLOCK, 1024);
-#pragma unroll
-    for (int kk = 0; kk < WB_BN / 16; ++kk)
-        wgmma_ss64<0, 1>(acc, wg_desc_add(da, kk * 32), wg_desc_add(db, kk * 16 * 128), kk);
-}
-
-// Adds scale x a thread's dQ half (rows r0, r0 + 8 of query tile qt; columns c0 + 8i + 2t, +1)
-// into dq_acc; rows past the end are dropped.
-__device__ __forceinline__ void wb_add_dq(const BwdParams& p, const float (&dq)[32], int b, int h, int qt, int r0,
-                                          int c0, int t) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = qt * WB_BM + r0 + 8 * r;
-        if (row >= p.q_len) continue;
-        float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + c0 + 2 * t;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst + 8 * i), "f"(dq[4 * i + 2 * r] * p.scale),
-                         "f"(dq[4 * i + 2 * r + 1] * p.scale)
-                         : "memory");
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(384, 1)
 flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo,
              const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,
              const __grid_constant__ TmaMap tdq) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    constexpr u32 TILE = 4 * WB_BLOCK; // [64][WB_COLS] bf16/f16
+    constexpr u32 TILE = 4 * WB_BLOCK; // [64][256] bf16/f16
     const u32 raw = smem_u32(smem_raw);
     const u32 Ks = (raw + 1023) & ~1023u;
     const u32 Vs = Ks + TILE;
-    const u32 Qs = Vs + TILE;                     // WB_STAGES tiles
-    const u32 dOs = Qs + WB_STAGES * TILE;        // WB_STAGES tiles
-    const u32 Ps = dOs + WB_STAGES * TILE;        // 2 x [WB_BM][WB_BN]
-    const u32 dSs = Ps + 2 * WB_BLOCK;            // 2 x [WB_BM][WB_BN]
-    const u32 lse_a = dSs + 2 * WB_BLOCK;         // WB_STAGES x [WB_BM] f32
+    const u32 Qs = Vs + TILE;              // WB_STAGES tiles
+    const u32 dOs = Qs + WB_STAGES * TILE; // WB_STAGES tiles
+    const u32 Ps = dOs + WB_STAGES * TILE; // 2 x [WB_BM][WB_BN]
+    const u32 dSs = Ps + 2 * WB_BLOCK;     // 2 x [WB_BM][WB_BN]
+    const u32 lse_a = dSs + 2 * WB_BLOCK;  // WB_STAGES x [WB_BM] f32
     const u32 del_a = lse_a + WB_STAGES * WB_BM * 4;
     const u32 bars = del_a + WB_STAGES * WB_BM * 4;
     const u32 full_kv = bars, full = bars + 8, freed = full + 8 * WB_STAGES;
@@ -100,15 +121,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const int e0 = p.tile_ptr[kt], ne = p.tile_ptr[kt + 1] - e0;
     const int total = G * ne;
 
-    if (tid == 0) {
-        mbar_init(full_kv, 1);
-        for (int i = 0; i < WB_STAGES; ++i) {
-            mbar_init(full + 8 * i, 1);
-            mbar_init(freed + 8 * i, 8); // one arrival per consumer warp
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    wb_init_barriers<WB_STAGES>(full_kv, full, freed);
 
     if (wg == 0) {
         reg_dealloc<24>();
@@ -121,75 +134,44 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const int cw = wg - 1;
     const int g = lane >> 2, t = lane & 3;
     const int r0 = 16 * wi + g; // this thread's query rows in an item: r0, r0 + 8
-    // dQ's second half exists where its columns start before D (at d 192 only consumer 0's).
-    const bool dq_hi = 128 * cw + 64 < D;
+    const u32 tbit = 1u << (2 * t);
 
-    float dk[64], dv[64], dq[32];
+    float dk[64], dv[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
     if (total > 0) mbar_wait(full_kv, 0);
-    int prev_qt = 0, prev_h = 0; // the item whose second dQ half is in flight
     for (int it = 0; it < total; ++it) {
         const int st = it % WB_STAGES, ph = (it / WB_STAGES) & 1;
         const int2 te = p.tiles[e0 + it % ne]; // (query tile, bitmask offset or -1)
-        const int qt = te.x, moff = te.y;
-        const int h = kvh * G + it / ne;
         const u32 qst = Qs + st * TILE, dost = dOs + st * TILE;
         const u32 pb = Ps + (it & 1) * WB_BLOCK, dsb = dSs + (it & 1) * WB_BLOCK;
         const float* lse_st = lse_s + st * WB_BM;
         const float* ndel_st = del_s + st * WB_BM;
         mbar_wait(full + 8 * st, ph);
 
+        const u32 w0 = wb_mask_word(p.bits, te.y, r0 * (WB_BN / 32) + cw);
+        const u32 w1 = wb_mask_word(p.bits, te.y, (r0 + 8) * (WB_BN / 32) + cw);
         float s[16], dp[16];
-        const float nd0 = ndel_st[r0], nd1 = ndel_st[r0 + 8];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            s[4 * j] = s[4 * j + 1] = s[4 * j + 2] = s[4 * j + 3] = 0.f;
-            dp[4 * j] = dp[4 * j + 1] = nd0; // dP starts from -delta, so it ends as dP - delta
-            dp[4 * j + 2] = dp[4 * j + 3] = nd1;
-        }
         wg_fence();
-        wb_scores(s, qst, Ks, 32 * cw);
+        wb_scores<WB_BM, WB_BN>(s, qst, Ks + 32 * cw * 128);
         wg_commit();
-        wb_scores(dp, dost, Vs, 32 * cw);
+        wb_scores<WB_BM, WB_BN>(dp, dost, Vs + 32 * cw * 128);
         wg_commit();
         const float l0 = lse_st[r0], l1 = lse_st[r0 + 8];
-        if (it > 0) {
-            wg_wait<2>(); // the previous item's dK and second dQ half
-            wg_pin(dq);
-            if (dq_hi) wb_add_dq(p, dq, b, prev_h, prev_qt, r0, 128 * cw + 64, t);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(freed + 8 * ((it - 1) % WB_STAGES)); // its Q and dO are read
-        }
+        wg_wait<2>(); // the previous item's dV and dK
+        __syncwarp();
+        if (it > 0 && lane == 0) mbar_arrive(freed + 8 * ((it - 1) % WB_STAGES)); // its Q and dO are read
         wg_wait<1>(); // S (dP may run)
         wg_pin(s);
-        // Accumulator block j holds keys 32c + 8j + 2t, +1 of rows r0 (values 0, 1) and r0 + 8 (2, 3).
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            s[4 * j] = fast_exp2(fmaf(s[4 * j], p.scale_log2, -l0));
-            s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], p.scale_log2, -l0));
-            s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], p.scale_log2, -l1));
-            s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], p.scale_log2, -l1));
-        }
-        if (moff >= 0) { // a partial tile: zero P where the mask drops the pair
-            constexpr int W = WB_BN / 32;
-            const u32 w0 = p.bits[moff + r0 * W + cw], w1 = p.bits[moff + (r0 + 8) * W + cw];
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int c2 = 0; c2 < 2; ++c2) {
-                    const int bit = 8 * j + 2 * t + c2;
-                    if (!((w0 >> bit) & 1)) s[4 * j + c2] = 0.f;
-                    if (!((w1 >> bit) & 1)) s[4 * j + 2 + c2] = 0.f;
-                }
-        }
+        float pr[16];
+        wb_probs(pr, s, l0, l1, w0, w1, tbit, p.scale_log2);
         // P -> [query][key] tile: key chunk 4c + j of rows r0, r0 + 8 (both swizzled by g).
         const u32 row_off = r0 * 128 + 4 * t;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const u32 a = pb + row_off + (((4 * cw + j) ^ g) << 4);
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(pack2(s[4 * j], s[4 * j + 1])));
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(pack2(s[4 * j + 2], s[4 * j + 3])));
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(pack2(pr[4 * j], pr[4 * j + 1])));
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(pack2(pr[4 * j + 2], pr[4 * j + 3])));
         }
         fence_async_smem();
         named_sync(1, 256); // P of both consumers is stored
@@ -198,36 +180,23 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         wg_commit();
         wg_wait<1>(); // dP (dV may run)
         wg_pin(dp);
+        const float nd0 = ndel_st[r0], nd1 = ndel_st[r0 + 8];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const u32 a = dsb + row_off + (((4 * cw + j) ^ g) << 4);
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(pack2(s[4 * j] * dp[4 * j], s[4 * j + 1] * dp[4 * j + 1])));
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(pack2(pr[4 * j] * (dp[4 * j] + nd0), pr[4 * j + 1] * (dp[4 * j + 1] + nd0))));
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128),
-                         "r"(pack2(s[4 * j + 2] * dp[4 * j + 2], s[4 * j + 3] * dp[4 * j + 3])));
+                         "r"(pack2(pr[4 * j + 2] * (dp[4 * j + 2] + nd1), pr[4 * j + 3] * (dp[4 * j + 3] + nd1))));
         }
         fence_async_smem();
         named_sync(2, 256); // dS of both consumers is stored
         wg_fence();
-        wb_dq(dq, dsb, Ks, 2 * cw); // first dQ half, then dK under its reductions
-        wg_commit();
         wb_grad(dk, dsb, qst, cw); // dK += dS^T Q
         wg_commit();
-        wg_wait<1>(); // dV and the first dQ half (dK may run)
-        wg_pin(dq);
-        wb_add_dq(p, dq, b, h, qt, r0, 128 * cw, t);
-        if (dq_hi) {
-            wg_fence();
-            wb_dq(dq, dsb, Ks, 2 * cw + 1);
-        }
-        wg_commit(); // (an empty group where there is no second half: the waits count groups)
-        prev_qt = qt;
-        prev_h = h;
     }
     wg_wait<0>();
-    wg_pin(dq);
     wg_pin(dk);
     wg_pin(dv);
-    if (total > 0 && dq_hi) wb_add_dq(p, dq, b, prev_h, prev_qt, r0, 128 * cw + 64, t);
     // dK, dV: rows (keys) 16wi + g, +8; columns 128c + 8i + 2t, +1.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -239,6 +208,125 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
             if (128 * cw + 8 * i >= D) break;
             *(u32*)(p.dk + off + i * 8) = pack2(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
             *(u32*)(p.dv + off + i * 8) = pack2(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+        }
+    }
+}
+
+// The tile plan is by query (WQ_BM x WQ_BN tiles, bitmask rows of one word), n_tiles its query
+// tiles; the maps' boxes are WQ_BM rows (Q, dO) and WQ_BN rows (K, V).
+extern "C" __global__ void __launch_bounds__(384, 1)
+flash_bwd_dq_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo,
+                const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    constexpr u32 ROWS_TILE = 4 * WQ_BM * 128, KV_TILE = 4 * WQ_BN * 128; // [rows][256] bf16/f16
+    const u32 raw = smem_u32(smem_raw);
+    const u32 Qs = (raw + 1023) & ~1023u;
+    const u32 dOs = Qs + ROWS_TILE;
+    const u32 Ks = dOs + ROWS_TILE;             // WQ_STAGES tiles
+    const u32 Vs = Ks + WQ_STAGES * KV_TILE;    // WQ_STAGES tiles
+    const u32 lse_a = Vs + WQ_STAGES * KV_TILE; // [WQ_BM] f32
+    const u32 del_a = lse_a + WQ_BM * 4;
+    const u32 bars = del_a + WQ_BM * 4;
+    const u32 full_q = bars, full = bars + 8, freed = full + 8 * WQ_STAGES;
+    float* lse_s = (float*)(smem_raw + (lse_a - raw));
+    float* del_s = (float*)(smem_raw + (del_a - raw));
+
+    // Query tile from the last (the heaviest under a causal mask); the G query heads of a KV
+    // head side by side.
+    const int G = p.heads / p.kv_heads;
+    const GridSlot slot = grid_slot(p.n_tiles, G, p.batch * p.kv_heads, p.group);
+    const int qt = p.n_tiles - 1 - slot.rank, kvh = slot.pair % p.kv_heads, b = slot.pair / p.kv_heads;
+    const int h = kvh * G + slot.sub, q0 = qt * WQ_BM;
+    const int e0 = p.tile_ptr[qt], n = p.tile_ptr[qt + 1] - e0;
+    if (n == 0) return; // no key reaches the tile: nothing to add
+    const int tid = threadIdx.x, wg = warpgroup_index(), wi = (tid >> 5) & 3, lane = tid & 31;
+
+    wb_init_barriers<WQ_STAGES>(full_q, full, freed);
+
+    if (wg == 0) {
+        reg_dealloc<24>();
+        if (wi == 0) {
+            // LSE (log2 units; +inf past the end and where no key is seen: P = 0) and minus delta.
+            for (int r = lane; r < WQ_BM; r += 32) {
+                const int row = q0 + r;
+                const size_t off = ((size_t)b * p.heads + h) * p.q_len + row;
+                const bool ok = row < p.q_len;
+                const float lv = ok ? p.lse[off] : NEG_INF;
+                lse_s[r] = lv == NEG_INF ? POS_INF : lv * LOG2E;
+                del_s[r] = ok ? -p.delta[off] : 0.f;
+            }
+            __syncwarp();
+            if (lane == 0) { // the arrival releases the rows stored above with the copies' bytes
+                mbar_expect_tx(full_q, 2 * WQ_BM * DK * 2);
+                tma_load_rows<WQ_BM>(Qs, &tq, full_q, q0, h, b);
+                tma_load_rows<WQ_BM>(dOs, &tdo, full_q, q0, h, b);
+#pragma unroll 1
+                for (int i = 0; i < n; ++i) {
+                    const int st = i % WQ_STAGES, ph = (i / WQ_STAGES) & 1;
+                    const int kt = p.tiles[e0 + i].x;
+                    if (i >= WQ_STAGES) mbar_wait(freed + 8 * st, ph ^ 1);
+                    mbar_expect_tx(full + 8 * st, 2 * WQ_BN * DK * 2);
+                    tma_load_rows<WQ_BN>(Ks + st * KV_TILE, &tk, full + 8 * st, kt * WQ_BN, kvh, b);
+                    tma_load_rows<WQ_BN>(Vs + st * KV_TILE, &tv, full + 8 * st, kt * WQ_BN, kvh, b);
+                }
+            }
+        }
+        return;
+    }
+    reg_alloc<240>();
+    const int cw = wg - 1;
+    const int g = lane >> 2, t = lane & 3;
+    const int rq = 64 * cw + 16 * wi + g; // this thread's rows in the tile: rq, rq + 8
+    const u32 tbit = 1u << (2 * t);
+
+    float dq[DK / 2];
+#pragma unroll
+    for (int i = 0; i < DK / 2; ++i) dq[i] = 0.f;
+    mbar_wait(full_q, 0);
+    const float l0 = lse_s[rq], l1 = lse_s[rq + 8], nd0 = del_s[rq], nd1 = del_s[rq + 8];
+    const u32 qa = Qs + 64 * cw * 128, doa = dOs + 64 * cw * 128;
+    for (int i = 0; i < n; ++i) {
+        const int st = i % WQ_STAGES, ph = (i / WQ_STAGES) & 1;
+        const int moff = p.tiles[e0 + i].y;
+        const u32 kst = Ks + st * KV_TILE, vst = Vs + st * KV_TILE;
+        mbar_wait(full + 8 * st, ph);
+        const u32 w0 = wb_mask_word(p.bits, moff, rq), w1 = wb_mask_word(p.bits, moff, rq + 8);
+        float s[16], dp[16];
+        wg_fence();
+        wb_scores<WQ_BM, WQ_BN>(s, qa, kst);
+        wg_commit();
+        wb_scores<WQ_BM, WQ_BN>(dp, doa, vst);
+        wg_commit();
+        wg_wait<1>(); // S, and the previous tile's dQ product (dP may run)
+        wg_pin(s);
+        __syncwarp();
+        if (i > 0 && lane == 0) mbar_arrive(freed + 8 * ((i - 1) % WQ_STAGES)); // its K and V are read
+        float pr[16];
+        wb_probs(pr, s, l0, l1, w0, w1, tbit, p.scale_log2);
+        wg_wait<0>(); // dP
+        wg_pin(dp);
+#pragma unroll
+        for (int k = 0; k < 16; ++k) pr[k] *= dp[k] + (k & 2 ? nd1 : nd0);
+        u32 pa[WQ_BN / 16][4];
+        wg_pack_a<WQ_BN>(pa, pr);
+        wg_fence();
+        wg_gemm_rs_nD<WQ_BN>(dq, pa, kst); // dQ += dS K
+        wg_commit();
+    }
+    wg_wait<0>();
+    wg_pin(dq);
+    // dq_acc += scale dQ: rows rq, rq + 8; columns 8i + 2t, +1.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = q0 + rq + 8 * r;
+        if (row >= p.q_len) continue;
+        float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + 2 * t;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            float2 v = *(float2*)(dst + 8 * i);
+            v.x += dq[4 * i + 2 * r] * p.scale;
+            v.y += dq[4 * i + 2 * r + 1] * p.scale;
+            *(float2*)(dst + 8 * i) = v;
         }
     }
 }

@@ -61,14 +61,6 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[FW_SN], float (&m)[2], fl
     }
 }
 
-// P (f32 accumulators) as A fragments: k-step kk covers keys 16kk.. = accumulator blocks 2kk, 2kk+1.
-__device__ __forceinline__ void fwd_pack_p(u32 (&pa)[FW_BN / 16][4], const float (&s)[FW_SN]) {
-#pragma unroll
-    for (int kk = 0; kk < FW_BN / 16; ++kk)
-#pragma unroll
-        for (int f = 0; f < 4; ++f) pa[kk][f] = pack2(s[8 * kk + 2 * f], s[8 * kk + 2 * f + 1]);
-}
-
 __device__ __forceinline__ void fwd_rescale(float (&o)[DK / 2], const float (&alpha)[2]) {
     if (LAZY_MAX && !__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) return; // (the usual case)
 #pragma unroll
@@ -76,29 +68,6 @@ __device__ __forceinline__ void fwd_rescale(float (&o)[DK / 2], const float (&al
         o[4 * i] *= alpha[0]; o[4 * i + 1] *= alpha[0];
         o[4 * i + 2] *= alpha[1]; o[4 * i + 3] *= alpha[1];
     }
-}
-
-__device__ __forceinline__ void fwd_issue_pv(float (&o)[DK / 2], const u32 (&pa)[FW_BN / 16][4], u32 vst) {
-    const u64 dv = wg_desc(vst, FW_BN * 128, 1024);
-#if D > 128
-    // N = D as two products: N = 128 over O's first 128 columns (V's column blocks 0, 1) and
-    // N = D - 128 over the rest (blocks 2..).
-    float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
-    float(&o_hi)[D / 2 - 64] = *reinterpret_cast<float(*)[D / 2 - 64]>(&o[64]);
-#pragma unroll
-    for (int kk = 0; kk < FW_BN / 16; ++kk) {
-        const u64 lo = wg_desc_add(dv, kk * 16 * 128), hi = wg_desc_add(dv, 2 * FW_BN * 128 + kk * 16 * 128);
-        wgmma_rs_n128<1>(o_lo, pa[kk], lo, 1);
-#if D == 256
-        wgmma_rs_n128<1>(o_hi, pa[kk], hi, 1);
-#else
-        wgmma_rs_n64<1>(o_hi, pa[kk], hi, 1);
-#endif
-    }
-#else
-#pragma unroll
-    for (int kk = 0; kk < FW_BN / 16; ++kk) wgmma_rs_nD<1>(o, pa[kk], wg_desc_add(dv, kk * 16 * 128), 1);
-#endif
 }
 
 // Normalises (and multiplies by o_scale) and writes the thread's two output rows (row, row + 8)
@@ -145,8 +114,8 @@ struct FwdHalf {
     __device__ static __forceinline__ void qk(float (&s)[FW_SN], u32 qs, int cw, u32 ks) {
         wg_gemm_kmajor(s, qs, FW_BM, 64 * cw, ks, FW_BN);
     }
-    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[FW_SN]) { fwd_pack_p(pa, s); }
-    __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) { fwd_issue_pv(o, pa, vs); }
+    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[FW_SN]) { wg_pack_a<FW_BN>(pa, s); }
+    __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) { wg_gemm_rs_nD<FW_BN>(o, pa, vs); }
 };
 
 // The shared-memory pipeline of a forward block: the query tile, STAGES key and value tiles,

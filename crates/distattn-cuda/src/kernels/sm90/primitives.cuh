@@ -101,16 +101,24 @@ __device__ __forceinline__ void reg_dealloc() { asm volatile("setmaxnreg.dec.syn
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
-// D[64 x 32] += A[64 x 16] B[16 x 32], A and B from shared memory.
-template <int TA, int TB>
+// D[64 x 32] (+)= A[64 x 16] B[16 x 32], A and B from shared memory; ACC = 0: D's earlier values
+// are not read (the first k-step).
+template <int ACC, int TA, int TB>
 __device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], u64 da, u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32" WG_AB " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %19, %20;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
+    if constexpr (ACC)
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32" WG_AB " "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, 1, 1, 1, %18, %19;\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "l"(da), "l"(db), "n"(TA), "n"(TB));
+    else
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32" WG_AB " "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, 0, 1, 1, %18, %19;\n"
+            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+              "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15])
+            : "l"(da), "l"(db), "n"(TA), "n"(TB));
 }
 
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory (descriptors).
@@ -255,4 +263,39 @@ __device__ __forceinline__ u32 pack4_e4m3(float x0, float x1, float x2, float x3
 #else
 #define wgmma_rs_nD wgmma_rs_n64
 #endif
+
+// An m64 x N accumulator (f32, N = 16 K) as the register A operand of a product over its N
+// columns: k-step kk covers columns 16kk.. = accumulator blocks 2kk, 2kk + 1.
+template <int K>
+__device__ __forceinline__ void wg_pack_a(u32 (&pa)[K / 16][4], const float (&s)[K / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+        for (int f = 0; f < 4; ++f) pa[kk][f] = pack2(s[8 * kk + 2 * f], s[8 * kk + 2 * f + 1]);
+}
+
+// acc (64 x DK) += A B: A as register fragments over K rows of B, an N-major [K][DK] tile
+// (O += P V, dQ += dS K).
+template <int K>
+__device__ __forceinline__ void wg_gemm_rs_nD(float (&acc)[DK / 2], const u32 (&pa)[K / 16][4], u32 b) {
+    const u64 db = wg_desc(b, K * 128, 1024);
+#if D > 128
+    // N = D as two products: N = 128 over the first 128 columns (B's column blocks 0, 1) and
+    // N = D - 128 over the rest (blocks 2..).
+    float(&lo)[64] = *reinterpret_cast<float(*)[64]>(&acc[0]);
+    float(&hi)[D / 2 - 64] = *reinterpret_cast<float(*)[D / 2 - 64]>(&acc[64]);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        wgmma_rs_n128<1>(lo, pa[kk], wg_desc_add(db, kk * 16 * 128), 1);
+#if D == 256
+        wgmma_rs_n128<1>(hi, pa[kk], wg_desc_add(db, 2 * K * 128 + kk * 16 * 128), 1);
+#else
+        wgmma_rs_n64<1>(hi, pa[kk], wg_desc_add(db, 2 * K * 128 + kk * 16 * 128), 1);
+#endif
+    }
+#else
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) wgmma_rs_nD<1>(acc, pa[kk], wg_desc_add(db, kk * 16 * 128), 1);
+#endif
+}
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
