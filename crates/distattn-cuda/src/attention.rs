@@ -150,7 +150,7 @@ impl CudaBackend {
             return Err(backend_err(format!(
                 "the backward at head dim {} needs {} bytes of shared memory, the GPU allows {}",
                 shape.head_dim,
-                cfg.bwd_smem(),
+                cfg.bwd_smem_needed(),
                 self.max_smem()
             )));
         }

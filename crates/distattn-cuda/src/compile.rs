@@ -223,9 +223,10 @@ impl KernelConfig {
     pub fn dq_kernel(&self) -> Option<&'static str> {
         (self.bwd_wg && self.head_dim > 128).then_some("flash_bwd_dq_ws")
     }
-    /// Whether the backward's kernels fit a GPU's shared memory (bytes a block may have).
-    pub fn bwd_fits(&self, max_smem: usize) -> bool {
-        self.bwd_smem() <= max_smem && self.dq_kernel().is_none_or(|_| self.dq_smem() <= max_smem)
+    /// The most shared memory a block of the backward's kernels needs, bytes (a GPU whose
+    /// blocks may have less refuses the backward).
+    pub fn bwd_smem_needed(&self) -> usize {
+        self.bwd_smem().max(self.dq_kernel().map_or(0, |_| self.dq_smem()))
     }
     /// Query rows x keys of the dQ kernel's tiles.
     pub fn dq_tile(&self) -> (usize, usize) {

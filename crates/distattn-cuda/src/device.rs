@@ -214,9 +214,9 @@ impl CudaBackend {
             fwd: f(cfg.fwd_kernel())?,
             // (A GPU without room for the backward's tiles still runs the forward; the backward
             // says why it cannot run: CudaBackend::backward_config.)
-            dkdv: if cfg.bwd_fits(self.max_smem) { Some(f(cfg.dkdv_kernel())?) } else { None },
+            dkdv: if cfg.bwd_smem_needed() <= self.max_smem { Some(f(cfg.dkdv_kernel())?) } else { None },
             dq: match cfg.dq_kernel() {
-                Some(name) if cfg.bwd_fits(self.max_smem) => Some(f(name)?),
+                Some(name) if cfg.bwd_smem_needed() <= self.max_smem => Some(f(name)?),
                 _ => None,
             },
             decode: f("flash_decode")?,
