@@ -14,9 +14,7 @@ use crate::compile::{backend_err, KernelConfig};
 use crate::device::{CudaBackend, DeviceTiles};
 use crate::params::{BwdParams, FwdParams};
 use crate::{driver_err, tma, CudaElement};
-use cudarc::driver::{
-    sys, CudaFunction, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{sys, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, Result};
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -237,96 +235,67 @@ impl CudaBackend {
             group: launch_group(&tiles, cfg.bwd_parts(), shape, self.sm_count()),
             pad_: 0,
         };
-        let blocks = tiles.n_major * cfg.bwd_parts() * shape.kv_heads * shape.batch;
-        let launch_cfg = LaunchConfig {
-            grid_dim: (grid_x(blocks)?, 1, 1),
-            block_dim: (cfg.bwd_threads() as u32, 1, 1),
-            shared_mem_bytes: cfg.bwd_smem() as u32,
-        };
         let dkdv = kern.dkdv.as_ref().ok_or_else(|| Error::Internal("the dK/dV kernel was not loaded".into()))?;
-        let mut launch = s.launch_builder(dkdv);
-        launch.arg(&bp);
-        let maps;
+        let mut blocks = tiles.n_major * cfg.bwd_parts() * shape.kv_heads * shape.batch;
+        let (q_rows, kv_rows) = (tma::RowsTensor::of_queries(shape), tma::RowsTensor::of_keys(shape));
+        let (bm, bn) = (cfg.bwd_bm as u32, cfg.bwd_bn() as u32);
+        // (The by-query plan and parameters of the dQ job, where the launch has one; `dq_tiles`
+        // keeps that plan alive until the launch.)
+        let (mut bq, mut dq_tiles) = (bp, None);
+        let mut maps = Vec::new();
         if cfg.bwd_wg {
-            // The warp-specialized kernel loads Q, dO, K and V and adds into dq_acc through TMA
-            // tensor maps.
-            let (q_rows, kv_rows) = (tma::RowsTensor::of_queries(shape), tma::RowsTensor::of_keys(shape));
-            let (bm, bn) = (cfg.bwd_bm as u32, cfg.bwd_bn() as u32);
-            maps = [
+            // The warp-specialized kernels load Q, dO, K and V through TMA tensor maps.
+            maps = vec![
                 tma::TensorMap::rows(bp.q, q_rows, dtype, bm)?,
                 tma::TensorMap::rows(bp.dout, q_rows, dtype, bm)?,
                 tma::TensorMap::rows(bp.k, kv_rows, dtype, bn)?,
                 tma::TensorMap::rows(bp.v, kv_rows, dtype, bn)?,
-                tma::TensorMap::rows(bp.dq_acc, q_rows, DType::F32, bm)?,
             ];
-            for m in &maps {
-                launch.arg(m);
+            if cfg.bwd_dq_by_query() {
+                // dQ as a second job of the same launch, by query tile (backward_wide.cu).
+                let (qm, qn) = cfg.dq_tile();
+                let qt = self.tiles(mask, qm, qn, false)?;
+                bq.tile_ptr = qt.ptr.device_ptr(s).0;
+                bq.tiles = qt.tiles.device_ptr(s).0;
+                bq.bits = qt.bits.device_ptr(s).0;
+                bq.n_tiles = qt.n_major as i32;
+                bq.group = launch_group(&qt, shape.heads / shape.kv_heads, shape, self.sm_count());
+                blocks += qt.n_major * shape.heads * shape.batch;
+                maps.extend([
+                    tma::TensorMap::rows(bp.q, q_rows, dtype, qm as u32)?,
+                    tma::TensorMap::rows(bp.dout, q_rows, dtype, qm as u32)?,
+                    tma::TensorMap::rows(bp.k, kv_rows, dtype, qn as u32)?,
+                    tma::TensorMap::rows(bp.v, kv_rows, dtype, qn as u32)?,
+                ]);
+                dq_tiles = Some(qt);
+            } else {
+                // It adds dQ into dq_acc with TMA reductions.
+                maps.push(tma::TensorMap::rows(bp.dq_acc, q_rows, DType::F32, bm)?);
             }
         }
-        // SAFETY: the kernel takes BwdParams (and, warp-specialized, the five tensor maps) by
-        // value, layouts asserted against params.cuh at every compile. Every address in it holds
-        // what `shape` says, 16-byte aligned (this function's contract), with sizes that fit its
-        // i32 fields (check_common); the key-major tile plan was built for this mask and these
-        // tile sizes and is complete on the device (DeviceTiles), where `tiles` keeps it alive
-        // until the launch (an evicted plan is freed after every stream's work). The maps
-        // describe q, d_o, k, v and dq_acc as those buffers.
-        unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the dK/dV kernel"))?;
-        if cfg.dq_kernel().is_some() {
-            let dq = kern.dq.as_ref().ok_or_else(|| Error::Internal("the dQ kernel was not loaded".into()))?;
-            // SAFETY: as above, for the same params with the by-query plan the dQ kernel reads.
-            unsafe { self.launch_dq(s, dq, cfg, bp, dtype, shape, mask) }?;
-        }
-        Ok(())
-    }
-
-    /// Launches the backward's separate dQ kernel (`KernelConfig::dq_kernel`), which adds
-    /// scale·dS·K into `bp.dq_acc` by query tile.
-    ///
-    /// # Safety
-    /// `bp` is the dK/dV launch's parameters, whose addresses [`CudaBackend::launch_dkdv`]'s
-    /// contract covers; `dq` is the module's dQ kernel of `cfg`.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn launch_dq(
-        &self,
-        s: &CudaStream,
-        dq: &CudaFunction,
-        cfg: KernelConfig,
-        mut bp: BwdParams,
-        dtype: DType,
-        shape: &AttnShape,
-        mask: &Mask,
-    ) -> Result<()> {
-        let (bm, bn) = cfg.dq_tile();
-        let tiles = self.tiles(mask, bm, bn, false)?;
-        let subs = shape.heads / shape.kv_heads;
-        bp.tile_ptr = tiles.ptr.device_ptr(s).0;
-        bp.tiles = tiles.tiles.device_ptr(s).0;
-        bp.bits = tiles.bits.device_ptr(s).0;
-        bp.n_tiles = tiles.n_major as i32;
-        bp.group = launch_group(&tiles, subs, shape, self.sm_count());
-        let blocks = tiles.n_major * shape.heads * shape.batch;
         let launch_cfg = LaunchConfig {
             grid_dim: (grid_x(blocks)?, 1, 1),
             block_dim: (cfg.bwd_threads() as u32, 1, 1),
-            shared_mem_bytes: cfg.dq_smem() as u32,
+            shared_mem_bytes: cfg.bwd_smem_needed() as u32,
         };
-        let (q_rows, kv_rows) = (tma::RowsTensor::of_queries(shape), tma::RowsTensor::of_keys(shape));
-        let maps = [
-            tma::TensorMap::rows(bp.q, q_rows, dtype, bm as u32)?,
-            tma::TensorMap::rows(bp.dout, q_rows, dtype, bm as u32)?,
-            tma::TensorMap::rows(bp.k, kv_rows, dtype, bn as u32)?,
-            tma::TensorMap::rows(bp.v, kv_rows, dtype, bn as u32)?,
-        ];
-        let mut launch = s.launch_builder(dq);
+        let mut launch = s.launch_builder(dkdv);
         launch.arg(&bp);
+        if dq_tiles.is_some() {
+            launch.arg(&bq);
+        }
         for m in &maps {
             launch.arg(m);
         }
-        // SAFETY: the kernel takes BwdParams and four tensor maps by value (params.cuh); the
-        // addresses are the dK/dV launch's (this function's contract), the by-query plan was
-        // built for this mask and these tile sizes and `tiles` keeps it alive until the launch,
-        // and the maps describe q, d_o, k and v with the kernel's box rows.
-        unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the dQ kernel"))?;
+        // SAFETY: the kernel takes BwdParams (warp-specialized above d 128: two, the dK/dV and
+        // the dQ job's) and, warp-specialized, the tensor maps by value, layouts asserted against
+        // params.cuh at every compile. Every address in them holds what `shape` says, 16-byte
+        // aligned (this function's contract), with sizes that fit their i32 fields
+        // (check_common); each tile plan was built for this mask and its tile sizes and is
+        // complete on the device (DeviceTiles), where `tiles` and `dq_tiles` keep it alive until
+        // the launch (an evicted plan is freed after every stream's work). The maps describe
+        // q, d_o, k, v (and dq_acc) as those buffers, with the box rows each job reads.
+        unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the backward kernel"))?;
+        drop(dq_tiles);
         Ok(())
     }
 

@@ -58,8 +58,8 @@ pub struct KernelConfig {
     /// Backward with every GEMM tiled over the 8 warps (`flash_bwd_dkdv2`; sm_90+, d 64/128).
     pub bwd_v2: bool,
     /// Backward on warpgroup MMAs, warp-specialized with TMA loads (`flash_bwd_ws`; sm_90a,
-    /// every head dim: 128-key tiles up to d 128; above, 64-key tiles and dQ from a second
-    /// kernel, `dq_kernel`).
+    /// every head dim: 128-key tiles up to d 128; above, 64-key tiles and dQ as a second job of
+    /// the launch, `bwd_dq_by_query`).
     pub bwd_wg: bool,
     /// Forward on warpgroup MMAs, warp-specialized with TMA loads (`flash_fwd_ws`; sm_90a,
     /// every head dim): a producer warp and 2 consumer warpgroups x 64 rows, 128-key tiles
@@ -218,21 +218,21 @@ impl KernelConfig {
         }
     }
 
-    /// The dQ kernel of the backward where the dK/dV kernel leaves dQ to a second one: the
-    /// warpgroup backward above d 128 (`flash_bwd_dq_ws`, by query tile).
-    pub fn dq_kernel(&self) -> Option<&'static str> {
-        (self.bwd_wg && self.head_dim > 128).then_some("flash_bwd_dq_ws")
+    /// Whether the backward's launch computes dQ as a second job, by query tile, after the
+    /// dK/dV blocks (the warpgroup backward above d 128, `sm90/backward_wide.cu`).
+    pub fn bwd_dq_by_query(&self) -> bool {
+        self.bwd_wg && self.head_dim > 128
     }
     /// The most shared memory a block of the backward's kernels needs, bytes (a GPU whose
     /// blocks may have less refuses the backward).
     pub fn bwd_smem_needed(&self) -> usize {
-        self.bwd_smem().max(self.dq_kernel().map_or(0, |_| self.dq_smem()))
+        self.bwd_smem().max(if self.bwd_dq_by_query() { self.dq_smem() } else { 0 })
     }
-    /// Query rows x keys of the dQ kernel's tiles.
+    /// Query rows x keys of the dQ job's tiles.
     pub fn dq_tile(&self) -> (usize, usize) {
         (128, 32)
     }
-    /// Dynamic shared memory of the dQ kernel, bytes: Q and dO of the query tile, K and V in 3
+    /// Dynamic shared memory of a dQ block (`bwd_dq_by_query`), bytes: Q and dO of the query tile, K and V in 3
     /// stages (256 columns); the tile's LSE and delta; 1 KB to align the base; 7 mbarriers.
     pub fn dq_smem(&self) -> usize {
         let (bm, bn) = self.dq_tile();
@@ -752,7 +752,7 @@ mod tests {
             assert!(h.fwd_smem() <= 227 * 1024, "{h:?} fwd smem {}", h.fwd_smem());
             assert!(h.bwd_smem() <= 227 * 1024, "{h:?} bwd smem {}", h.bwd_smem());
             assert!(h.dq_smem() <= 227 * 1024, "{h:?} dq smem {}", h.dq_smem());
-            assert_eq!(h.dq_kernel().is_some(), c.head_dim > 128);
+            assert_eq!(h.bwd_dq_by_query(), c.head_dim > 128);
             assert_eq!(c.fwd_bn % 32, 0);
         }
         assert!(matches!(KernelConfig::new(DType::BF16, 80), Err(Error::UnsupportedHeadDim { .. })));

@@ -18,8 +18,6 @@ pub(crate) struct Kernels {
     _module: Arc<CudaModule>,
     pub fwd: CudaFunction,
     pub dkdv: Option<CudaFunction>,
-    /// The backward's separate dQ kernel, where the configuration has one (and dkdv loaded).
-    pub dq: Option<CudaFunction>,
     pub decode: CudaFunction,
     /// The FP8 forward and its V transpose, where the configuration has them.
     pub e4m3: Option<E4m3Kernels>,
@@ -215,10 +213,6 @@ impl CudaBackend {
             // (A GPU without room for the backward's tiles still runs the forward; the backward
             // says why it cannot run: CudaBackend::backward_config.)
             dkdv: if cfg.bwd_smem_needed() <= self.max_smem { Some(f(cfg.dkdv_kernel())?) } else { None },
-            dq: match cfg.dq_kernel() {
-                Some(name) if cfg.bwd_smem_needed() <= self.max_smem => Some(f(name)?),
-                _ => None,
-            },
             decode: f("flash_decode")?,
             e4m3: if cfg.has_e4m3_forward() {
                 Some(E4m3Kernels { fwd: f("flash_fwd_e4m3")?, transpose_v: f("transpose_v_e4m3")? })
@@ -237,10 +231,7 @@ impl CudaBackend {
         }
         k.fwd.set_attribute(attr, cfg.fwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
         if let Some(d) = &k.dkdv {
-            d.set_attribute(attr, cfg.bwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
-        }
-        if let Some(d) = &k.dq {
-            d.set_attribute(attr, cfg.dq_smem() as i32).map_err(driver_err("raising the smem limit"))?;
+            d.set_attribute(attr, cfg.bwd_smem_needed() as i32).map_err(driver_err("raising the smem limit"))?;
         }
         if let Some(e) = &k.e4m3 {
             e.fwd.set_attribute(attr, cfg.e4m3_fwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;

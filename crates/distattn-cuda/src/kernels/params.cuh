@@ -35,14 +35,18 @@ struct FwdParams {
 // least two waves of blocks (launch_group in attention.rs), so the heavy blocks of the last
 // group start while others still run.
 struct GridSlot { int rank, pair, sub; };
-__device__ __forceinline__ GridSlot grid_slot(int n_ranks, int subs, int pairs, int group) {
+// (block: the block's index in the grid, or in its part of a grid that launches two jobs.)
+__device__ __forceinline__ GridSlot grid_slot_at(unsigned block, int n_ranks, int subs, int pairs, int group) {
     const int n_groups = max(1, pairs / group);
     const unsigned per_group = (unsigned)(group * n_ranks * subs);
-    const int gi = min((int)(blockIdx.x / per_group), n_groups - 1), first = gi * group;
+    const int gi = min((int)(block / per_group), n_groups - 1), first = gi * group;
     const int width = (gi == n_groups - 1 ? pairs - first : group) * subs; // blocks per rank in this group
-    const int r = blockIdx.x - gi * per_group;
+    const int r = block - gi * per_group;
     const int rank = r / width, w = r - rank * width;
     return {rank, first + w / subs, w % subs};
+}
+__device__ __forceinline__ GridSlot grid_slot(int n_ranks, int subs, int pairs, int group) {
+    return grid_slot_at(blockIdx.x, n_ranks, subs, pairs, group);
 }
 
 // A forward block's query tile, head, KV head and batch: rank = query tile from the last (the

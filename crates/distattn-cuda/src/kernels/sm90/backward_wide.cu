@@ -4,10 +4,12 @@
 // ---------------------------------------------------------------- backward, d 192 and 256 (sm_90a)
 // Above d 128 the d <= 128 kernel's plan does not fit: a warpgroup's dK and dV over every column
 // would take 256 registers a thread, and a staged f32 dQ tile the shared memory that two stages
-// of Q and dO leave. So two kernels, each accumulating in registers what it writes:
+// of Q and dO leave. So flash_bwd_ws runs two jobs, each accumulating in registers what it
+// writes: the dK/dV blocks, then the dQ blocks, which take the SMs the first job's last blocks
+// leave (one launch instead of two: 1-3% faster at d 192, the same at d 256).
 //
-// flash_bwd_ws (dK, dV): one block per 64-key tile and a loop over the 64-row query items of
-// every query head of the KV head (the d <= 128 kernel's tile plan and loads); the two consumer
+// wb_dkdv (dK, dV): one block per 64-key tile and a loop over the 64-row query items of every
+// query head of the KV head (the d <= 128 kernel's tile plan and loads); the two consumer
 // warpgroups split the scores by key and the gradients by column. Consumer c:
 //   S_c = Q K_c^T, dP_c = dO V_c^T     (keys 32c..32c+31: 64 x 32, shared x shared)
 //   P_c, dS_c = P_c (dP_c - delta)     (registers -> shared memory, [query][key] tiles)
@@ -16,14 +18,14 @@
 // P and dS are double-buffered, so one barrier per product (P of both consumers stored, dS of
 // both stored) orders their use and reuse.
 //
-// flash_bwd_dq_ws (dQ): one block per 128-row query tile of one query head, a loop over its
-// 32-key tiles like the forward's; consumer c owns rows 64c..64c+63:
+// wb_dq (dQ): one block per 128-row query tile of one query head, a loop over its 32-key tiles
+// like the forward's; consumer c owns rows 64c..64c+63:
 //   S = Q K^T, dP = dO V^T (64 x 32), dS = P (dP - delta), dQ += dS K (dS as the register A
 //   operand), then dq_acc += scale dQ.
 // Recomputing S and dP (7 products per 64 x 64 x d block instead of 5) costs less than adding
-// dQ into dq_acc from the dK/dV kernel: with 64-key tiles that is 64 KB of f32 reductions per
-// item, which bound that kernel (the L2 at 84% of its throughput; on an H100 at 16k, 18.2 ms
-// against 15.2 for these two, 8 heads of d 256).
+// dQ into dq_acc from the dK/dV blocks: with 64-key tiles that is 64 KB of f32 reductions per
+// item, which bound such a kernel (the L2 at 84% of its throughput; on an H100 at 16k, 18.2 ms
+// against 15.2 for the two jobs, 8 heads of d 256).
 //
 // At d 192 the tiles keep 256 columns: the fourth block of Q, K, V and dO is never loaded, the
 // scores read only the first three, and the gradients' columns past 192 are not stored.
@@ -92,10 +94,9 @@ __device__ __forceinline__ void wb_grad(float (&acc)[64], u32 x, u32 y, int c) {
         wgmma_ss_n128<1, 1>(acc, wg_desc_add(dx, kq * 16 * 128), wg_desc_add(dy, kq * 16 * 128), 1);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1)
-flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo,
-             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,
-             const __grid_constant__ TmaMap tdq) {
+// dK and dV of block `block` of the key-major plan p (maps: 64-row boxes).
+__device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, const TmaMap* tdo, const TmaMap* tk,
+                                        const TmaMap* tv, unsigned block) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     constexpr u32 TILE = 4 * WB_BLOCK; // [64][256] bf16/f16
     const u32 raw = smem_u32(smem_raw);
@@ -112,7 +113,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     float* lse_s = (float*)(smem_raw + (lse_a - raw));
     float* del_s = (float*)(smem_raw + (del_a - raw));
 
-    const GridSlot slot = grid_slot(p.n_tiles, 1, p.batch * p.kv_heads, p.group);
+    const GridSlot slot = grid_slot_at(block, p.n_tiles, 1, p.batch * p.kv_heads, p.group);
     const int kt = slot.rank;
     const int kvh = slot.pair % p.kv_heads, b = slot.pair / p.kv_heads;
     const int G = p.heads / p.kv_heads;
@@ -126,7 +127,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     if (wg == 0) {
         reg_dealloc<24>();
         if (wi == 0 && total > 0)
-            bwd_load<WB_BN, WB_STAGES>(p, &tq, &tdo, &tk, &tv, Ks, Vs, Qs, dOs, TILE, lse_s, del_s, full_kv, full,
+            bwd_load<WB_BN, WB_STAGES>(p, tq, tdo, tk, tv, Ks, Vs, Qs, dOs, TILE, lse_s, del_s, full_kv, full,
                                        freed, k0, kvh, b, e0, ne, total, lane);
         return;
     }
@@ -212,11 +213,10 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     }
 }
 
-// The tile plan is by query (WQ_BM x WQ_BN tiles, bitmask rows of one word), n_tiles its query
-// tiles; the maps' boxes are WQ_BM rows (Q, dO) and WQ_BN rows (K, V).
-extern "C" __global__ void __launch_bounds__(384, 1)
-flash_bwd_dq_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tdo,
-                const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv) {
+// dQ of block `block` of the by-query plan p (WQ_BM x WQ_BN tiles, bitmask rows of one word;
+// n_tiles its query tiles); the maps' boxes are WQ_BM rows (Q, dO) and WQ_BN rows (K, V).
+__device__ __forceinline__ void wb_dq(const BwdParams& p, const TmaMap* tq, const TmaMap* tdo, const TmaMap* tk,
+                                      const TmaMap* tv, unsigned block) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     constexpr u32 ROWS_TILE = 4 * WQ_BM * 128, KV_TILE = 4 * WQ_BN * 128; // [rows][256] bf16/f16
     const u32 raw = smem_u32(smem_raw);
@@ -234,7 +234,7 @@ flash_bwd_dq_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __gr
     // Query tile from the last (the heaviest under a causal mask); the G query heads of a KV
     // head side by side.
     const int G = p.heads / p.kv_heads;
-    const GridSlot slot = grid_slot(p.n_tiles, G, p.batch * p.kv_heads, p.group);
+    const GridSlot slot = grid_slot_at(block, p.n_tiles, G, p.batch * p.kv_heads, p.group);
     const int qt = p.n_tiles - 1 - slot.rank, kvh = slot.pair % p.kv_heads, b = slot.pair / p.kv_heads;
     const int h = kvh * G + slot.sub, q0 = qt * WQ_BM;
     const int e0 = p.tile_ptr[qt], n = p.tile_ptr[qt + 1] - e0;
@@ -258,16 +258,16 @@ flash_bwd_dq_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __gr
             __syncwarp();
             if (lane == 0) { // the arrival releases the rows stored above with the copies' bytes
                 mbar_expect_tx(full_q, 2 * WQ_BM * DK * 2);
-                tma_load_rows<WQ_BM>(Qs, &tq, full_q, q0, h, b);
-                tma_load_rows<WQ_BM>(dOs, &tdo, full_q, q0, h, b);
+                tma_load_rows<WQ_BM>(Qs, tq, full_q, q0, h, b);
+                tma_load_rows<WQ_BM>(dOs, tdo, full_q, q0, h, b);
 #pragma unroll 1
                 for (int i = 0; i < n; ++i) {
                     const int st = i % WQ_STAGES, ph = (i / WQ_STAGES) & 1;
                     const int kt = p.tiles[e0 + i].x;
                     if (i >= WQ_STAGES) mbar_wait(freed + 8 * st, ph ^ 1);
                     mbar_expect_tx(full + 8 * st, 2 * WQ_BN * DK * 2);
-                    tma_load_rows<WQ_BN>(Ks + st * KV_TILE, &tk, full + 8 * st, kt * WQ_BN, kvh, b);
-                    tma_load_rows<WQ_BN>(Vs + st * KV_TILE, &tv, full + 8 * st, kt * WQ_BN, kvh, b);
+                    tma_load_rows<WQ_BN>(Ks + st * KV_TILE, tk, full + 8 * st, kt * WQ_BN, kvh, b);
+                    tma_load_rows<WQ_BN>(Vs + st * KV_TILE, tv, full + 8 * st, kt * WQ_BN, kvh, b);
                 }
             }
         }
@@ -329,5 +329,16 @@ flash_bwd_dq_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __gr
             *(float2*)(dst + 8 * i) = v;
         }
     }
+}
+// Both jobs in one launch: the key-major plan pk's blocks first, then the by-query plan pq's,
+// which take the SMs the first job's last blocks leave (its tail). kq*: the first job's maps
+// (64-row boxes), q*: the second's (Q, dO WQ_BM rows; K, V WQ_BN rows).
+extern "C" __global__ void __launch_bounds__(384, 1)
+flash_bwd_ws(const BwdParams pk, const BwdParams pq, const __grid_constant__ TmaMap kq, const __grid_constant__ TmaMap kdo,
+             const __grid_constant__ TmaMap kk, const __grid_constant__ TmaMap kv, const __grid_constant__ TmaMap qq,
+             const __grid_constant__ TmaMap qdo, const __grid_constant__ TmaMap qk, const __grid_constant__ TmaMap qv) {
+    const unsigned kv_blocks = (unsigned)pk.n_tiles * pk.batch * pk.kv_heads;
+    if (blockIdx.x < kv_blocks) wb_dkdv(pk, &kq, &kdo, &kk, &kv, blockIdx.x);
+    else wb_dq(pq, &qq, &qdo, &qk, &qv, blockIdx.x - kv_blocks);
 }
 #endif // BWD_WG && (D == 192 || D == 256)
