@@ -37,7 +37,7 @@
 #define WQ_BN 32
 #define WQ_STAGES 3
 
-// The mbarriers of both kernels: `once` for the tiles loaded once (one arrival with their bytes),
+// The mbarriers of both jobs: `once` for the tiles loaded once (one arrival with their bytes),
 // then STAGES `full` (the same) and `freed` (one arrival per consumer warp) ones, 8 bytes each.
 template <int STAGES>
 __device__ __forceinline__ void wb_init_barriers(u32 once, u32 full, u32 freed) {
@@ -72,9 +72,9 @@ __device__ __forceinline__ u32 wb_mask_word(const u32* bits, int moff, int i) { 
 
 // P = 2^(S scale_log2 - LSE) of a thread's 64 x 32 scores (rows' LSE l0, l1), +0 where the mask
 // drops the pair (a dropped NaN score too), into p. Mask words w0, w1 of the rows: bit 8j + 2t
-// (+1) is accumulator block j's key; tbit = 1 << 2t, shifted here by constants only. (Written
-// otherwise — shifts by 2t in the loop, selects or branches on the bits — ptxas serializes
-// the warpgroup products around it, C7515.)
+// (+1) is accumulator block j's key; tbit = 1 << 2t, shifted here by constants only. (The other
+// forms tried — shifts by 2t in the loop, float selects, branches or predicated stores on the
+// bits — made ptxas serialize the warpgroup products around it, C7515.)
 __device__ __forceinline__ void wb_probs(float (&p)[16], const float (&s)[16], float l0, float l1, u32 w0, u32 w1,
                                          u32 tbit, float sl2) {
 #pragma unroll
