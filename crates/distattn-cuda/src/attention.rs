@@ -148,7 +148,7 @@ impl CudaBackend {
             return Err(backend_err(format!(
                 "the backward at head dim {} needs {} bytes of shared memory, the GPU allows {}",
                 shape.head_dim,
-                cfg.bwd_smem_needed(),
+                cfg.bwd_smem(),
                 self.max_smem()
             )));
         }
@@ -239,9 +239,9 @@ impl CudaBackend {
         let mut blocks = tiles.n_major * cfg.bwd_parts() * shape.kv_heads * shape.batch;
         let (q_rows, kv_rows) = (tma::RowsTensor::of_queries(shape), tma::RowsTensor::of_keys(shape));
         let (bm, bn) = (cfg.bwd_bm as u32, cfg.bwd_bn() as u32);
-        // (The by-query plan and parameters of the dQ job, where the launch has one; `dq_tiles`
-        // keeps that plan alive until the launch.)
-        let (mut bq, mut dq_tiles) = (bp, None);
+        // The dQ job's parameters and by-query plan, where the launch has one (the plan kept
+        // alive until the launch).
+        let mut dq_job = None;
         let mut maps = Vec::new();
         if cfg.bwd_wg {
             // The warp-specialized kernels load Q, dO, K and V through TMA tensor maps.
@@ -255,11 +255,14 @@ impl CudaBackend {
                 // dQ as a second job of the same launch, by query tile (backward_wide.cu).
                 let (qm, qn) = cfg.dq_tile();
                 let qt = self.tiles(mask, qm, qn, false)?;
-                bq.tile_ptr = qt.ptr.device_ptr(s).0;
-                bq.tiles = qt.tiles.device_ptr(s).0;
-                bq.bits = qt.bits.device_ptr(s).0;
-                bq.n_tiles = qt.n_major as i32;
-                bq.group = launch_group(&qt, shape.heads / shape.kv_heads, shape, self.sm_count());
+                let bq = BwdParams {
+                    tile_ptr: qt.ptr.device_ptr(s).0,
+                    tiles: qt.tiles.device_ptr(s).0,
+                    bits: qt.bits.device_ptr(s).0,
+                    n_tiles: qt.n_major as i32,
+                    group: launch_group(&qt, shape.heads / shape.kv_heads, shape, self.sm_count()),
+                    ..bp
+                };
                 blocks += qt.n_major * shape.heads * shape.batch;
                 maps.extend([
                     tma::TensorMap::rows(bp.q, q_rows, dtype, qm as u32)?,
@@ -267,7 +270,7 @@ impl CudaBackend {
                     tma::TensorMap::rows(bp.k, kv_rows, dtype, qn as u32)?,
                     tma::TensorMap::rows(bp.v, kv_rows, dtype, qn as u32)?,
                 ]);
-                dq_tiles = Some(qt);
+                dq_job = Some((bq, qt));
             } else {
                 // It adds dQ into dq_acc with TMA reductions.
                 maps.push(tma::TensorMap::rows(bp.dq_acc, q_rows, DType::F32, bm)?);
@@ -276,12 +279,12 @@ impl CudaBackend {
         let launch_cfg = LaunchConfig {
             grid_dim: (grid_x(blocks)?, 1, 1),
             block_dim: (cfg.bwd_threads() as u32, 1, 1),
-            shared_mem_bytes: cfg.bwd_smem_needed() as u32,
+            shared_mem_bytes: cfg.bwd_smem() as u32,
         };
         let mut launch = s.launch_builder(dkdv);
         launch.arg(&bp);
-        if dq_tiles.is_some() {
-            launch.arg(&bq);
+        if let Some((bq, _)) = &dq_job {
+            launch.arg(bq);
         }
         for m in &maps {
             launch.arg(m);
@@ -291,11 +294,10 @@ impl CudaBackend {
         // params.cuh at every compile. Every address in them holds what `shape` says, 16-byte
         // aligned (this function's contract), with sizes that fit their i32 fields
         // (check_common); each tile plan was built for this mask and its tile sizes and is
-        // complete on the device (DeviceTiles), where `tiles` and `dq_tiles` keep it alive until
+        // complete on the device (DeviceTiles), where `tiles` and `dq_job` keep it alive until
         // the launch (an evicted plan is freed after every stream's work). The maps describe
         // q, d_o, k, v (and dq_acc) as those buffers, with the box rows each job reads.
         unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the backward kernel"))?;
-        drop(dq_tiles);
         Ok(())
     }
 

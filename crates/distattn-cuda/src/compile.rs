@@ -223,20 +223,9 @@ impl KernelConfig {
     pub fn bwd_dq_by_query(&self) -> bool {
         self.bwd_wg && self.head_dim > 128
     }
-    /// The most shared memory a block of the backward's kernels needs, bytes (a GPU whose
-    /// blocks may have less refuses the backward).
-    pub fn bwd_smem_needed(&self) -> usize {
-        self.bwd_smem().max(if self.bwd_dq_by_query() { self.dq_smem() } else { 0 })
-    }
     /// Query rows x keys of the dQ job's tiles.
     pub fn dq_tile(&self) -> (usize, usize) {
         (128, 32)
-    }
-    /// Dynamic shared memory of a dQ block (`bwd_dq_by_query`), bytes: Q and dO of the query tile, K and V in 3
-    /// stages (256 columns); the tile's LSE and delta; 1 KB to align the base; 7 mbarriers.
-    pub fn dq_smem(&self) -> usize {
-        let (bm, bn) = self.dq_tile();
-        (2 * bm + 3 * 2 * bn) * 256 * 2 + 2 * bm * 4 + 1024 + 128
     }
 
     /// Threads per block of the forward kernel (the warp-specialized one adds a producer
@@ -293,12 +282,16 @@ impl KernelConfig {
     pub fn e4m3_fwd_smem(&self) -> usize {
         7 * self.fwd_bm() * self.head_dim + 1024 + 13 * 8
     }
-    /// Dynamic shared memory of the dK/dV kernel, bytes.
+    /// Dynamic shared memory of the dK/dV kernel (with a dQ job, of either job's block), bytes.
     pub fn bwd_smem(&self) -> usize {
-        if self.bwd_wg && self.head_dim > 128 {
-            // 64 rows of K, V and of Q, dO in 2 stages (256 columns); P and dS twice; LSE and
-            // delta in 2 stages; 1 KB to align the base; 5 mbarriers.
-            return (6 * 64 * 256 + 4 * 64 * 64) * 2 + 4 * 64 * 4 + 1024 + 128;
+        if self.bwd_dq_by_query() {
+            // dK/dV: 64 rows of K, V and of Q, dO in 2 stages (256 columns); P and dS twice; LSE
+            // and delta in 2 stages. dQ: Q and dO of a query tile, K and V in 3 stages; the
+            // tile's LSE and delta. Either: 1 KB to align the base, at most 7 mbarriers.
+            let (qm, qn) = self.dq_tile();
+            let dkdv = (6 * 64 * 256 + 4 * 64 * 64) * 2 + 4 * 64 * 4;
+            let dq = (2 * qm + 3 * 2 * qn) * 256 * 2 + 2 * qm * 4;
+            return dkdv.max(dq) + 1024 + 128;
         }
         if self.bwd_wg {
             // K, V; Q, dO in 2 stages (tiles of whole 64-column blocks); dS^T twice; dQ (f32) of
@@ -751,7 +744,6 @@ mod tests {
             let h = c.for_arch("sm_90a");
             assert!(h.fwd_smem() <= 227 * 1024, "{h:?} fwd smem {}", h.fwd_smem());
             assert!(h.bwd_smem() <= 227 * 1024, "{h:?} bwd smem {}", h.bwd_smem());
-            assert!(h.dq_smem() <= 227 * 1024, "{h:?} dq smem {}", h.dq_smem());
             assert_eq!(h.bwd_dq_by_query(), c.head_dim > 128);
             assert_eq!(c.fwd_bn % 32, 0);
         }

@@ -212,7 +212,7 @@ impl CudaBackend {
             fwd: f(cfg.fwd_kernel())?,
             // (A GPU without room for the backward's tiles still runs the forward; the backward
             // says why it cannot run: CudaBackend::backward_config.)
-            dkdv: if cfg.bwd_smem_needed() <= self.max_smem { Some(f(cfg.dkdv_kernel())?) } else { None },
+            dkdv: if cfg.bwd_smem() <= self.max_smem { Some(f(cfg.dkdv_kernel())?) } else { None },
             decode: f("flash_decode")?,
             e4m3: if cfg.has_e4m3_forward() {
                 Some(E4m3Kernels { fwd: f("flash_fwd_e4m3")?, transpose_v: f("transpose_v_e4m3")? })
@@ -231,7 +231,7 @@ impl CudaBackend {
         }
         k.fwd.set_attribute(attr, cfg.fwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
         if let Some(d) = &k.dkdv {
-            d.set_attribute(attr, cfg.bwd_smem_needed() as i32).map_err(driver_err("raising the smem limit"))?;
+            d.set_attribute(attr, cfg.bwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
         }
         if let Some(e) = &k.e4m3 {
             e.fwd.set_attribute(attr, cfg.e4m3_fwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;

@@ -51,14 +51,9 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     float* lse_s = (float*)(smem_raw + (lse_a - raw));
     float* del_s = (float*)(smem_raw + (del_a - raw));
 
-    const GridSlot slot = grid_slot(p.n_tiles, 1, p.batch * p.kv_heads, p.group);
-    const int kt = slot.rank; // key tile 0 first: the heaviest under a causal mask
-    const int kvh = slot.pair % p.kv_heads, b = slot.pair / p.kv_heads;
-    const int G = p.heads / p.kv_heads;
+    const auto [kt, kvh, b, G, e0, ne, total] = bwd_key_block(p, blockIdx.x);
     const int tid = threadIdx.x, wg = warpgroup_index(), wi = (tid >> 5) & 3, lane = tid & 31;
     const int k0 = kt * WG_BN;
-    const int e0 = p.tile_ptr[kt], ne = p.tile_ptr[kt + 1] - e0;
-    const int total = G * ne;
 
     if (tid == 0) {
         mbar_init(full_kv, 1);

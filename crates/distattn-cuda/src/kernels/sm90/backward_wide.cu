@@ -113,14 +113,9 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
     float* lse_s = (float*)(smem_raw + (lse_a - raw));
     float* del_s = (float*)(smem_raw + (del_a - raw));
 
-    const GridSlot slot = grid_slot_at(block, p.n_tiles, 1, p.batch * p.kv_heads, p.group);
-    const int kt = slot.rank;
-    const int kvh = slot.pair % p.kv_heads, b = slot.pair / p.kv_heads;
-    const int G = p.heads / p.kv_heads;
+    const auto [kt, kvh, b, G, e0, ne, total] = bwd_key_block(p, block);
     const int tid = threadIdx.x, wg = warpgroup_index(), wi = (tid >> 5) & 3, lane = tid & 31;
     const int k0 = kt * WB_BN;
-    const int e0 = p.tile_ptr[kt], ne = p.tile_ptr[kt + 1] - e0;
-    const int total = G * ne;
 
     wb_init_barriers<WB_STAGES>(full_kv, full, freed);
 
@@ -246,16 +241,7 @@ __device__ __forceinline__ void wb_dq(const BwdParams& p, const TmaMap* tq, cons
     if (wg == 0) {
         reg_dealloc<24>();
         if (wi == 0) {
-            // LSE (log2 units; +inf past the end and where no key is seen: P = 0) and minus delta.
-            for (int r = lane; r < WQ_BM; r += 32) {
-                const int row = q0 + r;
-                const size_t off = ((size_t)b * p.heads + h) * p.q_len + row;
-                const bool ok = row < p.q_len;
-                const float lv = ok ? p.lse[off] : NEG_INF;
-                lse_s[r] = lv == NEG_INF ? POS_INF : lv * LOG2E;
-                del_s[r] = ok ? -p.delta[off] : 0.f;
-            }
-            __syncwarp();
+            bwd_load_rows<WQ_BM>(p, lse_s, del_s, q0, h, b, lane);
             if (lane == 0) { // the arrival releases the rows stored above with the copies' bytes
                 mbar_expect_tx(full_q, 2 * WQ_BM * DK * 2);
                 tma_load_rows<WQ_BM>(Qs, tq, full_q, q0, h, b);
