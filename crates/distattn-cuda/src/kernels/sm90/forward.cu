@@ -3,14 +3,20 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FWD_WG && (D == 64 || D == 96 || D == 128 || D == 192 || D == 256)
 // ---------------------------------------------------------------- forward (sm_90a)
-// One block per 128-row query tile (d 96: tiles of DK = 128 columns, see primitives.cuh). Per key tile (128 keys; 64 above d 128, where O takes 96 or
-// 128 registers a thread and two stages of 128-key tiles would not fit the shared memory) and
-// consumer warpgroup (64 rows each): S = Q K^T (shared x shared),
-// online softmax in registers, O += P V with P as the register A operand and V read N-major.
-// The P V product of tile e-1 runs on the tensor cores while the softmax of tile e runs on the
-// other pipes.
-#define FW_BM 128
-#define FW_BN (D > 128 ? 64 : 128)
+// One block per query tile of 64 rows per consumer warpgroup (FWD_WARPS / 4 of them: 3 at d 64,
+// where two do not keep the tensor cores busy through the softmax, else 2; d 96: tiles of DK =
+// 128 columns, see primitives.cuh). Per key tile (FWD_BN: 128 keys; 64 above d 128, where O
+// takes 96 or 128 registers a thread and two stages of 128-key tiles would not fit the shared
+// memory) and consumer warpgroup: S = Q K^T (shared x shared), online softmax in registers,
+// O += P V with P as the register A operand and V read N-major. The P V product of tile e-1
+// runs on the tensor cores while the softmax of tile e runs on the other pipes.
+#define FW_NC (FWD_WARPS / 4) // consumer warpgroups
+#define FW_BM (64 * FW_NC)
+#define FW_BN FWD_BN
+#define FW_THREADS (128 * (1 + FW_NC))
+// Registers a consumer thread takes from the producer warpgroup's (24 left a producer thread):
+// the most that fit the 64K of an SM, in steps of 8.
+#define FW_CONSUMER_REGS (FW_NC == 3 ? 160 : 240)
 #define FW_SN (FW_BN / 2) // score accumulators a consumer thread holds
 #define LAZY_MAX (D == 128) // see fwd_softmax
 
@@ -151,20 +157,20 @@ struct FwdRows {
     float m[2], l[2], alpha[2];
 };
 
-// Turn-taking of the two consumer warpgroups: consumer cw issues its products after named
-// barrier 1 + cw, then lets the other one go, so that one's softmax runs under the other's
-// products. Both consumers take the same number of turns; consumer 1 hands on nothing after its
-// last one. (ON = false: no turns, each consumer issues when it is ready: the FP8 pipeline,
-// whose products are short beside its softmax, runs 14% faster so on an H100.)
+// Turn-taking of the consumer warpgroups, round robin: consumer cw issues its products after
+// named barrier 1 + cw, then lets the next one go, so that the others' softmax runs under its
+// products. Every consumer takes the same number of turns; the last one hands on nothing after
+// its last turn. (ON = false: no turns, each consumer issues when it is ready: the FP8
+// pipeline, whose products are short beside its softmax, runs 14% faster so on an H100.)
 template <bool ON>
 struct FwdTurns {
-    int mine, other, cw;
-    __device__ __forceinline__ explicit FwdTurns(int cw_) : mine(1 + cw_), other(2 - cw_), cw(cw_) {
-        if (ON && cw == 1) named_arrive(1, 256); // consumer 0 goes first
+    int mine, next, cw;
+    __device__ __forceinline__ explicit FwdTurns(int cw_) : mine(1 + cw_), next(1 + (cw_ + 1) % FW_NC), cw(cw_) {
+        if (ON && cw == FW_NC - 1) named_arrive(next, 256); // consumer 0 goes first
     }
     __device__ __forceinline__ void begin() const { if (ON) named_sync(mine, 256); }
-    __device__ __forceinline__ void end() const { if (ON) named_arrive(other, 256); }
-    __device__ __forceinline__ void end_last() const { if (ON && cw == 0) named_arrive(other, 256); }
+    __device__ __forceinline__ void end() const { if (ON) named_arrive(next, 256); }
+    __device__ __forceinline__ void end_last() const { if (ON && cw != FW_NC - 1) named_arrive(next, 256); }
 };
 
 // The scores of tile 0, waited for (both consumers start so).
@@ -296,7 +302,7 @@ __device__ __forceinline__ void fwd_consume_ahead(const FwdParams& p, const FwdP
 
 // The block is warp-specialized: warp 0 of warpgroup 0 (the producer, 24 registers) streams Q
 // and the K/V tiles with TMA into Ops::STAGES stages each, signalled by mbarriers; warpgroups 1
-// and 2 (240 registers) compute 64 rows each (fwd_consume or, with Ops::SCORES_AHEAD,
+// to FW_NC (FW_CONSUMER_REGS registers) compute 64 rows each (fwd_consume or, with Ops::SCORES_AHEAD,
 // fwd_consume_ahead) and release a stage as soon as the product reading it has completed.
 // The tiles' layouts and products come from Ops (FwdHalf; FwdE4m3 in forward_e4m3.cu); fb is
 // the block's fwd_block, sl2 the scale of the scores in log2 units and o_scale multiplies the
@@ -316,8 +322,8 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
         for (int i = 0; i < Ops::STAGES; ++i) {
             mbar_init(sp.full_k + 8 * i, 1);
             mbar_init(sp.full_v + 8 * i, 1);
-            mbar_init(sp.free_k + 8 * i, 8); // one arrival per consumer warp
-            mbar_init(sp.free_v + 8 * i, 8);
+            mbar_init(sp.free_k + 8 * i, 4 * FW_NC); // one arrival per consumer warp
+            mbar_init(sp.free_v + 8 * i, 4 * FW_NC);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -341,7 +347,7 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
         }
         return;
     }
-    reg_alloc<240>();
+    reg_alloc<FW_CONSUMER_REGS>();
     const int cw = wg - 1, wi = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int rq = 64 * cw + 16 * wi + g; // this thread's query rows in the tile: rq, rq + 8
@@ -361,7 +367,7 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
     fwd_store(p, r.o, r.m, r.l, b, h, q0 + rq, t, o_scale);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1)
+extern "C" __global__ void __launch_bounds__(FW_THREADS, 1)
 flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
              const __grid_constant__ TmaMap tv) {
     fwd_ws<FwdHalf>(p, fwd_block(p), &tq, &tk, &tv, p.scale_log2, 1.f);

@@ -59,7 +59,7 @@ struct FwdE4m3 {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(384, 1)
+extern "C" __global__ void __launch_bounds__(FW_THREADS, 1)
 flash_fwd_e4m3(const E4m3FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                const __grid_constant__ TmaMap tvt) {
     const FwdBlock fb = fwd_block(p.f);
