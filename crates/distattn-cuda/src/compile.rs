@@ -63,7 +63,7 @@ pub struct KernelConfig {
     pub bwd_wg: bool,
     /// Forward on warpgroup MMAs, warp-specialized with TMA loads (`flash_fwd_ws`; sm_90a,
     /// every head dim): a producer warp and consumer warpgroups of 64 rows (`fwd_warps / 4`:
-    /// 3 at d 64, else 2), 128-key tiles (64 above d 128).
+    /// 3 at d 64, else 2), 128-key tiles (96 at d 192, 80 at d 256).
     pub fwd_wg: bool,
     /// Warps of the decode kernel (`flash_decode`), 16 keys of each K/V tile each.
     pub dec_warps: usize,
@@ -197,8 +197,15 @@ impl KernelConfig {
                 self.fwd_warps = if self.head_dim == 64 { 12 } else { 8 };
             }
             self.fwd_mr = 1;
-            // (Above d 128, 64-key tiles: two stages of 128 keys would not fit the shared memory.)
-            self.fwd_bn = if self.head_dim > 128 { 64 } else { 128 };
+            // Above d 128, as many keys as two stages of K and V fit beside Q in the shared
+            // memory (227 KB), in whole 16-key steps.
+            if !o.contains_key("fwd_bn") {
+                self.fwd_bn = match self.head_dim {
+                    192 => 96,
+                    256 => 80,
+                    _ => 128,
+                };
+            }
         }
         self
     }

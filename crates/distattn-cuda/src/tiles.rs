@@ -20,7 +20,8 @@ pub struct TilePlan {
     pub ptr: Vec<i32>,
     /// Per entry: `[other-axis tile, bitmask offset in u32 words or -1]`.
     pub tiles: Vec<[i32; 2]>,
-    /// Bitmasks, `bm` rows (query rows) of `bn / 32` words each (bit = key column).
+    /// Bitmasks, `bm` rows (query rows) of [`words_per_row`](Self::words_per_row) words each
+    /// (bit = key column).
     pub bits: Vec<u32>,
     /// Number of full and partial tiles.
     pub n_full: usize,
@@ -30,12 +31,13 @@ pub struct TilePlan {
 impl TilePlan {
     /// Per query tile: the key tiles it meets.
     pub fn by_query(mask: &Mask, bm: usize, bn: usize) -> Result<TilePlan> {
-        if bm == 0 || bn == 0 || !bn.is_multiple_of(32) {
+        // (Key tiles of whole 16-key MMA steps.)
+        if bm == 0 || bn == 0 || !bn.is_multiple_of(16) {
             return Err(Error::Backend { backend: "cuda", reason: format!("bad tile {bm}x{bn}") });
         }
         let q_len = mask.q_len();
         let n_qt = q_len.div_ceil(bm);
-        let words = bn / 32;
+        let words = bn.div_ceil(32);
         let mut ptr = Vec::with_capacity(n_qt + 1);
         let mut tiles = Vec::new();
         let mut bits = Vec::new();
@@ -99,10 +101,16 @@ impl TilePlan {
         Ok(TilePlan { bm, bn, n_major: n_kt, ptr, tiles, bits: q.bits, n_full: q.n_full, n_partial: q.n_partial })
     }
 
+    /// Bitmask words per query row of a partial tile: `bn / 32` rounded up (an 80-key tile's
+    /// third word holds 16 keys).
+    pub fn words_per_row(&self) -> usize {
+        self.bn.div_ceil(32)
+    }
+
     /// Whether (row, col) of the `other`-indexed tile of major tile `major` is kept, by the
     /// plan (for tests). `by_query` plans: row = query in tile, col = key in tile.
     pub fn kept(&self, major: usize, other: usize, row: usize, col: usize) -> bool {
-        let words = self.bn / 32;
+        let words = self.words_per_row();
         for e in &self.tiles[self.ptr[major] as usize..self.ptr[major + 1] as usize] {
             if e[0] as usize == other {
                 return e[1] < 0 || self.bits[e[1] as usize + row * words + col / 32] >> (col % 32) & 1 == 1;
@@ -130,12 +138,12 @@ mod tests {
                 let got = p.kept(i / bm, j / bn, i % bm, j % bn);
                 assert_eq!(got, want, "q={i} k={j}");
                 // The key-major plan holds the same tile with the same bits.
-                let words = bn / 32;
+                let words = kp.words_per_row();
                 let e = kp.tiles[kp.ptr[j / bn] as usize..kp.ptr[j / bn + 1] as usize]
                     .iter()
                     .find(|e| e[0] as usize == i / bm);
                 let got_k = e.is_some_and(|e| {
-                    e[1] < 0 || kp.bits[e[1] as usize + (i % bm) * words + (j % bn) / 32] >> (j % 32) & 1 == 1
+                    e[1] < 0 || kp.bits[e[1] as usize + (i % bm) * words + (j % bn) / 32] >> (j % bn % 32) & 1 == 1
                 });
                 assert_eq!(got_k, want, "by_key q={i} k={j}");
             }
@@ -151,6 +159,10 @@ mod tests {
         check_plan(&Mask::sliding_window(200, 200, Some(37), Some(0)).unwrap(), 32, 64);
         check_plan(&Mask::documents(&[30, 70, 5, 95], DocKind::Causal).unwrap(), 64, 32);
         check_plan(&Mask::prefix_lm(150, 40).unwrap(), 64, 64);
+        // The Hopper forward's tiles above d 128: 80 keys (a half-used third word), 96 keys.
+        check_plan(&Mask::causal(300, 300).unwrap(), 128, 80);
+        check_plan(&Mask::documents(&[100, 13, 190], DocKind::Causal).unwrap(), 128, 96);
+        check_plan(&Mask::sliding_window(170, 230, Some(50), Some(20)).unwrap(), 192, 80);
     }
 
     #[test]

@@ -5,9 +5,10 @@
 // ---------------------------------------------------------------- forward (sm_90a)
 // One block per query tile of 64 rows per consumer warpgroup (FWD_WARPS / 4 of them: 3 at d 64,
 // where two do not keep the tensor cores busy through the softmax, else 2; d 96: tiles of DK =
-// 128 columns, see primitives.cuh). Per key tile (FWD_BN: 128 keys; 64 above d 128, where O
-// takes 96 or 128 registers a thread and two stages of 128-key tiles would not fit the shared
-// memory) and consumer warpgroup: S = Q K^T (shared x shared), online softmax in registers,
+// 128 columns, see primitives.cuh). Per key tile (FWD_BN: 128 keys; above d 128, where O takes
+// 96 or 128 registers a thread, as many as two stages of K and V fit beside Q in the shared
+// memory: 96 at d 192, 80 at d 256) and consumer warpgroup: S = Q K^T (shared x shared), online
+// softmax in registers,
 // O += P V with P as the register A operand and V read N-major. The P V product of tile e-1
 // runs on the tensor cores while the softmax of tile e runs on the other pipes.
 #define FW_NC (FWD_WARPS / 4) // consumer warpgroups
@@ -26,7 +27,7 @@
 __device__ __forceinline__ void fwd_softmax(float (&s)[FW_SN], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                             const u32* bits, int moff, int rq, int t, float sl2) {
     if (moff >= 0) { // partial tile: apply the bitmask
-        constexpr int W = FW_BN / 32;
+        constexpr int W = (FW_BN + 31) / 32; // mask words a row (TilePlan::words_per_row)
         const u32* r0w = bits + moff + rq * W;
         const u32* r1w = r0w + 8 * W;
 #pragma unroll

@@ -101,25 +101,33 @@ __device__ __forceinline__ void reg_dealloc() { asm volatile("setmaxnreg.dec.syn
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
-// D[64 x 32] (+)= A[64 x 16] B[16 x 32], A and B from shared memory; ACC = 0: D's earlier values
-// are not read (the first k-step).
-template <int ACC, int TA, int TB>
-__device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], u64 da, u64 db) {
-    if constexpr (ACC)
-        asm volatile(
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32" WG_AB " "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, 1, 1, 1, %18, %19;\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-            : "l"(da), "l"(db), "n"(TA), "n"(TB));
-    else
-        asm volatile(
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32" WG_AB " "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, 0, 1, 1, %18, %19;\n"
-            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
-              "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15])
-            : "l"(da), "l"(db), "n"(TA), "n"(TB));
-}
+// Constraints binding the accumulators d[i..i + 7], read-write (WG_RW8) or write-only (WG_W8).
+#define WG_RW8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define WG_W8(d, i) "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), "=f"(d[i + 6]), "=f"(d[i + 7])
+// wgmma_ss_n<N>: D[64 x N] (+)= A[64 x 16] B[16 x N], A and B from shared memory; ACC = 0: D's
+// earlier values are not read (the first k-step). REGS: the PTX list of D's N / 2 registers; DA,
+// DB, TA_, TB_: the operand numbers after them; BIND(C): D's constraints, C = WG_RW8 or WG_W8.
+#define WG_SS_PRODUCT(N, REGS, DA, DB, TA_, TB_, BIND)                                                          \
+    template <int ACC, int TA, int TB>                                                                         \
+    __device__ __forceinline__ void wgmma_ss_n##N(float (&d)[N / 2], u64 da, u64 db) {                        \
+        if constexpr (ACC)                                                                                     \
+            asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32" WG_AB " " REGS ", %" #DA ", %" #DB   \
+                         ", 1, 1, 1, %" #TA_ ", %" #TB_ ";\n"                                                  \
+                         : BIND(WG_RW8)                                                                        \
+                         : "l"(da), "l"(db), "n"(TA), "n"(TB));                                                \
+        else                                                                                                   \
+            asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32" WG_AB " " REGS ", %" #DA ", %" #DB   \
+                         ", 0, 1, 1, %" #TA_ ", %" #TB_ ";\n"                                                  \
+                         : BIND(WG_W8)                                                                         \
+                         : "l"(da), "l"(db), "n"(TA), "n"(TB));                                                \
+    }
+#define WG_BIND16(C) C(d, 0), C(d, 8)
+#define WG_BIND40(C) C(d, 0), C(d, 8), C(d, 16), C(d, 24), C(d, 32)
+#define WG_BIND48(C) WG_BIND40(C), C(d, 40)
+// N = 32: the d 192/256 backward's score tiles; 80 and 96: the forward's key tiles at d 256, 192.
+WG_SS_PRODUCT(32, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", 16, 17, 18, 19, WG_BIND16)
+WG_SS_PRODUCT(80, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}", 40, 41, 42, 43, WG_BIND40)
+WG_SS_PRODUCT(96, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}", 48, 49, 50, 51, WG_BIND48)
 
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory (descriptors).
 template <int TA, int TB>
@@ -217,7 +225,13 @@ __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_ro
         const u64 db = wg_desc_add(db0, (kk >> 2) * b_rows * 128 + (kk & 3) * 32);
         // (a k-step index of 0 starts from zero)
         if constexpr (NA == 32) wgmma_ss64<0, 0>(acc, da, db, ACC ? 1 : kk);
-        else wgmma_ss128<0, 0>(acc, da, db, ACC ? 1 : kk);
+        else if constexpr (NA == 40) {
+            if (ACC || kk) wgmma_ss_n80<1, 0, 0>(acc, da, db);
+            else wgmma_ss_n80<0, 0, 0>(acc, da, db);
+        } else if constexpr (NA == 48) {
+            if (ACC || kk) wgmma_ss_n96<1, 0, 0>(acc, da, db);
+            else wgmma_ss_n96<0, 0, 0>(acc, da, db);
+        } else wgmma_ss128<0, 0>(acc, da, db, ACC ? 1 : kk);
     }
 }
 
