@@ -3,6 +3,7 @@
 forward against PyTorch SDPA's cuDNN and flash backends, timed both ways in the same run.
 
   prefill_bench.py OUT_DIR [--quick] [--cases a,b]     CUDA-event timings -> OUT_DIR/prefill_bench.json
+      [--impls distattn,distattn-fp8] [--passes fwd]   (of these implementations and passes only)
   ncu --clock-control none --csv --metrics gpu__time_duration.sum \\
       python3 prefill_bench.py OUT_DIR --kernel-pass > OUT_DIR/ncu.csv
   prefill_bench.py OUT_DIR --table OUT_DIR/ncu.csv     the tables, from both
@@ -107,10 +108,17 @@ def impls(n, mask, h, hkv, d):
     return out
 
 
-def run_timings(out_dir, quick, only):
+def picked(impl, pss, only_impls, only_passes):
+    """Whether --impls / --passes (comma-separated; None: all) take this implementation and pass."""
+    return (not only_impls or impl in only_impls.split(",")) and (not only_passes or pss in only_passes.split(","))
+
+
+def run_timings(out_dir, quick, only, only_impls=None, only_passes=None):
     rows = []
     for name, n, mask, h, hkv, d in cases(quick, only):
         for impl, pss, fn in impls(n, mask, h, hkv, d):
+            if not picked(impl, pss, only_impls, only_passes):
+                continue
             ms = timed(fn, 0.2 if quick else 0.3)
             f = flops(n, mask, h, d) * (2.5 if pss == "bwd" else 1)
             rows.append({"case": name, "impl": impl, "pass": pss, "ms": ms, "tflops": f / ms / 1e9})
@@ -229,6 +237,8 @@ def main():
     ap.add_argument("--table", metavar="NCU_CSV", help="print the tables from the timings and ncu's CSV")
     ap.add_argument("--accuracy", action="store_true", help="errors against f64 at 16k")
     ap.add_argument("--cases", help="comma-separated case names or prefixes, e.g. d128- (default: all)")
+    ap.add_argument("--impls", help="timings of these implementations only, e.g. distattn,distattn-fp8")
+    ap.add_argument("--passes", help="timings of these passes only: fwd, bwd")
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
     if a.table:
@@ -238,7 +248,7 @@ def main():
     elif a.accuracy:
         accuracy(a.out_dir)
     else:
-        run_timings(a.out_dir, a.quick, a.cases)
+        run_timings(a.out_dir, a.quick, a.cases, a.impls, a.passes)
 
 
 if __name__ == "__main__":
