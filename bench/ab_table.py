@@ -4,7 +4,8 @@
 Per grid cell and pass: A's and B's median over the repeats of their per-run medians (CUDA
 events), the spread of each side (max/min over repeats), and B/A; with Nsight Compute files,
 the per-pass kernel time of each side (the median launch of each kernel, summed over the
-kernels of the pass) and B/A. Writes OUTDIR/ab.json."""
+kernels of the pass) and B/A, only where the run had one head dim and length (the Nsight Compute
+launches are split by pass and mask alone). Writes OUTDIR/ab.json."""
 import csv
 import json
 import os
@@ -55,6 +56,10 @@ def main():
     out, repeats = sys.argv[1], int(sys.argv[2])
     a, b = events(out, "a", repeats), events(out, "b", repeats)
     na, nb = ncu(out, "a"), ncu(out, "b")
+    if len({(d, seq) for d, seq, _, _ in a}) > 1:
+        if na or nb:
+            print("(Nsight Compute columns left out: the run had several head dims or lengths)")
+        na, nb = {}, {}
     rows = []
     print(f"{'d':>4} {'seq':>6} {'causal':>6} {'pass':>4} | {'A ms':>8} {'spread':>6} | {'B ms':>8} {'spread':>6} | "
           f"{'B/A':>6} | {'A ncu':>8} {'B ncu':>8} {'B/A':>6}")
