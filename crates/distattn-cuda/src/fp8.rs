@@ -9,7 +9,7 @@
 #![allow(clippy::too_many_arguments)] // a launch takes each buffer its kernel reads or writes
 
 use crate::attention::{fwd_grid, fwd_params, ForwardPtrs};
-use crate::compile::backend_err;
+use crate::compile::{backend_err, E4M3_BN};
 use crate::device::CudaBackend;
 use crate::external::aligned;
 use crate::params::{E4m3FwdParams, TransposeVParams};
@@ -17,9 +17,9 @@ use crate::{driver_err, tma, CudaElement};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, Result};
 
-/// Keys of the transposed V's rows: the key count rounded up to whole 128-key tiles.
+/// Keys of the transposed V's rows: the key count rounded up to whole tiles.
 fn k_pad(k_len: usize) -> usize {
-    k_len.div_ceil(128) * 128
+    k_len.div_ceil(E4M3_BN) * E4M3_BN
 }
 
 /// Bytes of the FP8 forward's workspace (V transposed) for `shape`.
@@ -195,7 +195,7 @@ impl CudaBackend {
         // the grid of k_pad / 64 key blocks x hkv x b covers exactly.
         unsafe { s.launch_builder(&e.transpose_v).arg(&tp).launch(grid) }
             .map_err(driver_err("launching the V transpose"))?;
-        let tiles = self.tiles(mask, cfg.fwd_bm(), cfg.fwd_bn, false)?;
+        let tiles = self.tiles(mask, cfg.fwd_bm(), E4M3_BN, false)?;
         let f = ForwardPtrs { q: t.q, k: t.k, v: t.v, o: t.o, o_f32: 0, lse: t.lse };
         let p = E4m3FwdParams {
             f: fwd_params(s, &f, &tiles, shape, opts, self.sm_count())?,
@@ -203,7 +203,7 @@ impl CudaBackend {
             k_descale: t.k_descale,
             v_descale: t.v_descale,
         };
-        let (bm, bn) = (cfg.fwd_bm() as u32, cfg.fwd_bn as u32);
+        let (bm, bn) = (cfg.fwd_bm() as u32, E4M3_BN as u32);
         let maps = [
             tma::TensorMap::rows_u8(t.q, tma::RowsTensor::of_queries(shape), bm)?,
             tma::TensorMap::rows_u8(t.k, tma::RowsTensor::of_keys(shape), bn)?,

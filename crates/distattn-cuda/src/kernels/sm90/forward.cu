@@ -5,33 +5,32 @@
 // ---------------------------------------------------------------- forward (sm_90a)
 // One block per query tile of 64 rows per consumer warpgroup (FWD_WARPS / 4 of them: 3 at d 64,
 // where two do not keep the tensor cores busy through the softmax, else 2; d 96: tiles of DK =
-// 128 columns, see primitives.cuh). Per key tile (FWD_BN: 128 keys; above d 128, where O takes
-// 96 or 128 registers a thread, as many as two stages of K and V fit beside Q in the shared
-// memory: 96 at d 192, 80 at d 256) and consumer warpgroup: S = Q K^T (shared x shared), online
-// softmax in registers,
+// 128 columns, see primitives.cuh). Per key tile (Ops::BN keys; in bf16/f16 FWD_BN: 128 at
+// d 64 and 96, 192 at d 128; above d 128, where O takes 96 or 128 registers a thread, as many as
+// two stages of K and V fit beside Q in the shared memory: 96 at d 192, 80 at d 256) and
+// consumer warpgroup: S = Q K^T (shared x shared), online softmax in registers,
 // O += P V with P as the register A operand and V read N-major. The P V product of tile e-1
 // runs on the tensor cores while the softmax of tile e runs on the other pipes.
 #define FW_NC (FWD_WARPS / 4) // consumer warpgroups
 #define FW_BM (64 * FW_NC)
-#define FW_BN FWD_BN
 #define FW_THREADS (128 * (1 + FW_NC))
 // Registers a consumer thread takes from the producer warpgroup's (24 left a producer thread):
 // the most that fit the 64K of an SM, in steps of 8.
 #define FW_CONSUMER_REGS (FW_NC == 3 ? 160 : 240)
-#define FW_SN (FW_BN / 2) // score accumulators a consumer thread holds
 #define LAZY_MAX (D == 128) // see fwd_softmax
 
-// Masks and exponentiates one 64 x FW_BN tile of scores (a warpgroup's accumulators) in place,
+// Masks and exponentiates one 64 x BN tile of scores (a warpgroup's accumulators) in place,
 // updating the running max m (log2 units) and sum l of the thread's two rows; returns in
 // alpha the factor by which the rows' earlier output must be rescaled.
-__device__ __forceinline__ void fwd_softmax(float (&s)[FW_SN], float (&m)[2], float (&l)[2], float (&alpha)[2],
+template <int BN>
+__device__ __forceinline__ void fwd_softmax(float (&s)[BN / 2], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                             const u32* bits, int moff, int rq, int t, float sl2) {
     if (moff >= 0) { // partial tile: apply the bitmask
-        constexpr int W = (FW_BN + 31) / 32; // mask words a row (TilePlan::words_per_row)
+        constexpr int W = (BN + 31) / 32; // mask words a row (TilePlan::words_per_row)
         const u32* r0w = bits + moff + rq * W;
         const u32* r1w = r0w + 8 * W;
 #pragma unroll
-        for (int j = 0; j < FW_BN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j) {
             const int c = 8 * j + 2 * t;
             const u32 w0 = r0w[c >> 5] >> (c & 31), w1 = r1w[c >> 5] >> (c & 31);
             if (!(w0 & 1)) s[4 * j] = NEG_INF;
@@ -45,7 +44,7 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[FW_SN], float (&m)[2], fl
     for (int r = 0; r < 2; ++r) {
         float mx = NEG_INF;
 #pragma unroll
-        for (int j = 0; j < FW_BN / 8; ++j) mx = fmax_nan(mx, fmax_nan(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        for (int j = 0; j < BN / 8; ++j) mx = fmax_nan(mx, fmax_nan(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
         mx = fmax_nan(mx, __shfl_xor_sync(0xffffffff, mx, 1));
         mx = fmax_nan(mx, __shfl_xor_sync(0xffffffff, mx, 2));
         // At head dim 128 the running max moves only when the tile's exceeds it by more than 8
@@ -59,7 +58,7 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[FW_SN], float (&m)[2], fl
         m[r] = mn;
         float rs = 0.f;
 #pragma unroll
-        for (int j = 0; j < FW_BN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j) {
             s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], sl2, -mu));
             s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], sl2, -mu));
             rs += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
@@ -105,24 +104,25 @@ __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D
 // The operations of the bf16/f16 pipeline: Q, K and V tiles in [rows][DK] (DK/64 swizzled column
 // blocks), k = 16 products, P packed in pairs.
 struct FwdHalf {
-    static constexpr u32 Q_BYTES = FW_BM * DK * 2, TILE_BYTES = FW_BN * DK * 2;
+    static constexpr int BN = FWD_BN;
+    static constexpr u32 Q_BYTES = FW_BM * DK * 2, TILE_BYTES = BN * DK * 2;
     static constexpr int STAGES = 2;
     static constexpr bool SCORES_AHEAD = false, TURNS = true;
-    using PFrag = u32[FW_BN / 16][4];
+    using PFrag = u32[BN / 16][4];
     __device__ static __forceinline__ void load_q(u32 dst, const TmaMap* m, u32 bar, int q0, int h, int b) {
         tma_load_rows<FW_BM>(dst, m, bar, q0, h, b);
     }
     __device__ static __forceinline__ void load_k(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
-        tma_load_rows<FW_BN>(dst, m, bar, k0, kvh, b);
+        tma_load_rows<BN>(dst, m, bar, k0, kvh, b);
     }
     __device__ static __forceinline__ void load_v(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
-        tma_load_rows<FW_BN>(dst, m, bar, k0, kvh, b);
+        tma_load_rows<BN>(dst, m, bar, k0, kvh, b);
     }
-    __device__ static __forceinline__ void qk(float (&s)[FW_SN], u32 qs, int cw, u32 ks) {
-        wg_gemm_kmajor(s, qs, FW_BM, 64 * cw, ks, FW_BN);
+    __device__ static __forceinline__ void qk(float (&s)[BN / 2], u32 qs, int cw, u32 ks) {
+        wg_gemm_kmajor(s, qs, FW_BM, 64 * cw, ks, BN);
     }
-    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[FW_SN]) { wg_pack_a<FW_BN>(pa, s); }
-    __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) { wg_gemm_rs_nD<FW_BN>(o, pa, vs); }
+    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[BN / 2]) { wg_pack_a<BN>(pa, s); }
+    __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) { wg_gemm_rs_nD<BN>(o, pa, vs); }
 };
 
 // The shared-memory pipeline of a forward block: the query tile, STAGES key and value tiles,
@@ -176,7 +176,7 @@ struct FwdTurns {
 
 // The scores of tile 0, waited for (both consumers start so).
 template <class Ops, class Turns>
-__device__ __forceinline__ void fwd_first_scores(const FwdPipe<Ops>& sp, const Turns& turn, float (&s)[FW_SN], int cw,
+__device__ __forceinline__ void fwd_first_scores(const FwdPipe<Ops>& sp, const Turns& turn, float (&s)[Ops::BN / 2], int cw,
                                                  int lane) {
     mbar_wait(sp.full_q, 0);
     sp.wait_k(0);
@@ -212,9 +212,9 @@ __device__ __forceinline__ void fwd_consume(const FwdParams& p, const FwdPipe<Op
                                             int cw, int rq, int t, int lane, float sl2) {
     typename Ops::PFrag pa;
     const FwdTurns<Ops::TURNS> turn(cw);
-    float s[FW_SN];
+    float s[Ops::BN / 2];
     fwd_first_scores(sp, turn, s, cw, lane);
-    fwd_softmax(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0].y, rq, t, sl2);
+    fwd_softmax<Ops::BN>(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0].y, rq, t, sl2);
     Ops::pack_p(pa, s);
     for (int i = 1; i < n; ++i) {
         sp.wait_k(i);
@@ -229,7 +229,7 @@ __device__ __forceinline__ void fwd_consume(const FwdParams& p, const FwdPipe<Op
         wg_wait<1>();
         wg_pin(s);
         sp.release_k(i, lane);
-        fwd_softmax(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0 + i].y, rq, t, sl2);
+        fwd_softmax<Ops::BN>(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0 + i].y, rq, t, sl2);
         wg_wait<0>();
         wg_pin(r.o);
         sp.release_v(i - 1, lane);
@@ -248,7 +248,7 @@ __device__ __forceinline__ void fwd_consume_ahead(const FwdParams& p, const FwdP
                                                   int n, int cw, int rq, int t, int lane, float sl2) {
     typename Ops::PFrag pa;
     const FwdTurns<Ops::TURNS> turn(cw);
-    float s[FW_SN], sn[FW_SN]; // S(i), S(i+1)
+    float s[Ops::BN / 2], sn[Ops::BN / 2]; // S(i), S(i+1)
     fwd_first_scores(sp, turn, s, cw, lane);
     // Step 0: S(1) under the softmax of tile 0.
     sp.wait_k(1);
@@ -257,13 +257,13 @@ __device__ __forceinline__ void fwd_consume_ahead(const FwdParams& p, const FwdP
     Ops::qk(sn, sp.Qs, cw, sp.k_tile(1));
     wg_commit();
     turn.end();
-    fwd_softmax(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0].y, rq, t, sl2);
+    fwd_softmax<Ops::BN>(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0].y, rq, t, sl2);
     Ops::pack_p(pa, s);
     wg_wait<0>();
     wg_pin(sn);
     sp.release_k(1, lane);
 #pragma unroll
-    for (int j = 0; j < FW_SN; ++j) s[j] = sn[j];
+    for (int j = 0; j < Ops::BN / 2; ++j) s[j] = sn[j];
     for (int i = 1; i < n - 1; ++i) {
         sp.wait_k(i + 1);
         sp.wait_v(i - 1);
@@ -274,7 +274,7 @@ __device__ __forceinline__ void fwd_consume_ahead(const FwdParams& p, const FwdP
         Ops::pv(r.o, pa, sp.v_tile(i - 1));
         wg_commit();
         turn.end();
-        fwd_softmax(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0 + i].y, rq, t, sl2);
+        fwd_softmax<Ops::BN>(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0 + i].y, rq, t, sl2);
         wg_wait<0>();
         wg_pin(sn);
         wg_pin(r.o);
@@ -283,7 +283,7 @@ __device__ __forceinline__ void fwd_consume_ahead(const FwdParams& p, const FwdP
         fwd_rescale(r.o, r.alpha);
         Ops::pack_p(pa, s);
 #pragma unroll
-        for (int j = 0; j < FW_SN; ++j) s[j] = sn[j];
+        for (int j = 0; j < Ops::BN / 2; ++j) s[j] = sn[j];
     }
     // Step n - 1: no scores left to issue.
     sp.wait_v(n - 2);
@@ -292,7 +292,7 @@ __device__ __forceinline__ void fwd_consume_ahead(const FwdParams& p, const FwdP
     Ops::pv(r.o, pa, sp.v_tile(n - 2));
     wg_commit();
     turn.end();
-    fwd_softmax(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0 + n - 1].y, rq, t, sl2);
+    fwd_softmax<Ops::BN>(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0 + n - 1].y, rq, t, sl2);
     wg_wait<0>();
     wg_pin(r.o);
     sp.release_v(n - 2, lane);
@@ -340,10 +340,10 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
                 const int kt = p.tiles[e].x;
                 if (i >= Ops::STAGES) mbar_wait(sp.free_k + 8 * st, ph ^ 1);
                 mbar_expect_tx(sp.full_k + 8 * st, Ops::TILE_BYTES);
-                Ops::load_k(sp.k_tile(i), tk, sp.full_k + 8 * st, kt * FW_BN, kvh, b);
+                Ops::load_k(sp.k_tile(i), tk, sp.full_k + 8 * st, kt * Ops::BN, kvh, b);
                 if (i >= Ops::STAGES) mbar_wait(sp.free_v + 8 * st, ph ^ 1);
                 mbar_expect_tx(sp.full_v + 8 * st, Ops::TILE_BYTES);
-                Ops::load_v(sp.v_tile(i), tv, sp.full_v + 8 * st, kt * FW_BN, kvh, b);
+                Ops::load_v(sp.v_tile(i), tv, sp.full_v + 8 * st, kt * Ops::BN, kvh, b);
             }
         }
         return;

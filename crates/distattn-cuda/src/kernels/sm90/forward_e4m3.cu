@@ -19,32 +19,34 @@ __device__ __forceinline__ int e4m3_key_of(int pos) {
 }
 
 struct FwdE4m3 {
-    // Tiles are one 128-byte swizzled column block: a head dim of 128 bytes.
-    static constexpr u32 Q_BYTES = FW_BM * D, TILE_BYTES = FW_BN * D;
+    // Tiles are one 128-byte swizzled column block: a head dim of 128 bytes. 128 keys (the
+    // host's E4M3_BN, compile.rs), whatever the bf16 pipeline's FWD_BN.
+    static constexpr int BN = 128;
+    static constexpr u32 Q_BYTES = FW_BM * D, TILE_BYTES = BN * D;
     // Two score tiles in flight, which need the next key tile a step earlier: a third stage.
     static constexpr bool SCORES_AHEAD = true, TURNS = false;
     static constexpr int STAGES = 3;
-    using PFrag = u32[FW_BN / 32][4];
+    using PFrag = u32[BN / 32][4];
     __device__ static __forceinline__ void load_q(u32 dst, const TmaMap* m, u32 bar, int q0, int h, int b) {
         tma_box(dst, m, bar, 0, q0, h, b);
     }
     __device__ static __forceinline__ void load_k(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
         tma_box(dst, m, bar, 0, k0, kvh, b);
     }
-    // V^T's tile: D rows of FW_BN keys.
+    // V^T's tile: D rows of BN keys.
     __device__ static __forceinline__ void load_v(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
         tma_box(dst, m, bar, k0, 0, kvh, b);
     }
-    __device__ static __forceinline__ void qk(float (&s)[FW_SN], u32 qs, int cw, u32 ks) {
+    __device__ static __forceinline__ void qk(float (&s)[BN / 2], u32 qs, int cw, u32 ks) {
         const u64 da = wg_desc(qs + 64 * cw * 128, 16, 1024), db = wg_desc(ks, 16, 1024);
         wgmma_e4m3_ss_n128_z(s, da, db);
 #pragma unroll
         for (int kk = 1; kk < D / 32; ++kk) wgmma_e4m3_ss_n128(s, wg_desc_add(da, 32 * kk), wg_desc_add(db, 32 * kk));
     }
     // k-step kk covers accumulator column blocks 4kk..4kk+3 (see e4m3_key_of).
-    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[FW_SN]) {
+    __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[BN / 2]) {
 #pragma unroll
-        for (int kk = 0; kk < FW_BN / 32; ++kk) {
+        for (int kk = 0; kk < BN / 32; ++kk) {
             const float* x = s + 16 * kk;
             pa[kk][0] = pack4_e4m3(x[0], x[1], x[4], x[5]);
             pa[kk][1] = pack4_e4m3(x[2], x[3], x[6], x[7]);
@@ -55,7 +57,7 @@ struct FwdE4m3 {
     __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) {
         const u64 dv = wg_desc(vs, 16, 1024);
 #pragma unroll
-        for (int kk = 0; kk < FW_BN / 32; ++kk) wgmma_e4m3_rs_n128(o, pa[kk], wg_desc_add(dv, 32 * kk));
+        for (int kk = 0; kk < BN / 32; ++kk) wgmma_e4m3_rs_n128(o, pa[kk], wg_desc_add(dv, 32 * kk));
     }
 };
 

@@ -122,12 +122,22 @@ __device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.
                          : "l"(da), "l"(db), "n"(TA), "n"(TB));                                                \
     }
 #define WG_BIND16(C) C(d, 0), C(d, 8)
-#define WG_BIND40(C) C(d, 0), C(d, 8), C(d, 16), C(d, 24), C(d, 32)
+#define WG_BIND24(C) WG_BIND16(C), C(d, 16)
+#define WG_BIND32(C) WG_BIND24(C), C(d, 24)
+#define WG_BIND40(C) WG_BIND32(C), C(d, 32)
 #define WG_BIND48(C) WG_BIND40(C), C(d, 40)
-// N = 32: the d 192/256 backward's score tiles; 80 and 96: the forward's key tiles at d 256, 192.
+#define WG_BIND56(C) WG_BIND48(C), C(d, 48)
+#define WG_BIND64(C) WG_BIND56(C), C(d, 56)
+#define WG_BIND72(C) WG_BIND64(C), C(d, 64)
+#define WG_BIND80(C) WG_BIND72(C), C(d, 72)
+#define WG_BIND88(C) WG_BIND80(C), C(d, 80)
+#define WG_BIND96(C) WG_BIND88(C), C(d, 88)
+// N = 32: the d 192/256 backward's score tiles; 80, 96, 192: the forward's key tiles at d 256,
+// 192 and 128.
 WG_SS_PRODUCT(32, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", 16, 17, 18, 19, WG_BIND16)
 WG_SS_PRODUCT(80, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}", 40, 41, 42, 43, WG_BIND40)
 WG_SS_PRODUCT(96, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}", 48, 49, 50, 51, WG_BIND48)
+WG_SS_PRODUCT(192, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}", 96, 97, 98, 99, WG_BIND96)
 
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory (descriptors).
 template <int TA, int TB>
@@ -213,6 +223,14 @@ __device__ __forceinline__ void wgmma_ss128(float (&d)[64], u64 da, u64 db, int 
     else wgmma_ss_n128<TA, TB>(d, da, db, 1);
 }
 
+// The K-major shared x shared product with NA accumulators (N = 2 NA) from a WG_SS_PRODUCT.
+template <int NA, int ACC>
+__device__ __forceinline__ void wgmma_ss_nacc(float (&acc)[NA], u64 da, u64 db) {
+    if constexpr (NA == 40) wgmma_ss_n80<ACC, 0, 0>(acc, da, db);
+    else if constexpr (NA == 48) wgmma_ss_n96<ACC, 0, 0>(acc, da, db);
+    else wgmma_ss_n192<ACC, 0, 0>(acc, da, db);
+}
+
 // acc = A B^T over the head dim, both operands K-major in swizzled [rows][D] tiles: A is the 64
 // rows from a_row0 of a tile of a_rows rows, B all b_rows (= N) rows of its tile.
 // ACC: add to acc's values instead of starting from zero.
@@ -225,13 +243,9 @@ __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_ro
         const u64 db = wg_desc_add(db0, (kk >> 2) * b_rows * 128 + (kk & 3) * 32);
         // (a k-step index of 0 starts from zero)
         if constexpr (NA == 32) wgmma_ss64<0, 0>(acc, da, db, ACC ? 1 : kk);
-        else if constexpr (NA == 40) {
-            if (ACC || kk) wgmma_ss_n80<1, 0, 0>(acc, da, db);
-            else wgmma_ss_n80<0, 0, 0>(acc, da, db);
-        } else if constexpr (NA == 48) {
-            if (ACC || kk) wgmma_ss_n96<1, 0, 0>(acc, da, db);
-            else wgmma_ss_n96<0, 0, 0>(acc, da, db);
-        } else wgmma_ss128<0, 0>(acc, da, db, ACC ? 1 : kk);
+        else if constexpr (NA == 64) wgmma_ss128<0, 0>(acc, da, db, ACC ? 1 : kk);
+        else if (ACC || kk) wgmma_ss_nacc<NA, 1>(acc, da, db);
+        else wgmma_ss_nacc<NA, 0>(acc, da, db);
     }
 }
 
