@@ -42,8 +42,12 @@ pub(crate) fn backend_err(reason: impl Into<String>) -> Error {
 }
 
 /// Keys per tile of the FP8 forward (`FwdE4m3::BN` in `sm90/forward_e4m3.cu`), whatever the
-/// bf16/f16 forward's `fwd_bn`: its products are written for 128 keys.
-pub const E4M3_BN: usize = 128;
+/// bf16/f16 forward's `fwd_bn`: 64, so that three consumer warpgroups fit their registers.
+pub const E4M3_BN: usize = 64;
+/// Query rows per block of the FP8 forward: its three consumer warpgroups' (`FwdE4m3::BM`).
+pub const E4M3_BM: usize = 192;
+/// Threads per block of the FP8 forward: a producer warpgroup and three consumers.
+pub const E4M3_THREADS: usize = 512;
 
 /// Head dimensions the kernels support, forward and backward.
 pub const HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
@@ -296,10 +300,10 @@ impl KernelConfig {
     pub fn has_e4m3_forward(&self) -> bool {
         self.fwd_wg && self.head_dim == 128
     }
-    /// Dynamic shared memory of the FP8 forward, bytes: Q; K and V^T in 3 stages (one byte an
-    /// element); 1 KB to align the base; 13 mbarriers.
+    /// Dynamic shared memory of the FP8 forward, bytes: Q; K and V^T in 2 stages (one byte an
+    /// element); 1 KB to align the base; 9 mbarriers.
     pub fn e4m3_fwd_smem(&self) -> usize {
-        (self.fwd_bm() + 6 * E4M3_BN) * self.head_dim + 1024 + 13 * 8
+        (E4M3_BM + 4 * E4M3_BN) * self.head_dim + 1024 + 9 * 8
     }
     /// Dynamic shared memory of the dK/dV kernel (with a dQ job, of either job's block), bytes.
     pub fn bwd_smem(&self) -> usize {

@@ -9,7 +9,7 @@
 #![allow(clippy::too_many_arguments)] // a launch takes each buffer its kernel reads or writes
 
 use crate::attention::{fwd_grid, fwd_params, ForwardPtrs};
-use crate::compile::{backend_err, E4M3_BN};
+use crate::compile::{backend_err, E4M3_BM, E4M3_BN, E4M3_THREADS};
 use crate::device::CudaBackend;
 use crate::external::aligned;
 use crate::params::{E4m3FwdParams, TransposeVParams};
@@ -195,7 +195,7 @@ impl CudaBackend {
         // the grid of k_pad / 64 key blocks x hkv x b covers exactly.
         unsafe { s.launch_builder(&e.transpose_v).arg(&tp).launch(grid) }
             .map_err(driver_err("launching the V transpose"))?;
-        let tiles = self.tiles(mask, cfg.fwd_bm(), E4M3_BN, false)?;
+        let tiles = self.tiles(mask, E4M3_BM, E4M3_BN, false)?;
         let f = ForwardPtrs { q: t.q, k: t.k, v: t.v, o: t.o, o_f32: 0, lse: t.lse };
         let p = E4m3FwdParams {
             f: fwd_params(s, &f, &tiles, shape, opts, self.sm_count())?,
@@ -203,7 +203,7 @@ impl CudaBackend {
             k_descale: t.k_descale,
             v_descale: t.v_descale,
         };
-        let (bm, bn) = (cfg.fwd_bm() as u32, E4M3_BN as u32);
+        let (bm, bn) = (E4M3_BM as u32, E4M3_BN as u32);
         let maps = [
             tma::TensorMap::rows_u8(t.q, tma::RowsTensor::of_queries(shape), bm)?,
             tma::TensorMap::rows_u8(t.k, tma::RowsTensor::of_keys(shape), bn)?,
@@ -220,7 +220,7 @@ impl CudaBackend {
         // what `shape` says (the contract); the tile plan was built for this mask and the
         // kernel's tile sizes and stays alive until the launch (an evicted plan is freed after
         // every stream's work); sizes fit the i32 fields (check_common).
-        unsafe { launch.launch(fwd_grid(&tiles, shape, cfg.fwd_threads(), cfg.e4m3_fwd_smem())?) }
+        unsafe { launch.launch(fwd_grid(&tiles, shape, E4M3_THREADS, cfg.e4m3_fwd_smem())?) }
             .map_err(driver_err("launching the FP8 forward kernel"))?;
         Ok(())
     }

@@ -64,12 +64,13 @@ impl TensorMap {
     }
 
     /// The map of V transposed for the FP8 forward, bytes `[batch][kv heads][head_dim][k_pad]`,
-    /// in boxes of 128 keys x all `head_dim` rows.
+    /// in boxes of 64 keys x all `head_dim` rows, with the 64-byte swizzle (rows of 64 bytes).
     pub(crate) fn transposed_u8(ptr: u64, t: RowsTensor, k_pad: usize) -> Result<Self> {
         let dims = [k_pad as u64, t.head_dim as u64, t.heads as u64, t.batch as u64];
         let strides = [k_pad as u64, (t.head_dim * k_pad) as u64, (t.heads * t.head_dim * k_pad) as u64];
-        let boxes = [128, t.head_dim as u32, 1, 1];
-        Self::encode(ptr, sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, dims, strides, boxes)
+        let boxes = [64, t.head_dim as u32, 1, 1];
+        let sw = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B;
+        Self::encode(ptr, sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, dims, strides, boxes, sw)
             .map_err(|r| backend_err(format!("encoding a tensor map (V^T of {t:?}, {k_pad} keys): {r:?}")))
     }
 
@@ -80,18 +81,19 @@ impl TensorMap {
         let row = (t.heads * t.head_dim) as u64 * e;
         let strides = [row, t.head_dim as u64 * e, t.rows as u64 * row];
         let boxes = [128 / e as u32, box_rows, 1, 1];
-        Self::encode(ptr, ty, dims, strides, boxes)
+        Self::encode(ptr, ty, dims, strides, boxes, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
             .map_err(|r| backend_err(format!("encoding a tensor map ({t:?}, box {box_rows} rows): {r:?}")))
     }
 
-    /// A 4-d tiled map with the 128-byte swizzle: `dims` innermost first, byte `strides` of
-    /// dims 1..3, `boxes` in elements.
+    /// A 4-d tiled map with the swizzle `sw`: `dims` innermost first, byte `strides` of dims
+    /// 1..3, `boxes` in elements.
     fn encode(
         ptr: u64,
         ty: sys::CUtensorMapDataType,
         dims: [u64; 4],
         strides: [u64; 3],
         boxes: [u32; 4],
+        sw: sys::CUtensorMapSwizzle,
     ) -> std::result::Result<Self, sys::CUresult> {
         let elem_strides = [1u32; 4];
         let mut map = sys::CUtensorMap { opaque: [0; 16] };
@@ -108,7 +110,7 @@ impl TensorMap {
                 boxes.as_ptr(),
                 elem_strides.as_ptr(),
                 sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sw,
                 sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
             )

@@ -11,13 +11,15 @@
 // consumer warpgroup: S = Q K^T (shared x shared), online softmax in registers,
 // O += P V with P as the register A operand and V read N-major. The P V product of tile e-1
 // runs on the tensor cores while the softmax of tile e runs on the other pipes.
-#define FW_NC (FWD_WARPS / 4) // consumer warpgroups
-#define FW_BM (64 * FW_NC)
-#define FW_THREADS (128 * (1 + FW_NC))
-// Registers a consumer thread takes from the producer warpgroup's (24 left a producer thread):
-// the most that fit the 64K of an SM, in steps of 8.
-#define FW_CONSUMER_REGS (FW_NC == 3 ? 160 : 240)
+// The block's consumer warpgroups (NC, 2 or 3), its query rows (BM = 64 NC) and threads, and
+// the registers a consumer thread takes from the producer warpgroup's (24 left a producer
+// thread): the most that fit the 64K of an SM, in steps of 8.
+template <int NC_>
+struct FwdConsumers {
+    static constexpr int NC = NC_, BM = 64 * NC_, THREADS = 128 * (1 + NC_), REGS = NC_ == 3 ? 160 : 240;
+};
 #define LAZY_MAX (D == 128) // see fwd_softmax
+#define FW_STAGES 2          // K/V stages (see FwdPipe)
 
 // Masks and exponentiates one 64 x BN tile of scores (a warpgroup's accumulators) in place,
 // updating the running max m (log2 units) and sum l of the thread's two rows; returns in
@@ -103,14 +105,13 @@ __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D
 
 // The operations of the bf16/f16 pipeline: Q, K and V tiles in [rows][DK] (DK/64 swizzled column
 // blocks), k = 16 products, P packed in pairs.
-struct FwdHalf {
+struct FwdHalf : FwdConsumers<FWD_WARPS / 4> { // (3 at d 64, where 2 leave the tensor cores idle)
     static constexpr int BN = FWD_BN;
-    static constexpr u32 Q_BYTES = FW_BM * DK * 2, TILE_BYTES = BN * DK * 2;
-    static constexpr int STAGES = 2;
-    static constexpr bool SCORES_AHEAD = false, TURNS = true;
+    static constexpr u32 Q_BYTES = BM * DK * 2, TILE_BYTES = BN * DK * 2;
+    static constexpr bool TURNS = true;
     using PFrag = u32[BN / 16][4];
     __device__ static __forceinline__ void load_q(u32 dst, const TmaMap* m, u32 bar, int q0, int h, int b) {
-        tma_load_rows<FW_BM>(dst, m, bar, q0, h, b);
+        tma_load_rows<BM>(dst, m, bar, q0, h, b);
     }
     __device__ static __forceinline__ void load_k(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
         tma_load_rows<BN>(dst, m, bar, k0, kvh, b);
@@ -119,30 +120,30 @@ struct FwdHalf {
         tma_load_rows<BN>(dst, m, bar, k0, kvh, b);
     }
     __device__ static __forceinline__ void qk(float (&s)[BN / 2], u32 qs, int cw, u32 ks) {
-        wg_gemm_kmajor(s, qs, FW_BM, 64 * cw, ks, BN);
+        wg_gemm_kmajor(s, qs, BM, 64 * cw, ks, BN);
     }
     __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[BN / 2]) { wg_pack_a<BN>(pa, s); }
     __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) { wg_gemm_rs_nD<BN>(o, pa, vs); }
 };
 
-// The shared-memory pipeline of a forward block: the query tile, STAGES key and value tiles,
-// and their mbarriers (8 bytes each). Tile i of a block's list lives in stage i % STAGES, whose
-// barriers are in phase (i / STAGES) & 1.
+// The shared-memory pipeline of a forward block: the query tile, FW_STAGES key and value tiles,
+// and their mbarriers (8 bytes each). Tile i of a block's list lives in stage i % FW_STAGES,
+// whose barriers are in phase (i / FW_STAGES) & 1. (3 stages were no faster than 2.)
 template <class Ops>
 struct FwdPipe {
     u32 Qs, Ks, Vs, full_q, full_k, full_v, free_k, free_v;
     __device__ __forceinline__ FwdPipe(u32 raw) {
         Qs = (raw + 1023) & ~1023u;
         Ks = Qs + Ops::Q_BYTES;
-        Vs = Ks + Ops::STAGES * Ops::TILE_BYTES;
-        full_q = Vs + Ops::STAGES * Ops::TILE_BYTES;
+        Vs = Ks + FW_STAGES * Ops::TILE_BYTES;
+        full_q = Vs + FW_STAGES * Ops::TILE_BYTES;
         full_k = full_q + 8;
-        full_v = full_k + 8 * Ops::STAGES;
-        free_k = full_v + 8 * Ops::STAGES;
-        free_v = free_k + 8 * Ops::STAGES;
+        full_v = full_k + 8 * FW_STAGES;
+        free_k = full_v + 8 * FW_STAGES;
+        free_v = free_k + 8 * FW_STAGES;
     }
-    __device__ __forceinline__ static int stage(int i) { return i % Ops::STAGES; }
-    __device__ __forceinline__ static int phase(int i) { return (i / Ops::STAGES) & 1; }
+    __device__ __forceinline__ static int stage(int i) { return i % FW_STAGES; }
+    __device__ __forceinline__ static int phase(int i) { return (i / FW_STAGES) & 1; }
     __device__ __forceinline__ u32 k_tile(int i) const { return Ks + stage(i) * Ops::TILE_BYTES; }
     __device__ __forceinline__ u32 v_tile(int i) const { return Vs + stage(i) * Ops::TILE_BYTES; }
     __device__ __forceinline__ void wait_k(int i) const { mbar_wait(full_k + 8 * stage(i), phase(i)); }
@@ -163,15 +164,15 @@ struct FwdRows {
 // products. Every consumer takes the same number of turns; the last one hands on nothing after
 // its last turn. (ON = false: no turns, each consumer issues when it is ready: the FP8
 // pipeline, whose products are short beside its softmax, runs 14% faster so on an H100.)
-template <bool ON>
+template <bool ON, int NC>
 struct FwdTurns {
     int mine, next, cw;
-    __device__ __forceinline__ explicit FwdTurns(int cw_) : mine(1 + cw_), next(1 + (cw_ + 1) % FW_NC), cw(cw_) {
-        if (ON && cw == FW_NC - 1) named_arrive(next, 256); // consumer 0 goes first
+    __device__ __forceinline__ explicit FwdTurns(int cw_) : mine(1 + cw_), next(1 + (cw_ + 1) % NC), cw(cw_) {
+        if (ON && cw == NC - 1) named_arrive(next, 256); // consumer 0 goes first
     }
     __device__ __forceinline__ void begin() const { if (ON) named_sync(mine, 256); }
     __device__ __forceinline__ void end() const { if (ON) named_arrive(next, 256); }
-    __device__ __forceinline__ void end_last() const { if (ON && cw != FW_NC - 1) named_arrive(next, 256); }
+    __device__ __forceinline__ void end_last() const { if (ON && cw != NC - 1) named_arrive(next, 256); }
 };
 
 // The scores of tile 0, waited for (both consumers start so).
@@ -211,7 +212,7 @@ template <class Ops>
 __device__ __forceinline__ void fwd_consume(const FwdParams& p, const FwdPipe<Ops>& sp, FwdRows& r, int e0, int n,
                                             int cw, int rq, int t, int lane, float sl2) {
     typename Ops::PFrag pa;
-    const FwdTurns<Ops::TURNS> turn(cw);
+    const FwdTurns<Ops::TURNS, Ops::NC> turn(cw);
     float s[Ops::BN / 2];
     fwd_first_scores(sp, turn, s, cw, lane);
     fwd_softmax<Ops::BN>(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0].y, rq, t, sl2);
@@ -239,72 +240,10 @@ __device__ __forceinline__ void fwd_consume(const FwdParams& p, const FwdPipe<Op
     fwd_last_pv(sp, turn, r, pa, n);
 }
 
-// Two score tiles in flight (the FP8 pipeline, whose P fragment leaves room for a second score
-// tile in registers): step i issues S(i+1) and O += P(i-1) V(i-1) and runs the softmax of tile
-// i, whose scores were computed during step i - 1, so no step waits for its own scores. Peeled
-// as fwd_consume is; n = 1 takes that one's path.
-template <class Ops>
-__device__ __forceinline__ void fwd_consume_ahead(const FwdParams& p, const FwdPipe<Ops>& sp, FwdRows& r, int e0,
-                                                  int n, int cw, int rq, int t, int lane, float sl2) {
-    typename Ops::PFrag pa;
-    const FwdTurns<Ops::TURNS> turn(cw);
-    float s[Ops::BN / 2], sn[Ops::BN / 2]; // S(i), S(i+1)
-    fwd_first_scores(sp, turn, s, cw, lane);
-    // Step 0: S(1) under the softmax of tile 0.
-    sp.wait_k(1);
-    turn.begin();
-    wg_fence();
-    Ops::qk(sn, sp.Qs, cw, sp.k_tile(1));
-    wg_commit();
-    turn.end();
-    fwd_softmax<Ops::BN>(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0].y, rq, t, sl2);
-    Ops::pack_p(pa, s);
-    wg_wait<0>();
-    wg_pin(sn);
-    sp.release_k(1, lane);
-#pragma unroll
-    for (int j = 0; j < Ops::BN / 2; ++j) s[j] = sn[j];
-    for (int i = 1; i < n - 1; ++i) {
-        sp.wait_k(i + 1);
-        sp.wait_v(i - 1);
-        turn.begin();
-        wg_fence();
-        Ops::qk(sn, sp.Qs, cw, sp.k_tile(i + 1));
-        wg_commit();
-        Ops::pv(r.o, pa, sp.v_tile(i - 1));
-        wg_commit();
-        turn.end();
-        fwd_softmax<Ops::BN>(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0 + i].y, rq, t, sl2);
-        wg_wait<0>();
-        wg_pin(sn);
-        wg_pin(r.o);
-        sp.release_k(i + 1, lane);
-        sp.release_v(i - 1, lane);
-        fwd_rescale(r.o, r.alpha);
-        Ops::pack_p(pa, s);
-#pragma unroll
-        for (int j = 0; j < Ops::BN / 2; ++j) s[j] = sn[j];
-    }
-    // Step n - 1: no scores left to issue.
-    sp.wait_v(n - 2);
-    turn.begin();
-    wg_fence();
-    Ops::pv(r.o, pa, sp.v_tile(n - 2));
-    wg_commit();
-    turn.end();
-    fwd_softmax<Ops::BN>(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0 + n - 1].y, rq, t, sl2);
-    wg_wait<0>();
-    wg_pin(r.o);
-    sp.release_v(n - 2, lane);
-    fwd_rescale(r.o, r.alpha);
-    Ops::pack_p(pa, s);
-    fwd_last_pv(sp, turn, r, pa, n);
-}
-
 // The block is warp-specialized: warp 0 of warpgroup 0 (the producer, 24 registers) streams Q
-// and the K/V tiles with TMA into Ops::STAGES stages each, signalled by mbarriers; warpgroups 1
-// to FW_NC (FW_CONSUMER_REGS registers) compute 64 rows each (fwd_consume or, with Ops::SCORES_AHEAD,
-// fwd_consume_ahead) and release a stage as soon as the product reading it has completed.
+// and the K/V tiles with TMA into FW_STAGES stages each, signalled by mbarriers; warpgroups 1
+// to Ops::NC (Ops::REGS registers) compute 64 rows each (fwd_consume) and release a stage as
+// soon as the product reading it has completed.
 // The tiles' layouts and products come from Ops (FwdHalf; FwdE4m3 in forward_e4m3.cu); fb is
 // the block's fwd_block, sl2 the scale of the scores in log2 units and o_scale multiplies the
 // output.
@@ -315,16 +254,16 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
     const FwdPipe<Ops> sp(smem_u32(smem_raw));
     const int qt = fb.qt, h = fb.h, kvh = fb.kvh, b = fb.b;
     const int tid = threadIdx.x, wg = warpgroup_index();
-    const int q0 = qt * FW_BM;
+    const int q0 = qt * Ops::BM;
     const int e0 = p.tile_ptr[qt], e1 = p.tile_ptr[qt + 1];
 
     if (tid == 0) {
         mbar_init(sp.full_q, 1);
-        for (int i = 0; i < Ops::STAGES; ++i) {
+        for (int i = 0; i < FW_STAGES; ++i) {
             mbar_init(sp.full_k + 8 * i, 1);
             mbar_init(sp.full_v + 8 * i, 1);
-            mbar_init(sp.free_k + 8 * i, 4 * FW_NC); // one arrival per consumer warp
-            mbar_init(sp.free_v + 8 * i, 4 * FW_NC);
+            mbar_init(sp.free_k + 8 * i, 4 * Ops::NC); // one arrival per consumer warp
+            mbar_init(sp.free_v + 8 * i, 4 * Ops::NC);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -338,17 +277,17 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
             for (int e = e0; e < e1; ++e) {
                 const int i = e - e0, st = sp.stage(i), ph = sp.phase(i);
                 const int kt = p.tiles[e].x;
-                if (i >= Ops::STAGES) mbar_wait(sp.free_k + 8 * st, ph ^ 1);
+                if (i >= FW_STAGES) mbar_wait(sp.free_k + 8 * st, ph ^ 1);
                 mbar_expect_tx(sp.full_k + 8 * st, Ops::TILE_BYTES);
                 Ops::load_k(sp.k_tile(i), tk, sp.full_k + 8 * st, kt * Ops::BN, kvh, b);
-                if (i >= Ops::STAGES) mbar_wait(sp.free_v + 8 * st, ph ^ 1);
+                if (i >= FW_STAGES) mbar_wait(sp.free_v + 8 * st, ph ^ 1);
                 mbar_expect_tx(sp.full_v + 8 * st, Ops::TILE_BYTES);
                 Ops::load_v(sp.v_tile(i), tv, sp.full_v + 8 * st, kt * Ops::BN, kvh, b);
             }
         }
         return;
     }
-    reg_alloc<FW_CONSUMER_REGS>();
+    reg_alloc<Ops::REGS>();
     const int cw = wg - 1, wi = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int rq = 64 * cw + 16 * wi + g; // this thread's query rows in the tile: rq, rq + 8
@@ -359,16 +298,11 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
     r.m[0] = r.m[1] = NEG_INF;
     r.l[0] = r.l[1] = 0.f;
     const int n = e1 - e0;
-    if constexpr (Ops::SCORES_AHEAD) {
-        if (n > 1) fwd_consume_ahead<Ops>(p, sp, r, e0, n, cw, rq, t, lane, sl2);
-        else if (n == 1) fwd_consume<Ops>(p, sp, r, e0, n, cw, rq, t, lane, sl2);
-    } else if (n > 0) {
-        fwd_consume<Ops>(p, sp, r, e0, n, cw, rq, t, lane, sl2);
-    }
+    if (n > 0) fwd_consume<Ops>(p, sp, r, e0, n, cw, rq, t, lane, sl2);
     fwd_store(p, r.o, r.m, r.l, b, h, q0 + rq, t, o_scale);
 }
 
-extern "C" __global__ void __launch_bounds__(FW_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(FwdHalf::THREADS, 1)
 flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
              const __grid_constant__ TmaMap tv) {
     fwd_ws<FwdHalf>(p, fwd_block(p), &tq, &tk, &tv, p.scale_log2, 1.f);

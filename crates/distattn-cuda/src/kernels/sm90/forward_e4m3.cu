@@ -7,8 +7,8 @@
 // (transpose_v_e4m3, below), with the keys of every 32-key block in the order in which the
 // score accumulators already sit in the threads: P goes from accumulators to the A operand of
 // P V without a shuffle. Per-(batch, KV head) descales fold into the score scale (Q, K) and the
-// output scale (V). Its products take half the bf16 ones' time, so the softmax dominates: each
-// consumer keeps the next score tile in flight (fwd_consume_ahead) and issues without turns.
+// output scale (V). Its products take half the bf16 ones' time, so the softmax dominates: three
+// consumer warpgroups issue without turns.
 
 // The key of position pos of a permuted row of V^T (pos < 32 within its block): the A operand
 // of a k = 32 step wants, in thread t's bytes 0..3, keys 4t..4t+3, where the score accumulators
@@ -18,14 +18,16 @@ __device__ __forceinline__ int e4m3_key_of(int pos) {
     return (pos & 16) + ((e >> 1) << 3) + 2 * t + (e & 1);
 }
 
-struct FwdE4m3 {
-    // Tiles are one 128-byte swizzled column block: a head dim of 128 bytes. 128 keys (the
-    // host's E4M3_BN, compile.rs), whatever the bf16 pipeline's FWD_BN.
-    static constexpr int BN = 128;
-    static constexpr u32 Q_BYTES = FW_BM * D, TILE_BYTES = BN * D;
-    // Two score tiles in flight, which need the next key tile a step earlier: a third stage.
-    static constexpr bool SCORES_AHEAD = true, TURNS = false;
-    static constexpr int STAGES = 3;
+// Three consumer warpgroups (192 query rows, the host's E4M3_BM; with two, each keeping two score
+// tiles in flight, the tensor and MUFU pipes were both under half busy) over 64-key tiles (the
+// host's E4M3_BN): at 128 keys, O, a score tile and P took more than 160 registers a thread.
+struct FwdE4m3 : FwdConsumers<3> {
+    // Q and K tiles are one 128-byte swizzled column block (a head dim of 128 bytes); V^T's are
+    // D rows of 64 bytes with the 64-byte swizzle.
+    static constexpr int BN = 64;
+    static constexpr u32 Q_BYTES = BM * D, TILE_BYTES = BN * D;
+    // No turns: with them 3% slower at 16k (three consumers; 14% with two).
+    static constexpr bool TURNS = false;
     using PFrag = u32[BN / 32][4];
     __device__ static __forceinline__ void load_q(u32 dst, const TmaMap* m, u32 bar, int q0, int h, int b) {
         tma_box(dst, m, bar, 0, q0, h, b);
@@ -39,9 +41,9 @@ struct FwdE4m3 {
     }
     __device__ static __forceinline__ void qk(float (&s)[BN / 2], u32 qs, int cw, u32 ks) {
         const u64 da = wg_desc(qs + 64 * cw * 128, 16, 1024), db = wg_desc(ks, 16, 1024);
-        wgmma_e4m3_ss_n128_z(s, da, db);
+        wgmma_e4m3_ss_n64<0>(s, da, db);
 #pragma unroll
-        for (int kk = 1; kk < D / 32; ++kk) wgmma_e4m3_ss_n128(s, wg_desc_add(da, 32 * kk), wg_desc_add(db, 32 * kk));
+        for (int kk = 1; kk < D / 32; ++kk) wgmma_e4m3_ss_n64<1>(s, wg_desc_add(da, 32 * kk), wg_desc_add(db, 32 * kk));
     }
     // k-step kk covers accumulator column blocks 4kk..4kk+3 (see e4m3_key_of).
     __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[BN / 2]) {
@@ -55,13 +57,14 @@ struct FwdE4m3 {
         }
     }
     __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) {
-        const u64 dv = wg_desc(vs, 16, 1024);
+        // K-major, 64-byte swizzle (layout type 2): 8-row groups of 512 bytes.
+        const u64 dv = (wg_desc(vs, 16, 512) & ~(3ull << 62)) | (2ull << 62);
 #pragma unroll
         for (int kk = 0; kk < BN / 32; ++kk) wgmma_e4m3_rs_n128(o, pa[kk], wg_desc_add(dv, 32 * kk));
     }
 };
 
-extern "C" __global__ void __launch_bounds__(FW_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(FwdE4m3::THREADS, 1)
 flash_fwd_e4m3(const E4m3FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                const __grid_constant__ TmaMap tvt) {
     const FwdBlock fb = fwd_block(p.f);

@@ -252,21 +252,18 @@ __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_ro
 // ---- FP8 (e4m3) products, k = 32. 8-bit wgmma reads both shared operands K-major only, so
 // the P V product takes V transposed ([D][keys] tiles).
 
-// D[64 x 128] = A[64 x 32] B[32 x 128] (D's earlier values are not read).
-__device__ __forceinline__ void wgmma_e4m3_ss_n128_z(float (&d)[64], u64 da, u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " WG_ACC64 ", %64, %65, p, 1, 1;\n}\n"
-        : WG_ACC64_W(d)
-        : "l"(da), "l"(db), "r"(0));
-}
-// D[64 x 128] += A[64 x 32] B[32 x 128], A and B from shared memory.
-__device__ __forceinline__ void wgmma_e4m3_ss_n128(float (&d)[64], u64 da, u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " WG_ACC64 ", %64, %65, p, 1, 1;\n}\n"
-        : WG_ACC64_RW(d)
-        : "l"(da), "l"(db), "r"(1));
+// D[64 x 64] (+)= A[64 x 32] B[32 x 64], A and B from shared memory; ACC = 0: D's earlier values
+// are not read (the first k-step).
+template <int ACC>
+__device__ __forceinline__ void wgmma_e4m3_ss_n64(float (&d)[32], u64 da, u64 db) {
+    if constexpr (ACC)
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}" ", %32, %33, 1, 1, 1;\n"
+                     : WG_BIND32(WG_RW8)
+                     : "l"(da), "l"(db));
+    else
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}" ", %32, %33, 0, 1, 1;\n"
+                     : WG_BIND32(WG_W8)
+                     : "l"(da), "l"(db));
 }
 // D[64 x 128] += A[64 x 32] B[32 x 128], A from registers: per warp, thread (g, t) holds rows g
 // and g + 8, columns 4t..4t+3 (a[0], a[1]) and 16 + 4t..16 + 4t+3 (a[2], a[3]), byte 0 first.
