@@ -46,8 +46,8 @@ pub(crate) fn backend_err(reason: impl Into<String>) -> Error {
 pub const E4M3_BN: usize = 64;
 /// Query rows per block of the FP8 forward: its three consumer warpgroups' (`FwdE4m3::BM`).
 pub const E4M3_BM: usize = 192;
-/// Threads per block of the FP8 forward: a producer warpgroup and three consumers.
-pub const E4M3_THREADS: usize = 512;
+/// Threads per block of the FP8 forward: a producer warpgroup and a consumer per 64 rows.
+pub const E4M3_THREADS: usize = 128 * (1 + E4M3_BM / 64);
 
 /// Head dimensions the kernels support, forward and backward.
 pub const HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];

@@ -202,7 +202,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < WG_BN / 16; ++kk)
-            wgmma_ss64<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
+            wgmma_ss_step<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
 #else
         named_sync(1 + cw, 128); // this warpgroup's dS^T rows (the only ones it reads) are stored
         // dQ (partial) = dS[:, 64cw..] K[64cw.., :]: this warpgroup's keys only.
@@ -210,7 +210,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
-            wgmma_ss64<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
+            wgmma_ss_step<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
 #endif
         wg_commit();
         // dK += dS^T Q, issued after dQ: dQ is staged while dK runs on the tensor cores.

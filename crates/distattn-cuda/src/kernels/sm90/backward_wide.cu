@@ -52,21 +52,6 @@ __device__ __forceinline__ void wb_init_barriers(u32 once, u32 full, u32 freed) 
     __syncthreads();
 }
 
-// acc (64 x 32) = A B^T over the first DK columns: A the 64 rows at a of a K-major tile of
-// A_ROWS rows, B the 32 rows at b of one of B_ROWS rows (tiles of four 64-column blocks).
-template <int A_ROWS, int B_ROWS>
-__device__ __forceinline__ void wb_scores(float (&acc)[16], u32 a, u32 b) {
-    const u64 da0 = wg_desc(a, 16, 1024), db0 = wg_desc(b, 16, 1024);
-#pragma unroll
-    for (int kk = 0; kk < DK / 16; ++kk) {
-        const u32 in_block = (kk & 3) * 32;
-        const u64 da = wg_desc_add(da0, (kk >> 2) * A_ROWS * 128 + in_block);
-        const u64 db = wg_desc_add(db0, (kk >> 2) * B_ROWS * 128 + in_block);
-        if (kk == 0) wgmma_ss_n32<0, 0, 0>(acc, da, db);
-        else wgmma_ss_n32<1, 0, 0>(acc, da, db);
-    }
-}
-
 // Word i of a partial tile's bitmask at bits + moff, all ones for a full tile (moff < 0).
 __device__ __forceinline__ u32 wb_mask_word(const u32* bits, int moff, int i) { return moff >= 0 ? bits[moff + i] : ~0u; }
 
@@ -91,7 +76,7 @@ __device__ __forceinline__ void wb_grad(float (&acc)[64], u32 x, u32 y, int c) {
     const u64 dx = wg_desc(x, WB_BLOCK, 1024), dy = wg_desc(y + 2 * c * WB_BLOCK, WB_BLOCK, 1024);
 #pragma unroll
     for (int kq = 0; kq < WB_BM / 16; ++kq)
-        wgmma_ss_n128<1, 1>(acc, wg_desc_add(dx, kq * 16 * 128), wg_desc_add(dy, kq * 16 * 128), 1);
+        wgmma_ss_n128<1, 1, 1>(acc, wg_desc_add(dx, kq * 16 * 128), wg_desc_add(dy, kq * 16 * 128));
 }
 
 // dK and dV of block `block` of the key-major plan p (maps: 64-row boxes).
@@ -149,9 +134,9 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
         const u32 w1 = wb_mask_word(p.bits, te.y, (r0 + 8) * (WB_BN / 32) + cw);
         float s[16], dp[16];
         wg_fence();
-        wb_scores<WB_BM, WB_BN>(s, qst, Ks + 32 * cw * 128);
+        wg_gemm_kmajor(s, qst, WB_BM, 0, Ks + 32 * cw * 128, WB_BN);
         wg_commit();
-        wb_scores<WB_BM, WB_BN>(dp, dost, Vs + 32 * cw * 128);
+        wg_gemm_kmajor(dp, dost, WB_BM, 0, Vs + 32 * cw * 128, WB_BN);
         wg_commit();
         const float l0 = lse_st[r0], l1 = lse_st[r0 + 8];
         wg_wait<2>(); // the previous item's dV and dK
@@ -279,9 +264,9 @@ __device__ __forceinline__ void wb_dq(const BwdParams& p, const TmaMap* tq, cons
         const u32 w0 = wb_mask_word(p.bits, moff, rq), w1 = wb_mask_word(p.bits, moff, rq + 8);
         float s[16], dp[16];
         wg_fence();
-        wb_scores<WQ_BM, WQ_BN>(s, qa, kst);
+        wg_gemm_kmajor(s, qa, WQ_BM, 0, kst, WQ_BN);
         wg_commit();
-        wb_scores<WQ_BM, WQ_BN>(dp, doa, vst);
+        wg_gemm_kmajor(dp, doa, WQ_BM, 0, vst, WQ_BN);
         wg_commit();
         wg_wait<1>(); // S, and the previous tile's dQ product (dP may run)
         wg_pin(s);

@@ -3,20 +3,23 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FWD_WG && (D == 64 || D == 96 || D == 128 || D == 192 || D == 256)
 // ---------------------------------------------------------------- forward (sm_90a)
-// One block per query tile of 64 rows per consumer warpgroup (FWD_WARPS / 4 of them: 3 at d 64,
-// where two do not keep the tensor cores busy through the softmax, else 2; d 96: tiles of DK =
-// 128 columns, see primitives.cuh). Per key tile (Ops::BN keys; in bf16/f16 FWD_BN: 128 at
+// One block per query tile of 64 rows per consumer warpgroup (Ops::NC of them; bf16/f16:
+// FWD_WARPS / 4, 3 at d 64, where two do not keep the tensor cores busy through the softmax,
+// else 2; FP8: 3; d 96: tiles of DK = 128 columns, see primitives.cuh). Per key tile (Ops::BN keys; in bf16/f16 FWD_BN: 128 at
 // d 64 and 96, 192 at d 128; above d 128, where O takes 96 or 128 registers a thread, as many as
 // two stages of K and V fit beside Q in the shared memory: 96 at d 192, 80 at d 256) and
 // consumer warpgroup: S = Q K^T (shared x shared), online softmax in registers,
 // O += P V with P as the register A operand and V read N-major. The P V product of tile e-1
 // runs on the tensor cores while the softmax of tile e runs on the other pipes.
+
 // The block's consumer warpgroups (NC, 2 or 3), its query rows (BM = 64 NC) and threads, and
 // the registers a consumer thread takes from the producer warpgroup's (24 left a producer
-// thread): the most that fit the 64K of an SM, in steps of 8.
+// thread): the most that fit the 64K of an SM, in steps of 8 (2: 240, 3: 160).
 template <int NC_>
 struct FwdConsumers {
-    static constexpr int NC = NC_, BM = 64 * NC_, THREADS = 128 * (1 + NC_), REGS = NC_ == 3 ? 160 : 240;
+    static constexpr int NC = NC_, BM = 64 * NC_, THREADS = 128 * (1 + NC_);
+    static constexpr int REGS = (65536 / 128 - 24) / NC_ / 8 * 8;
+    static_assert(NC_ == 2 || NC_ == 3, "2 or 3 consumer warpgroups (setmaxnreg takes at most 256)");
 };
 #define LAZY_MAX (D == 128) // see fwd_softmax
 #define FW_STAGES 2          // K/V stages (see FwdPipe)
@@ -163,7 +166,7 @@ struct FwdRows {
 // named barrier 1 + cw, then lets the next one go, so that the others' softmax runs under its
 // products. Every consumer takes the same number of turns; the last one hands on nothing after
 // its last turn. (ON = false: no turns, each consumer issues when it is ready: the FP8
-// pipeline, whose products are short beside its softmax, runs 14% faster so on an H100.)
+// pipeline, whose products are short beside its softmax; see FwdE4m3.)
 template <bool ON, int NC>
 struct FwdTurns {
     int mine, next, cw;

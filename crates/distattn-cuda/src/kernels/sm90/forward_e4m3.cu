@@ -57,8 +57,7 @@ struct FwdE4m3 : FwdConsumers<3> {
         }
     }
     __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) {
-        // K-major, 64-byte swizzle (layout type 2): 8-row groups of 512 bytes.
-        const u64 dv = (wg_desc(vs, 16, 512) & ~(3ull << 62)) | (2ull << 62);
+        const u64 dv = wg_desc(vs, 16, 512, WG_SW64);
 #pragma unroll
         for (int kk = 0; kk < BN / 32; ++kk) wgmma_e4m3_rs_n128(o, pa[kk], wg_desc_add(dv, 32 * kk));
     }

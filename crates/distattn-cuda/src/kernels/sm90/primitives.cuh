@@ -16,17 +16,17 @@
 #define WG_AB ".f16.f16"
 #endif
 
-// Operand lists of a 64-register (m64n128, f32) accumulator `d` in inline PTX: the register
-// list (operands %0..%63), and the constraints that read-write or only write it.
+// The register list of a 64-register (m64n128, f32) accumulator in inline PTX (operands
+// %0..%63).
 #define WG_ACC64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define WG_ACC64_RW(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-#define WG_ACC64_W(d) "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
 
-// Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes: for K-major operands sbo
-// is the stride of 8-row groups (1024) and lbo is unused; for MN-major operands lbo is the stride
+// Shared-memory matrix descriptor; layout: the swizzle, WG_SW128 (the tiles' usual one) or
+// WG_SW64. lbo/sbo in bytes: for K-major operands sbo is the stride of 8-row groups (8 rows of
+// the swizzle's width: 1024 or 512) and lbo is unused; for MN-major operands lbo is the stride
 // of 64-element column blocks along M/N and sbo the stride of 8-row groups along K.
-__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+constexpr u64 WG_SW128 = 1, WG_SW64 = 2;
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo, u64 layout = WG_SW128) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (layout << 62);
 }
 // The descriptor of the tile `bytes` further on. Only the low word changes (shared addresses stay
 // below 2^18, so the 14-bit address field never carries): with a base descriptor built once per
@@ -133,59 +133,13 @@ __device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.
 #define WG_BIND88(C) WG_BIND80(C), C(d, 80)
 #define WG_BIND96(C) WG_BIND88(C), C(d, 88)
 // N = 32: the d 192/256 backward's score tiles; 80, 96, 192: the forward's key tiles at d 256,
-// 192 and 128.
+// 192 and 128 (64 and 128 serve everything else).
 WG_SS_PRODUCT(32, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", 16, 17, 18, 19, WG_BIND16)
+WG_SS_PRODUCT(64, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", 32, 33, 34, 35, WG_BIND32)
 WG_SS_PRODUCT(80, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}", 40, 41, 42, 43, WG_BIND40)
 WG_SS_PRODUCT(96, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}", 48, 49, 50, 51, WG_BIND48)
+WG_SS_PRODUCT(128, WG_ACC64, 64, 65, 66, 67, WG_BIND64)
 WG_SS_PRODUCT(192, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}", 96, 97, 98, 99, WG_BIND96)
-
-// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B from shared memory (descriptors).
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 da, u64 db, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32" WG_AB " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, %35, %36;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
-}
-
-// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A and B from shared memory (descriptors).
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], u64 da, u64 db, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32" WG_AB " "
-        WG_ACC64 ", "
-        "%64, %65, p, 1, 1, %67, %68;\n}\n"
-        : WG_ACC64_RW(d)
-        : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
-}
-
-// D[64 x 64] = A[64 x 16] B[16 x 64] (the first k-step: D's earlier values are not read).
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_ss_n64_z(float (&d)[32], u64 da, u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32" WG_AB " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, %35, %36;\n}\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
-        : "l"(da), "l"(db), "r"(0), "n"(TA), "n"(TB));
-}
-
-// D[64 x 128] = A[64 x 16] B[16 x 128] (the first k-step: D's earlier values are not read).
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_ss_n128_z(float (&d)[64], u64 da, u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32" WG_AB " "
-        WG_ACC64 ", "
-        "%64, %65, p, 1, 1, %67, %68;\n}\n"
-        : WG_ACC64_W(d)
-        : "l"(da), "l"(db), "r"(0), "n"(TA), "n"(TB));
-}
 
 // D[64 x 64] += A[64 x 16] B[16 x 64], A from registers (mma.sync A-fragment layout per warp), B from shared memory.
 template <int TB>
@@ -207,32 +161,29 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4],
         "wgmma.mma_async.sync.aligned.m64n128k16.f32" WG_AB " "
         WG_ACC64 ", "
         "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-        : WG_ACC64_RW(d)
+        : WG_BIND64(WG_RW8)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
 }
 
+// The shared x shared product whose D has NA accumulators (N = 2 NA), from a WG_SS_PRODUCT.
+template <int NA, int ACC, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[NA], u64 da, u64 db) {
+    if constexpr (NA == 16) wgmma_ss_n32<ACC, TA, TB>(d, da, db);
+    else if constexpr (NA == 32) wgmma_ss_n64<ACC, TA, TB>(d, da, db);
+    else if constexpr (NA == 40) wgmma_ss_n80<ACC, TA, TB>(d, da, db);
+    else if constexpr (NA == 48) wgmma_ss_n96<ACC, TA, TB>(d, da, db);
+    else if constexpr (NA == 64) wgmma_ss_n128<ACC, TA, TB>(d, da, db);
+    else wgmma_ss_n192<ACC, TA, TB>(d, da, db);
+}
 // k-step kk of a shared x shared product: the first one starts the accumulators from zero.
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_ss64(float (&d)[32], u64 da, u64 db, int kk) {
-    if (kk == 0) wgmma_ss_n64_z<TA, TB>(d, da, db);
-    else wgmma_ss_n64<TA, TB>(d, da, db, 1);
-}
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_ss128(float (&d)[64], u64 da, u64 db, int kk) {
-    if (kk == 0) wgmma_ss_n128_z<TA, TB>(d, da, db);
-    else wgmma_ss_n128<TA, TB>(d, da, db, 1);
-}
-
-// The K-major shared x shared product with NA accumulators (N = 2 NA) from a WG_SS_PRODUCT.
-template <int NA, int ACC>
-__device__ __forceinline__ void wgmma_ss_nacc(float (&acc)[NA], u64 da, u64 db) {
-    if constexpr (NA == 40) wgmma_ss_n80<ACC, 0, 0>(acc, da, db);
-    else if constexpr (NA == 48) wgmma_ss_n96<ACC, 0, 0>(acc, da, db);
-    else wgmma_ss_n192<ACC, 0, 0>(acc, da, db);
+template <int TA, int TB, int NA>
+__device__ __forceinline__ void wgmma_ss_step(float (&d)[NA], u64 da, u64 db, int kk) {
+    if (kk == 0) wgmma_ss<NA, 0, TA, TB>(d, da, db);
+    else wgmma_ss<NA, 1, TA, TB>(d, da, db);
 }
 
 // acc = A B^T over the head dim, both operands K-major in swizzled [rows][D] tiles: A is the 64
-// rows from a_row0 of a tile of a_rows rows, B all b_rows (= N) rows of its tile.
+// rows from a_row0 of a tile of a_rows rows, B the N = 2 NA rows at b of a tile of b_rows rows.
 // ACC: add to acc's values instead of starting from zero.
 template <int NA, bool ACC = false>
 __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_rows, int a_row0, u32 b, int b_rows) {
@@ -241,11 +192,7 @@ __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_ro
     for (int kk = 0; kk < DK / 16; ++kk) {
         const u64 da = wg_desc_add(da0, (kk >> 2) * a_rows * 128 + (kk & 3) * 32);
         const u64 db = wg_desc_add(db0, (kk >> 2) * b_rows * 128 + (kk & 3) * 32);
-        // (a k-step index of 0 starts from zero)
-        if constexpr (NA == 32) wgmma_ss64<0, 0>(acc, da, db, ACC ? 1 : kk);
-        else if constexpr (NA == 64) wgmma_ss128<0, 0>(acc, da, db, ACC ? 1 : kk);
-        else if (ACC || kk) wgmma_ss_nacc<NA, 1>(acc, da, db);
-        else wgmma_ss_nacc<NA, 0>(acc, da, db);
+        wgmma_ss_step<0, 0>(acc, da, db, ACC ? 1 : kk); // (a k-step index of 0 starts from zero)
     }
 }
 
@@ -271,7 +218,7 @@ __device__ __forceinline__ void wgmma_e4m3_rs_n128(float (&d)[64], const u32 (&a
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " WG_ACC64 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : WG_ACC64_RW(d)
+        : WG_BIND64(WG_RW8)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 // Four f32 as e4m3 (round to nearest, saturating at +-448), x0 in the lowest byte.
