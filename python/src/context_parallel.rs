@@ -225,7 +225,8 @@ fn rank_attention(
     let strategy: Strategy = strategy.parse()?;
     let shape = AttnShape::new(b, n, n, h, hkv, d)?;
     let mask = (*cached_mask(mask, n, n, None, b)?).clone();
-    let opts = PlanOptions { ranks_per_node, ..PlanOptions::default() };
+    // The Python side returns O, dQ, dK, dV in the input dtype, so outputs may travel in it.
+    let opts = PlanOptions { ranks_per_node, narrow_outputs: true, ..PlanOptions::default() };
     RankAttention::with_options(shape, mask, strategy, world, rank, opts)?.scale(softmax_scale.map(|s| s as f32))
 }
 

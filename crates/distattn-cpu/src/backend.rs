@@ -37,6 +37,16 @@ fn copy_pieces<T: Copy>(src: &[T], dst: &mut [T], pieces: &[Piece]) -> Result<()
     Ok(())
 }
 
+/// Copies between f32 and the input dtype: a final output narrowed for a link, or widened back.
+fn convert_pieces<S: Element, T: Element>(src: &[S], dst: &mut [T], pieces: &[Piece]) -> Result<()> {
+    for (s, d, n) in checked_runs("copy", pieces, src.len(), dst.len())? {
+        for (y, x) in dst[d..d + n].iter_mut().zip(&src[s..s + n]) {
+            *y = T::from_f32(x.to_f32());
+        }
+    }
+    Ok(())
+}
+
 fn add_pieces<T: Element>(src: &[T], dst: &mut [f32], pieces: &[Piece]) -> Result<()> {
     for (s, d, n) in checked_runs("add", pieces, src.len(), dst.len())? {
         for (x, y) in dst[d..d + n].iter_mut().zip(&src[s..s + n]) {
@@ -101,7 +111,9 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&self, _lane: Lane, dtype: DType, elems: usize, fill: Option<f32>) -> Result<HostData> {
-        Ok(HostData::filled(dtype, elems, fill.unwrap_or(0.0)))
+        // An unfilled buffer starts as NaN, so a plan reading what it never wrote shows in the
+        // results rather than passing on zeros.
+        Ok(HostData::filled(dtype, elems, fill.unwrap_or(f32::NAN)))
     }
 
     fn free(&self, _lane: Lane, buf: HostData) {
@@ -145,6 +157,10 @@ impl Backend for CpuBackend {
             (HostData::F32(s), HostData::F32(d)) => copy_pieces(s, d, pieces),
             (HostData::BF16(s), HostData::BF16(d)) => copy_pieces(s, d, pieces),
             (HostData::F16(s), HostData::F16(d)) => copy_pieces(s, d, pieces),
+            (HostData::F32(s), HostData::BF16(d)) => convert_pieces(s, d, pieces),
+            (HostData::F32(s), HostData::F16(d)) => convert_pieces(s, d, pieces),
+            (HostData::BF16(s), HostData::F32(d)) => convert_pieces(s, d, pieces),
+            (HostData::F16(s), HostData::F32(d)) => convert_pieces(s, d, pieces),
             (s, d) => Err(Error::DTypeMismatch {
                 a: "copy source".into(),
                 a_dtype: s.dtype().to_string(),

@@ -22,6 +22,10 @@ pub enum PieceOp {
     Copy { unit_bytes: usize },
     /// `dst[d..d+n] += src[s..s+n]` into f32, from f32 or the module's element type.
     Add { src: DType },
+    /// `dst[d..d+n] = src[s..s+n]` from f32 to the module's element type, in units of two values.
+    Narrow,
+    /// `dst[d..d+n] = src[s..s+n]` from the module's element type to f32, in units of two values.
+    Widen,
 }
 
 /// A list of pieces on the device: `len` `(src, dst, len, rows, src stride, dst stride)` i64
@@ -74,6 +78,8 @@ pub struct AuxKernels {
     copy_u32: CudaFunction,
     copy_u64: CudaFunction,
     copy_u128: CudaFunction,
+    narrow_f32: CudaFunction,
+    widen_elem: CudaFunction,
     add_f32: CudaFunction,
     add_elem: CudaFunction,
     merge_pieces: CudaFunction,
@@ -106,6 +112,8 @@ impl AuxKernels {
             copy_u32: f("copy_u32")?,
             copy_u64: f("copy_u64")?,
             copy_u128: f("copy_u128")?,
+            narrow_f32: f("narrow_f32")?,
+            widen_elem: f("widen_elem")?,
             add_f32: f("add_f32")?,
             add_elem: f("add_elem")?,
             merge_pieces: f("merge_pieces")?,
@@ -215,6 +223,8 @@ impl AuxKernels {
             PieceOp::Copy { unit_bytes } => {
                 return Err(backend_err(format!("piece copies move 2-, 4-, 8- or 16-byte units, not {unit_bytes}")))
             }
+            PieceOp::Narrow => &self.narrow_f32,
+            PieceOp::Widen => &self.widen_elem,
             PieceOp::Add { src: DType::F32 } => &self.add_f32,
             PieceOp::Add { src } => {
                 self.check_elem("piece source", src)?;
@@ -322,6 +332,8 @@ mod tests {
                 "copy_u32",
                 "copy_u64",
                 "copy_u128",
+                "narrow_f32",
+                "widen_elem",
                 "add_f32",
                 "add_elem",
                 "merge_pieces",

@@ -53,6 +53,8 @@ impl CudaBackend {
         }
         let (op, aux_dtype) = match (add, src.dtype(), dst.dtype()) {
             (false, a, b) if a == b => (PieceOp::Copy { unit_bytes: a.size() }, a),
+            (false, DType::F32, b) => (PieceOp::Narrow, b),
+            (false, a, DType::F32) => (PieceOp::Widen, a),
             (true, a, DType::F32) => (PieceOp::Add { src: a }, a),
             (_, a, b) => {
                 return Err(Error::DTypeMismatch {
@@ -71,6 +73,15 @@ impl CudaBackend {
             PieceOp::Copy { unit_bytes: elem } => {
                 let unit = copy_unit(elem, src_ptr, dst_ptr, pieces);
                 (PieceOp::Copy { unit_bytes: unit }, unit / elem)
+            }
+            // Conversions move two values at a time (a head dim is even).
+            PieceOp::Narrow | PieceOp::Widen => {
+                let odd =
+                    pieces.iter().flat_map(|p| [p.src, p.dst, p.len, p.src_stride, p.dst_stride]).any(|x| x % 2 == 1);
+                if odd {
+                    return Err(Error::InvalidPlan("a converting copy has pieces of odd offset or length".into()));
+                }
+                (op, 2)
             }
             add => (add, 1),
         };

@@ -354,7 +354,7 @@ where
 {
     match op {
         PreparedOp::Alloc { buf, fill } => {
-            let b = backend.alloc(lane, prog.dtype_of(*buf), prog.elems_of(*buf), Some(*fill))?;
+            let b = backend.alloc(lane, prog.dtype_of(*buf), prog.elems_of(*buf), *fill)?;
             store.put(*buf, b);
         }
         PreparedOp::Free { buf } => {

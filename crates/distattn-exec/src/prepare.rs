@@ -37,7 +37,8 @@ pub enum PreparedOp {
     },
     Alloc {
         buf: BufId,
-        fill: f32,
+        /// The initial value; `None` for a buffer that copies overwrite.
+        fill: Option<f32>,
     },
     Copy {
         src: BufId,
@@ -121,7 +122,7 @@ pub struct PreparedRank {
 impl PreparedRank {
     /// Storage dtype of buffer `b`.
     pub fn dtype_of(&self, b: BufId) -> DType {
-        self.bufs[b].tensor.dtype(self.dtype)
+        self.bufs[b].dtype(self.dtype)
     }
 
     /// Element count of buffer `b`.

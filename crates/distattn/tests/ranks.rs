@@ -397,3 +397,40 @@ fn ulysses_head_chunks_match_single_and_bad_counts_are_errors() {
     let got = on_ranks(&shape, &mask, hybrid(1)).forward(&q, &k, &v).unwrap();
     assert!(rel_err(&got.o, &want.o) < TOL, "hybrid, one chunk");
 }
+
+/// With `narrow_outputs`, Ulysses and hybrid return outputs through bf16 on the way back: each
+/// output, rounded to bf16 as the caller does, equals the f32 path's rounded, bit for bit, and
+/// the LSE does not change. Some values must come back rounded, or nothing was narrowed.
+#[test]
+fn narrowed_outputs_round_to_the_f32_paths_values() {
+    let shape = AttnShape::new(1, 37, 37, 8, 4, 16).unwrap();
+    let mask = Mask::causal(37, 37).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    let (q, k, v, d_o): (Vec<bf16>, Vec<bf16>, Vec<bf16>, Vec<bf16>) = (
+        randv(shape.q_elems(), &mut rng),
+        randv(shape.kv_elems(), &mut rng),
+        randv(shape.kv_elems(), &mut rng),
+        randv(shape.q_elems(), &mut rng),
+    );
+    let rounded = |x: &[f32]| x.iter().map(|&a| bf16::from_f32(a)).collect::<Vec<_>>();
+    let is_bf16 = |a: f32| bf16::from_f32(a).to_f32() == a;
+    for (s, p) in [(Strategy::Ulysses, 2), (Strategy::Ulysses, 4), (Strategy::Hybrid { ulysses_degree: 2 }, 4)] {
+        let wide = on(s, p, &shape, &mask);
+        let narrow = on_ranks(
+            &shape,
+            &mask,
+            Ranks { plan: PlanOptions { narrow_outputs: true, ..Default::default() }, ..Ranks::new(p, s) },
+        );
+        let (fw, fnar) = (wide.forward(&q, &k, &v).unwrap(), narrow.forward(&q, &k, &v).unwrap());
+        assert_eq!(rounded(&fnar.o), rounded(&fw.o), "{s} P={p}: O");
+        assert_eq!(fnar.lse, fw.lse, "{s} P={p}: LSE");
+        let (gw, gn) = (wide.backward(&q, &k, &v, &fw, &d_o).unwrap(), narrow.backward(&q, &k, &v, &fw, &d_o).unwrap());
+        for (name, a, b) in [("dQ", &gn.dq, &gw.dq), ("dK", &gn.dk, &gw.dk), ("dV", &gn.dv, &gw.dv)] {
+            assert_eq!(rounded(a), rounded(b), "{s} P={p}: {name}");
+        }
+        for (name, got, f32_path) in [("O", &fnar.o, &fw.o), ("dQ", &gn.dq, &gw.dq)] {
+            let came_rounded = got.iter().zip(f32_path.iter()).filter(|&(&a, &b)| a != b && is_bf16(a)).count();
+            assert!(came_rounded > got.len() / 4, "{s} P={p}: {name}: {came_rounded} of {} values narrowed", got.len());
+        }
+    }
+}

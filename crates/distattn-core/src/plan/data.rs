@@ -60,11 +60,29 @@ pub struct BufDesc {
     pub tensor: Tensor,
     pub tokens: TokenSet,
     pub heads: Range<usize>,
+    /// A final f32 output held in the input dtype on its way over a link
+    /// ([`PlanOptions::narrow_outputs`]); copies widen it back into the output.
+    #[serde(default)]
+    pub narrow: bool,
 }
 
 impl BufDesc {
     pub fn new(tensor: Tensor, tokens: TokenSet, heads: Range<usize>) -> Self {
-        BufDesc { tensor, tokens, heads }
+        BufDesc { tensor, tokens, heads, narrow: false }
+    }
+
+    /// This descriptor held in the input dtype.
+    pub fn narrowed(self) -> Self {
+        BufDesc { narrow: true, ..self }
+    }
+
+    /// Storage dtype given the input dtype.
+    pub fn dtype(&self, input: DType) -> DType {
+        if self.narrow {
+            input
+        } else {
+            self.tensor.dtype(input)
+        }
     }
 
     /// Element count.
@@ -75,7 +93,7 @@ impl BufDesc {
 
     /// Size in bytes given the input dtype.
     pub fn bytes(&self, shape: &AttnShape, input: DType) -> u64 {
-        (self.elems(shape) * self.tensor.dtype(input).size()) as u64
+        (self.elems(shape) * self.dtype(input).size()) as u64
     }
 
     /// The kernel shape of a (query buffer, key buffer) block.
@@ -99,13 +117,18 @@ pub enum Fill {
     Zero,
     /// −inf (an LSE accumulator no key has reached yet).
     NegInf,
+    /// None: copies later in the same step write every element before any is read (a piece
+    /// cut out for a transfer, a buffer gathered from pieces). [`Plan::validate`] checks it.
+    Overwritten,
 }
 
 impl Fill {
-    pub fn value(self) -> f32 {
+    /// The initial value, if any.
+    pub fn value(self) -> Option<f32> {
         match self {
-            Fill::Zero => 0.0,
-            Fill::NegInf => f32::NEG_INFINITY,
+            Fill::Zero => Some(0.0),
+            Fill::NegInf => Some(f32::NEG_INFINITY),
+            Fill::Overwritten => None,
         }
     }
 }
@@ -116,9 +139,11 @@ pub enum Op {
     /// Point-to-point sends and receives posted together as one group. Received buffers are
     /// allocated from their descriptors.
     Comm { phase: usize, sends: Vec<(usize, BufId)>, recvs: Vec<(usize, BufId)> },
-    /// Allocates a buffer filled with `fill` (0 for sums, −inf for an LSE accumulator).
+    /// Allocates a buffer filled with `fill` (0 for sums, −inf for an LSE accumulator, nothing
+    /// for one that copies overwrite).
     Alloc { buf: BufId, fill: Fill },
-    /// Copies the (tokens ∩, heads ∩) part of `src` into `dst`.
+    /// Copies the (tokens ∩, heads ∩) part of `src` into `dst`, converting where one of them
+    /// is narrowed.
     Copy { src: BufId, dst: BufId },
     /// Adds the (tokens ∩, heads ∩) part of `src` into `dst` (f32 gradients).
     Add { src: BufId, dst: BufId },
@@ -220,6 +245,11 @@ pub struct PlanOptions {
     /// SMs the attention kernel holds (`bench/results/h200x2-2026-11-26-serving-ulysses`).
     #[serde(default)]
     pub head_chunks: Option<usize>,
+    /// The caller needs the outputs only in the input dtype (it rounds the f32 outputs to it),
+    /// so final outputs may cross links in it: the all-to-all back of Ulysses and hybrid moves
+    /// half the bytes, with the same rounded results. Off by default: the outputs are f32.
+    #[serde(default)]
+    pub narrow_outputs: bool,
 }
 
 impl PlanOptions {

@@ -1,7 +1,9 @@
 //! Structural checks of a plan.
 
-use super::{Op, Plan};
+use super::{BufDesc, BufId, Fill, Op, Plan, RankProgram, TokenSet};
 use crate::{Error, Result};
+use std::collections::HashMap;
+use std::ops::Range;
 
 impl Plan {
     /// Checks structural invariants: one program per rank, every buffer an op uses is in its
@@ -58,13 +60,14 @@ impl Plan {
                 }
             }
             self.check_liveness(r, prog).map_err(bad)?;
+            check_overwritten(r, prog).map_err(bad)?;
         }
         Ok(())
     }
 
     /// In program order, every buffer an op reads or sends is live: an input, allocated or
     /// received, and not yet freed; and every output is live at the end.
-    fn check_liveness(&self, r: usize, prog: &super::RankProgram) -> std::result::Result<(), String> {
+    fn check_liveness(&self, r: usize, prog: &RankProgram) -> std::result::Result<(), String> {
         let mut live = vec![false; prog.bufs.len()];
         for &(_, b) in &prog.inputs {
             *live.get_mut(b).ok_or_else(|| format!("rank {r}: input buffer {b} is undefined"))? = true;
@@ -104,9 +107,60 @@ impl Plan {
     }
 }
 
+/// Every buffer allocated [`Fill::Overwritten`] is written whole by copies into it, in the
+/// step of its allocation, before any other op uses it.
+fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), String> {
+    // Overwritten buffers not yet used, with the (tokens, heads) regions copied into them so far.
+    let mut pending: HashMap<BufId, Vec<(TokenSet, Range<usize>)>> = HashMap::new();
+    for (t, ops) in prog.steps.iter().enumerate() {
+        for op in ops {
+            let mut written = None;
+            match op {
+                Op::Alloc { buf, fill: Fill::Overwritten } => {
+                    pending.insert(*buf, Vec::new());
+                    continue;
+                }
+                Op::Copy { src, dst } if pending.contains_key(dst) => {
+                    let (s, d) = (&prog.bufs[*src], &prog.bufs[*dst]);
+                    let heads = s.heads.start.max(d.heads.start)..s.heads.end.min(d.heads.end);
+                    written = Some((*dst, (s.tokens.intersect(&d.tokens), heads)));
+                }
+                _ => {}
+            }
+            for b in op.uses() {
+                if written.as_ref().is_some_and(|w| w.0 == b) {
+                    continue;
+                }
+                if let Some(regions) = pending.remove(&b) {
+                    if !covers(&prog.bufs[b], &regions) {
+                        return Err(format!("rank {r}, step {t}: buffer {b} is used before copies wrote all of it"));
+                    }
+                }
+            }
+            if let Some((b, region)) = written {
+                pending.entry(b).or_default().push(region);
+            }
+        }
+        for (b, regions) in pending.drain() {
+            if !covers(&prog.bufs[b], &regions) {
+                return Err(format!("rank {r}, step {t}: copies leave part of buffer {b} unwritten"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether `regions` (tokens × heads, inside `desc`) cover all of `desc`.
+fn covers(desc: &BufDesc, regions: &[(TokenSet, Range<usize>)]) -> bool {
+    desc.heads.clone().all(|h| {
+        let sets = regions.iter().filter(|(_, hs)| hs.contains(&h)).map(|(ts, _)| ts);
+        TokenSet::union(sets).len() == desc.tokens.len()
+    })
+}
+
 #[cfg(test)]
 mod tests {
-    use crate::plan::{BufDesc, Layout, Op, Pass, Plan, RankProgram, RingBackward, Tensor, TokenSet};
+    use crate::plan::{BufDesc, Fill, Layout, Op, Pass, Plan, RankProgram, RingBackward, Tensor, TokenSet};
     use crate::{AttnShape, DType, Error, Strategy};
 
     /// Two ranks; rank 0 sends its K shard to rank 1.
@@ -173,5 +227,41 @@ mod tests {
             assert!(matches!(e, Error::InvalidPlan(_)), "{e}");
             assert!(e.to_string().starts_with("invalid plan: ring: "), "{e}");
         }
+    }
+
+    /// Rank 0 copies inputs holding tokens `parts` (start, end) of K into an unfilled buffer of
+    /// tokens 0..4 and sends that.
+    fn send_cut(parts: &[(usize, usize)]) -> Plan {
+        let mut plan = send_k();
+        let prog = &mut plan.ranks[0];
+        let whole = prog.bufs[0].clone();
+        let send = std::mem::replace(&mut prog.steps[0], vec![Op::Alloc { buf: 1, fill: Fill::Overwritten }]);
+        prog.bufs.push(whole.clone());
+        for (i, part) in parts.iter().enumerate() {
+            prog.bufs.push(BufDesc { tokens: TokenSet::range(part.0..part.1), ..whole.clone() });
+            prog.inputs.push((Tensor::K, 2 + i));
+            prog.steps[0].push(Op::Copy { src: 2 + i, dst: 1 });
+        }
+        prog.steps[0].extend(send.into_iter().map(|op| match op {
+            Op::Comm { phase, recvs, .. } => Op::Comm { phase, sends: vec![(1, 1)], recvs },
+            op => op,
+        }));
+        plan
+    }
+
+    #[test]
+    fn unfilled_buffers_must_be_written_whole_before_use() {
+        send_cut(&[(0, 4)]).validate().unwrap();
+        send_cut(&[(2, 4), (0, 3)]).validate().unwrap();
+        for parts in [&[(0, 3)][..], &[(0, 1), (2, 4)], &[]] {
+            let e = send_cut(parts).validate().unwrap_err();
+            assert!(e.to_string().contains("used before copies wrote all of it"), "{parts:?}: {e}");
+        }
+        // Written whole but never used: still checked at the end of the step.
+        let mut unused = send_cut(&[(0, 2)]);
+        unused.ranks[0].steps[0].retain(|op| !matches!(op, Op::Comm { .. }));
+        unused.ranks[1].steps[0].clear();
+        let e = unused.validate().unwrap_err();
+        assert!(e.to_string().contains("leave part of buffer 1 unwritten"), "{e}");
     }
 }

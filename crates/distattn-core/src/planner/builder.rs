@@ -292,6 +292,12 @@ impl<'a> Builder<'a> {
         self.opts.pass()
     }
 
+    /// Whether a final output of `tensor` crosses links in the input dtype
+    /// ([`PlanOptions::narrow_outputs`]): it must be f32 and the input narrower.
+    pub fn narrows(&self, tensor: Tensor) -> bool {
+        self.opts.narrow_outputs && tensor.dtype(self.dtype) != self.dtype && !tensor.is_stats()
+    }
+
     pub fn unsupported(&self, reason: impl Into<String>) -> Error {
         Error::Unsupported { strategy: self.strategy.to_string(), reason: reason.into() }
     }
@@ -396,7 +402,12 @@ impl<'a> Builder<'a> {
     /// A new buffer holding the `tokens × heads` part of `src`.
     pub fn extract(&mut self, rank: usize, step: usize, src: BufId, tokens: TokenSet, heads: Range<usize>) -> BufId {
         let tensor = self.desc(rank, src).tensor;
-        let dst = self.alloc(rank, step, BufDesc::new(tensor, tokens, heads), Fill::Zero);
+        self.extract_as(rank, step, src, BufDesc::new(tensor, tokens, heads))
+    }
+
+    /// A new buffer of `desc` (a part of `src`, possibly narrowed) holding that part of `src`.
+    pub fn extract_as(&mut self, rank: usize, step: usize, src: BufId, desc: BufDesc) -> BufId {
+        let dst = self.alloc(rank, step, desc, Fill::Overwritten);
         self.push(rank, step, Op::Copy { src, dst });
         dst
     }

@@ -191,7 +191,9 @@ impl Groups {
         }
         let gathered = bufs.map_inputs(|r, t, _| {
             let (g, u) = self.group(r);
-            let dst = b.alloc(r, step, BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c)), Fill::Zero);
+            // The pieces cover the group's tokens of the slice: rank order unions them.
+            let dst =
+                b.alloc(r, step, BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c)), Fill::Overwritten);
             for &(_, src) in pieces[r].iter().filter(|piece| piece.0 == t) {
                 b.push(r, step, Op::Copy { src, dst });
             }
@@ -205,7 +207,7 @@ impl Groups {
 
     /// All-to-all back inside each group (heads → sequence) of one chunk's accumulators
     /// `sliced` at `step`, into the pass's outputs; every extract of the step comes before its
-    /// transfers.
+    /// transfers. The accumulators are final here, so they may travel narrowed.
     fn gather_back(&self, b: &mut Builder, step: usize, bufs: &PassBufs, sliced: &PassBufs) {
         let p = b.world;
         // (source rank, destination rank, part of an accumulator on the source, output on the
@@ -219,7 +221,9 @@ impl Groups {
                         acc
                     } else {
                         let heads = b.desc(src_rank, acc).heads.clone();
-                        b.extract(src_rank, step, acc, self.layout.tokens(t, dst).clone(), heads)
+                        let desc = BufDesc::new(t, self.layout.tokens(t, dst).clone(), heads);
+                        let desc = if b.narrows(t) { desc.narrowed() } else { desc };
+                        b.extract_as(src_rank, step, acc, desc)
                     };
                     back.push((src_rank, dst, part, out));
                 }

@@ -377,3 +377,30 @@ fn pass_q_sends_queries_at_once_and_returns_small_partials_together() {
     // 1025: each partial goes back in the step that computed it.
     assert_eq!(groups(4100), [(1, 0), (1, 1), (2, 1), (3, 1)]);
 }
+
+#[test]
+fn narrowed_outputs_halve_the_all_to_all_back() {
+    let (n, h, kv, d) = (4096u64, 32u64, 8u64, 128u64);
+    let shape = AttnShape::new(1, n as usize, n as usize, h as usize, kv as usize, d as usize).unwrap();
+    let mask = Mask::causal(n as usize, n as usize).unwrap();
+    let bytes = |s, dtype, opts: &PlanOptions| {
+        let plan = build(s, 4, &shape, &mask, dtype, opts).unwrap();
+        plan.validate().unwrap();
+        plan.summary().bytes_moved
+    };
+    for (pass, out_heads) in [(Pass::Forward, h), (Pass::Backward, h + 2 * kv)] {
+        let wide = PlanOptions { pass: Some(pass), ..Default::default() };
+        let narrow = PlanOptions { narrow_outputs: true, ..wide.clone() };
+        // Ulysses on 4 ranks: each rank returns 3/4 of its outputs (all N tokens of a quarter of
+        // the heads), f32 values now sent as bf16.
+        let saved = 4 * (n * 3 / 4) * (out_heads / 4) * d * 2;
+        assert_eq!(
+            bytes(Strategy::Ulysses, DType::BF16, &wide) - bytes(Strategy::Ulysses, DType::BF16, &narrow),
+            saved
+        );
+        let hybrid = Strategy::Hybrid { ulysses_degree: 2 };
+        assert!(bytes(hybrid, DType::BF16, &narrow) < bytes(hybrid, DType::BF16, &wide), "{pass:?}");
+        // f32 inputs: nothing to narrow to.
+        assert_eq!(bytes(Strategy::Ulysses, DType::F32, &narrow), bytes(Strategy::Ulysses, DType::F32, &wide));
+    }
+}

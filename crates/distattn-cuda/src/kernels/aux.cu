@@ -72,8 +72,17 @@ extern "C" __global__ void __launch_bounds__(256) convert_f32(const float* src, 
 
 // For each piece of `pieces` (blockIdx.x picks it; six i64: src, dst, len, rows, src stride,
 // dst stride, in elements of the kernel's type), blockIdx.y and the threads stride through its
-// rows × len elements: dst[d + r·ds + i] = src[s + r·ss + i] (copy, same type; the host picks
-// the widest type that every offset allows) or += src as f32 (ADD).
+// rows × len elements: dst[d + r·ds + i] = src[s + r·ss + i] (copy: same type, the host picking
+// the widest type that every offset allows; or two values converted between f32 and the element
+// type) or += src as f32 (ADD).
+// A unit of type S as one of type T: the same unit, or two f32 values as two of the element type (a
+// final output narrowed for a link) and back.
+template <typename T, typename S> __device__ __forceinline__ T as_unit(S x) { return x; }
+template <> __device__ __forceinline__ u32 as_unit<u32, float2>(float2 v) { return pack2(v.x, v.y); }
+template <> __device__ __forceinline__ float2 as_unit<float2, u32>(u32 a) {
+    return make_float2(to_f32((elem_t)(a & 0xffff)), to_f32((elem_t)(a >> 16)));
+}
+
 template <bool ADD, typename S, typename T>
 __device__ __forceinline__ void run_piece(const S* __restrict__ src, T* __restrict__ dst,
                                           const i64* __restrict__ pieces) {
@@ -82,7 +91,7 @@ __device__ __forceinline__ void run_piece(const S* __restrict__ src, T* __restri
     for (i64 j = (i64)blockIdx.y * blockDim.x + threadIdx.x; j < total; j += (i64)gridDim.y * blockDim.x) {
         const i64 r = j / len, i = j - r * len;
         if constexpr (ADD) dst[d + r * ds + i] += to_f32(src[s + r * ss + i]);
-        else dst[d + r * ds + i] = src[s + r * ss + i];
+        else dst[d + r * ds + i] = as_unit<T>(src[s + r * ss + i]);
     }
 }
 extern "C" __global__ void copy_u16(const unsigned short* src, unsigned short* dst, const i64* pieces) {
@@ -93,6 +102,8 @@ extern "C" __global__ void copy_u64(const unsigned long long* src, unsigned long
     run_piece<false>(src, dst, pieces);
 }
 extern "C" __global__ void copy_u128(const uint4* src, uint4* dst, const i64* pieces) { run_piece<false>(src, dst, pieces); }
+extern "C" __global__ void narrow_f32(const float2* src, u32* dst, const i64* pieces) { run_piece<false>(src, dst, pieces); }
+extern "C" __global__ void widen_elem(const u32* src, float2* dst, const i64* pieces) { run_piece<false>(src, dst, pieces); }
 extern "C" __global__ void add_f32(const float* src, float* dst, const i64* pieces) { run_piece<true>(src, dst, pieces); }
 extern "C" __global__ void add_elem(const elem_t* src, float* dst, const i64* pieces) {
     run_piece<true>(src, dst, pieces);

@@ -121,6 +121,8 @@ fn fwd_bwd_plans(
         ring_backward: RingBackward::KvCirculate,
         documents: spec.doc_lens(shape.q_len),
         head_chunks,
+        // Training keeps O and the gradients in bf16, as the PyTorch peers return them.
+        narrow_outputs: true,
         ..Default::default()
     };
     let f = build(st, world, shape, mask, DType::BF16, &opts(Pass::Forward))?;
