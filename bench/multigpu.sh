@@ -10,7 +10,8 @@
 # skipped or shortened to end within it), PROBE_SEQS (default 524288; empty = no probe),
 # MASKS (';'-separated, default causal: the distattn benchmark runs each; the PyTorch peers run
 # those of causal and full they support), KV_HEADS (default 8), STAGES (default check,bench,kill,torch,probe),
-# TORCH_CONFIGS (default: every flash/cuDNN rotation and the Ulysses baseline on both backends), DISTATTN_COMMIT.
+# TORCH_CONFIGS (default: every flash/cuDNN rotation and the Ulysses baseline on both backends), ITERS (timed
+# iterations of each side, default 4 for distattn and 3 for torch), DISTATTN_COMMIT.
 # Writes OUTDIR/check/ (the GPU tests' logs), distattn.json, timelines.json, torch.json, probe.json,
 # multigpu.json ({device, date, commit, rows}: distattn + torch rows) and prints a summary last.
 set -uo pipefail
@@ -57,7 +58,7 @@ if want bench; then
     stage "distattn benchmark, mask $m, $KV_HEADS kv heads"
     tag=$(echo "$m" | tr -c 'a-zA-Z0-9\n' '-')
     timeout $(( $(left) > 300 ? 150 : 100 )) "$BIN" bench --gpus "$GPUS" --seqs "$SEQS" --strategies "$STRATEGIES" \
-      --passes fwd,fwdbwd --heads 32 --kv-heads "$KV_HEADS" --mask "$m" --iters 4 \
+      --passes fwd,fwdbwd --heads 32 --kv-heads "$KV_HEADS" --mask "$m" --iters "${ITERS:-4}" \
       --out "$OUT/distattn-$tag.json" --timelines "$OUT/timelines-$tag.json" || rc=1
   done
 fi
@@ -76,7 +77,7 @@ if want torch && [ "$(left)" -gt 60 ]; then
   # Own process group, so that the spawned ranks end with it (killed by its id on overrun).
   TMASKS=$(echo "$MASKS" | tr ';' '\n' | grep -xE 'causal|full' | paste -sd, -)
   setsid python3 "$HERE/torch_cp.py" --world "$GPUS" --seqs "$SEQS" --passes fwd,fwdbwd --masks "${TMASKS:-causal}" \
-    --heads 32 --kv-heads "$KV_HEADS" --iters 3 --configs "$CONFIGS" --probe-seqs "$TPROBE" --out "$OUT/torch.json" &
+    --heads 32 --kv-heads "$KV_HEADS" --iters "${ITERS:-3}" --configs "$CONFIGS" --probe-seqs "$TPROBE" --out "$OUT/torch.json" &
   TP=$!; TEND=$(( SECONDS + $(left) - 25 ))
   while kill -0 $TP 2>/dev/null && [ $SECONDS -lt $TEND ]; do sleep 1; done
   if kill -0 $TP 2>/dev/null; then echo "torch stage over budget: ending its process group $TP"; kill -- -$TP 2>/dev/null; sleep 2; kill -9 -- -$TP 2>/dev/null; rc=1; fi
