@@ -10,7 +10,7 @@
 use crate::backend::{Backend, BwdInputs, FwdInputs};
 use crate::comm::Communicator;
 use crate::prepare::{DqOutput, FwdOutput, PreparedOp, PreparedRank};
-use distattn_core::plan::BufId;
+use distattn_core::plan::{BufId, Tensor};
 use distattn_core::schedule::Lane;
 use distattn_core::timeline::{StepTimes, Timeline};
 use distattn_core::{AttnOptions, DType, Error, Result};
@@ -57,6 +57,8 @@ pub struct ExecOptions {
 pub struct RankRun<Buf> {
     /// The outputs, in the order of the program's `outputs`.
     pub outputs: Vec<Buf>,
+    /// What a forward keeps for its backward, in the order of the program's `saved`.
+    pub saved: Vec<Buf>,
     pub timeline: Option<Timeline>,
 }
 
@@ -165,9 +167,11 @@ where
         let mut issued = issue(prog, backend, comm, opts, inputs, ctl, &mut progress, &mut done)?;
         wait_done(backend, comm, &issued.end, &progress, done)?;
         let timeline = issued.timeline(backend, prog.rank)?;
-        let outputs = prog.outputs.iter().map(|&(_, b)| issued.store.take(b)).collect::<Result<Vec<_>>>()?;
+        let mut take =
+            |list: &[(Tensor, BufId)]| list.iter().map(|&(_, b)| issued.store.take(b)).collect::<Result<Vec<_>>>();
+        let (outputs, saved) = (take(&prog.outputs)?, take(&prog.saved)?);
         // What is left in the store (the inputs) is released when it drops.
-        Ok(RankRun { outputs, timeline })
+        Ok(RankRun { outputs, saved, timeline })
     })();
     if watching {
         comm.stall_watch_end();

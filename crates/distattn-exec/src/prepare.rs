@@ -111,6 +111,8 @@ pub struct PreparedRank {
     pub inputs: Vec<(Tensor, BufId)>,
     /// The buffers the caller gets back, in order.
     pub outputs: Vec<(Tensor, BufId)>,
+    /// Buffers handed back for the backward ([`distattn_core::plan::RankProgram::saved`]).
+    pub saved: Vec<(Tensor, BufId)>,
     /// Steps of the plan (for timelines and injected failures).
     pub steps: usize,
     /// The ops in program order (indexed like [`Schedule::ops`]).
@@ -225,6 +227,7 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
         bufs: prog.bufs.clone(),
         inputs: prog.inputs.clone(),
         outputs: prog.outputs.clone(),
+        saved: prog.saved.clone(),
         steps: prog.steps.len(),
         ops,
         schedule: schedule(prog),

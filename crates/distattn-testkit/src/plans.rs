@@ -41,7 +41,7 @@ fn masks(n: usize) -> Vec<(&'static str, Mask, Option<Vec<usize>>)> {
 }
 
 /// Every strategy × mask × pass (and both ring backwards; Ulysses and hybrid also with narrowed
-/// outputs) at head dims 64 and 128 on each of `worlds`, bf16, 1000 tokens (not divisible by 2P), 8 query and 4 KV heads, against the f64
+/// outputs and with kept head-sharded inputs) at head dims 64 and 128 on each of `worlds`, bf16, 1000 tokens (not divisible by 2P), 8 query and 4 KV heads, against the f64
 /// reference. Panics with every failing case, naming the seed.
 pub fn check_every_strategy(test: &str, worlds: &[usize], runner: &Runner<'_>) {
     let (mut rng, seed) = seeded_rng(test);
@@ -75,16 +75,19 @@ pub fn check_every_strategy(test: &str, worlds: &[usize], runner: &Runner<'_>) {
                     if strategy.is_ring() {
                         passes.push((Pass::Backward, RingBackward::QCirculate));
                     }
-                    // Outputs narrowed on the way back (Ulysses and hybrid) as well as f32.
-                    let narrows = matches!(strategy, Strategy::Ulysses | Strategy::Hybrid { .. });
-                    let passes =
-                        passes.into_iter().flat_map(|p| [(p, false)].into_iter().chain(narrows.then_some((p, true))));
-                    for ((pass, rb), narrow_outputs) in passes {
+                    // Ulysses and hybrid also with outputs narrowed on the way back, and with the
+                    // backward given Q, K, V, LSE head-sharded as a forward keeps them.
+                    let grouped = matches!(strategy, Strategy::Ulysses | Strategy::Hybrid { .. });
+                    let variants: &[(bool, bool)] =
+                        if grouped { &[(false, false), (true, false), (false, true)] } else { &[(false, false)] };
+                    let passes = passes.into_iter().flat_map(|p| variants.iter().map(move |&v| (p, v)));
+                    for ((pass, rb), (narrow_outputs, keep_head_sharded)) in passes {
                         let popts = PlanOptions {
                             pass: Some(pass),
                             ring_backward: rb,
                             documents: docs.clone(),
                             narrow_outputs,
+                            keep_head_sharded,
                             ..Default::default()
                         };
                         let plan = match build(strategy, world, &shape, mask, DType::BF16, &popts) {
@@ -93,8 +96,12 @@ pub fn check_every_strategy(test: &str, worlds: &[usize], runner: &Runner<'_>) {
                             Err(e) => panic!("{strategy} {mname}: {e}"),
                         };
                         let ranks = prepare_all(&plan, mask).unwrap_or_else(|e| panic!("{e}"));
-                        let narrowed = if narrow_outputs { " narrowed" } else { "" };
-                        let label = format!("d{d} P={world} {mname:<7} {strategy:<10} {pass:?} {rb:?}{narrowed}");
+                        let variant = match (narrow_outputs, keep_head_sharded) {
+                            (true, _) => " narrowed",
+                            (_, true) => " kept head-sharded",
+                            _ => "",
+                        };
+                        let label = format!("d{d} P={world} {mname:<7} {strategy:<10} {pass:?} {rb:?}{variant}");
                         runs.push(PlanRun { label, ranks });
                     }
                 }

@@ -51,6 +51,13 @@ fn strategies(p: usize) -> Vec<Strategy> {
 
 const TOL: f64 = 1e-5;
 
+/// Fresh Q, K, V, dO of `shape`, uniform in [-1, 1), from `seed`.
+fn qkv_do<T: Element>(shape: &AttnShape, seed: u64) -> (Vec<T>, Vec<T>, Vec<T>, Vec<T>) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (q, k) = (randv(shape.q_elems(), &mut rng), randv(shape.kv_elems(), &mut rng));
+    (q, k, randv(shape.kv_elems(), &mut rng), randv(shape.q_elems(), &mut rng))
+}
+
 /// The problem on the CPU, one call.
 fn single(shape: &AttnShape, mask: &Mask) -> Attention {
     Attention::new(*shape, mask.clone()).unwrap()
@@ -361,13 +368,7 @@ fn rows_with_several_key_runs() {
 fn ulysses_head_chunks_match_single_and_bad_counts_are_errors() {
     let shape = AttnShape::new(1, 43, 43, 20, 10, 8).unwrap();
     let mask = Mask::causal(43, 43).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
-    let (q, k, v, d_o): (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) = (
-        randv(shape.q_elems(), &mut rng),
-        randv(shape.kv_elems(), &mut rng),
-        randv(shape.kv_elems(), &mut rng),
-        randv(shape.q_elems(), &mut rng),
-    );
+    let (q, k, v, d_o) = qkv_do::<f32>(&shape, 17);
     let (want, wg) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
     let with = |chunks| Ranks {
         plan: PlanOptions { head_chunks: Some(chunks), ..Default::default() },
@@ -405,13 +406,7 @@ fn ulysses_head_chunks_match_single_and_bad_counts_are_errors() {
 fn narrowed_outputs_round_to_the_f32_paths_values() {
     let shape = AttnShape::new(1, 37, 37, 8, 4, 16).unwrap();
     let mask = Mask::causal(37, 37).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
-    let (q, k, v, d_o): (Vec<bf16>, Vec<bf16>, Vec<bf16>, Vec<bf16>) = (
-        randv(shape.q_elems(), &mut rng),
-        randv(shape.kv_elems(), &mut rng),
-        randv(shape.kv_elems(), &mut rng),
-        randv(shape.q_elems(), &mut rng),
-    );
+    let (q, k, v, d_o) = qkv_do::<bf16>(&shape, 29);
     let rounded = |x: &[f32]| x.iter().map(|&a| bf16::from_f32(a)).collect::<Vec<_>>();
     let is_bf16 = |a: f32| bf16::from_f32(a).to_f32() == a;
     for (s, p) in [(Strategy::Ulysses, 2), (Strategy::Ulysses, 4), (Strategy::Hybrid { ulysses_degree: 2 }, 4)] {
@@ -433,4 +428,29 @@ fn narrowed_outputs_round_to_the_f32_paths_values() {
             assert!(came_rounded > got.len() / 4, "{s} P={p}: {name}: {came_rounded} of {} values narrowed", got.len());
         }
     }
+}
+
+/// Ulysses and hybrid with the forward's head-sharded Q, K, V and LSE kept for the backward:
+/// the backward, given them in that layout, matches the single call (GQA, a length no world
+/// size divides); chunked heads refuse the option.
+#[test]
+fn backward_from_kept_head_sharded_inputs_matches_single() {
+    let shape = AttnShape::new(1, 43, 43, 8, 4, 8).unwrap();
+    let mask = Mask::causal(43, 43).unwrap();
+    let (q, k, v, d_o) = qkv_do::<f32>(&shape, 31);
+    let want = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
+    let keep = |p, s, head_chunks| Ranks {
+        plan: PlanOptions { keep_head_sharded: true, head_chunks, ..Default::default() },
+        ..Ranks::new(p, s)
+    };
+    for (p, s) in [(2, Strategy::Ulysses), (4, Strategy::Ulysses), (4, Strategy::Hybrid { ulysses_degree: 2 })] {
+        let attn = on_ranks(&shape, &mask, keep(p, s, None));
+        let got = attn.forward(&q, &k, &v).unwrap();
+        assert!(rel_err(&got.o, &want.0.o) < TOL && rel_err(&got.lse, &want.0.lse) < TOL, "{s} P={p}");
+        let g = attn.backward(&q, &k, &v, &want.0, &d_o).unwrap();
+        let errs = [rel_err(&g.dq, &want.1.dq), rel_err(&g.dk, &want.1.dk), rel_err(&g.dv, &want.1.dv)];
+        assert!(errs.iter().all(|&e| e < TOL), "{s} P={p}: grad errors {errs:?}");
+    }
+    let e = on_ranks(&shape, &mask, keep(2, Strategy::Ulysses, Some(2))).forward(&q, &k, &v).unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }) && e.to_string().contains("needs one chunk"), "{e}");
 }

@@ -192,6 +192,10 @@ pub struct RankProgram {
     pub inputs: Vec<(Tensor, BufId)>,
     /// Buffers the caller gets back (this rank's shard of each output).
     pub outputs: Vec<(Tensor, BufId)>,
+    /// Buffers a forward hands back for its backward beside the outputs
+    /// ([`PlanOptions::keep_head_sharded`]).
+    #[serde(default)]
+    pub saved: Vec<(Tensor, BufId)>,
     /// `steps[t]` is the ops of step t, executed in order.
     pub steps: Vec<Vec<Op>>,
 }
@@ -250,6 +254,13 @@ pub struct PlanOptions {
     /// half the bytes, with the same rounded results. Off by default: the outputs are f32.
     #[serde(default)]
     pub narrow_outputs: bool,
+    /// Ulysses and hybrid (one head chunk): the forward also hands back the head-sharded Q, K,
+    /// V and LSE it computed with ([`RankProgram::saved`]), and the backward takes Q, K, V and
+    /// LSE in that layout, so its all-to-all moves only dO and D (the all-to-all baseline's
+    /// autograd keeps them the same way). Costs one more copy of this rank's Q, K, V until the
+    /// backward.
+    #[serde(default)]
+    pub keep_head_sharded: bool,
 }
 
 impl PlanOptions {

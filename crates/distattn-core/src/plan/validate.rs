@@ -100,7 +100,7 @@ impl Plan {
                 }
             }
         }
-        match prog.outputs.iter().find(|&&(_, b)| !live.get(b).copied().unwrap_or(false)) {
+        match prog.outputs.iter().chain(&prog.saved).find(|&&(_, b)| !live.get(b).copied().unwrap_or(false)) {
             Some(&(tensor, b)) => Err(format!("rank {r}: output {tensor:?} (buffer {b}) is not live at the end")),
             None => Ok(()),
         }
@@ -166,7 +166,13 @@ mod tests {
     /// Two ranks; rank 0 sends its K shard to rank 1.
     fn send_k() -> Plan {
         let k0 = BufDesc::new(Tensor::K, TokenSet::range(0..4), 0..1);
-        let program = |bufs, inputs, comm| RankProgram { bufs, inputs, outputs: Vec::new(), steps: vec![vec![comm]] };
+        let program = |bufs, inputs, comm| RankProgram {
+            bufs,
+            inputs,
+            outputs: Vec::new(),
+            saved: Vec::new(),
+            steps: vec![vec![comm]],
+        };
         Plan {
             strategy: Strategy::Ring,
             pass: Pass::Forward,

@@ -240,6 +240,9 @@ impl PassBufs {
     }
 }
 
+/// Where a pass input is not in the layout: `(rank, tensor)` → its descriptor.
+pub(crate) type Given<'a> = dyn Fn(usize, Tensor) -> Option<BufDesc> + 'a;
+
 /// How an accumulator of `tensor` starts: −inf for an LSE (no key has reached it yet), else 0.
 pub(crate) fn accumulator_fill(tensor: Tensor) -> Fill {
     if tensor == Tensor::Lse {
@@ -273,7 +276,13 @@ impl<'a> Builder<'a> {
         dtype: DType,
         opts: &'a PlanOptions,
     ) -> Self {
-        let empty = RankProgram { bufs: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), steps: Vec::new() };
+        let empty = RankProgram {
+            bufs: Vec::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            saved: Vec::new(),
+            steps: Vec::new(),
+        };
         Builder {
             world,
             shape: *shape,
@@ -320,12 +329,24 @@ impl<'a> Builder<'a> {
     /// backward Q, K, V, dO, LSE, D) and output accumulators (forward O, LSE; backward dQ, dK,
     /// dV; allocated at step 0).
     pub fn declare_pass(&mut self, layout: Layout) -> PassBufs {
+        self.declare_pass_with(layout, &|_, _| None)
+    }
+
+    /// [`Builder::declare_pass`], a backward's inputs described by `given` where it says.
+    pub fn declare_pass_with(&mut self, layout: Layout, given: &Given<'_>) -> PassBufs {
         let bufs = match self.pass() {
             Pass::Forward => PassBufs::Forward((0..self.world).map(|r| self.declare_forward(&layout, r)).collect()),
-            Pass::Backward => PassBufs::Backward((0..self.world).map(|r| self.declare_backward(&layout, r)).collect()),
+            Pass::Backward => {
+                PassBufs::Backward((0..self.world).map(|r| self.declare_backward_with(&layout, r, given)).collect())
+            }
         };
         self.layout = Some(layout);
         bufs
+    }
+
+    /// Hands `buf` of `rank` back as a saved buffer of `tensor` (see [`RankProgram::saved`]).
+    pub fn save(&mut self, rank: usize, tensor: Tensor, buf: BufId) {
+        self.progs[rank].saved.push((tensor, buf));
     }
 
     fn declare_forward(&mut self, layout: &Layout, rank: usize) -> FwdBufs {
@@ -337,13 +358,23 @@ impl<'a> Builder<'a> {
         FwdBufs { q, kv: KvBufs { k, v }, out: OutBufs { o, lse } }
     }
 
-    fn declare_backward(&mut self, layout: &Layout, rank: usize) -> BwdBufs {
-        let q = self.input(layout, rank, Tensor::Q);
-        let k = self.input(layout, rank, Tensor::K);
-        let v = self.input(layout, rank, Tensor::V);
-        let d_o = self.input(layout, rank, Tensor::DO);
-        let lse = self.input(layout, rank, Tensor::Lse);
-        let delta = self.input(layout, rank, Tensor::Delta);
+    /// The backward's buffers of `rank`, inputs in `layout` except where `given(rank, tensor)`
+    /// names another descriptor (Q, K, V, LSE a forward kept head-sharded).
+    fn declare_backward_with(&mut self, layout: &Layout, rank: usize, given: &Given<'_>) -> BwdBufs {
+        let mut input = |t| match given(rank, t) {
+            Some(desc) => {
+                let id = self.buf(rank, desc);
+                self.progs[rank].inputs.push((t, id));
+                id
+            }
+            None => self.input(layout, rank, t),
+        };
+        let q = input(Tensor::Q);
+        let k = input(Tensor::K);
+        let v = input(Tensor::V);
+        let d_o = input(Tensor::DO);
+        let lse = input(Tensor::Lse);
+        let delta = input(Tensor::Delta);
         let dq = self.output(layout, rank, Tensor::DQ);
         let dk = self.output(layout, rank, Tensor::DK);
         let dv = self.output(layout, rank, Tensor::DV);
@@ -533,11 +564,11 @@ impl<'a> Builder<'a> {
     }
 }
 
-/// Frees every non-input, non-output buffer right after its last use.
+/// Frees every buffer that is no input, output or saved buffer right after its last use.
 fn insert_frees(p: &mut RankProgram) {
     let n = p.bufs.len();
     let mut keep = vec![false; n];
-    for &(_, b) in p.inputs.iter().chain(&p.outputs) {
+    for &(_, b) in p.inputs.iter().chain(&p.outputs).chain(&p.saved) {
         keep[b] = true;
     }
     let mut last: Vec<Option<(usize, usize)>> = vec![None; n];

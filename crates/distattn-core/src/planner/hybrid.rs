@@ -62,9 +62,9 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
         )));
     }
     let r_deg = p / u_deg;
-    let bufs = b.declare_pass(layout.clone());
     let ring_of = |u: usize| -> Vec<usize> { (0..r_deg).map(|g| g * u_deg + u).collect() };
     if u_deg == 1 {
+        let bufs = b.declare_pass(layout);
         rings(b, 0, &bufs, &ring_of, 1);
         return Ok(());
     }
@@ -79,7 +79,16 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
         Some(c) => c,
         None => 1,
     };
-    let g = Groups { u_deg, chunks, h, kvh, layout };
+    let keep = b.opts.keep_head_sharded;
+    if keep && chunks > 1 {
+        return Err(b.unsupported(format!("{chunks} head chunks: keeping the head-sharded inputs needs one chunk")));
+    }
+    let g = Groups { u_deg, chunks, h, kvh, layout: layout.clone() };
+    // A backward after a forward that kept them gets Q, K, V and LSE head-sharded already.
+    let kept = |r: usize, t: Tensor| {
+        (keep && matches!(t, Tensor::Q | Tensor::K | Tensor::V | Tensor::Lse)).then(|| g.slice_desc(r, t, 0))
+    };
+    let bufs = b.declare_pass_with(layout, &kept);
     let mut sliced = Vec::with_capacity(chunks);
     for step in 0..chunks + r_deg + 1 {
         if step < chunks {
@@ -100,6 +109,13 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
         };
         if let Some(label) = label {
             b.label(step, label);
+        }
+    }
+    if let (true, PassBufs::Forward(ranks)) = (keep, &sliced[0]) {
+        for (r, x) in ranks.iter().enumerate() {
+            for (t, buf) in [(Tensor::Q, x.q), (Tensor::K, x.kv.k), (Tensor::V, x.kv.v), (Tensor::Lse, x.out.lse)] {
+                b.save(r, t, buf);
+            }
         }
     }
     Ok(())
@@ -163,10 +179,19 @@ impl Groups {
         TokenSet::union(self.members(g).map(|r| self.layout.tokens(t, r)))
     }
 
+    /// What rank `r` holds of `t` after the all-to-all of chunk `c`: its group's tokens of its
+    /// slice's chunk.
+    fn slice_desc(&self, r: usize, t: Tensor, c: usize) -> BufDesc {
+        let (g, u) = self.group(r);
+        BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c))
+    }
+
     /// All-to-all inside each group (sequence → heads) of head chunk `c` at `step`: every rank
-    /// ends with its group's tokens of its slice's chunk, and accumulators of that shape.
+    /// ends with its group's tokens of its slice's chunk, and accumulators of that shape. Inputs
+    /// given in that shape already (kept by the forward) stay where they are.
     fn scatter(&self, b: &mut Builder, step: usize, bufs: &PassBufs, c: usize) -> PassBufs {
         let p = b.world;
+        let in_place = |b: &Builder, r: usize, t: Tensor, buf: BufId| *b.desc(r, buf) == self.slice_desc(r, t, c);
         // pieces[r]: (tensor, buffer on rank r holding part of it for r's chunk), own parts first.
         let mut pieces: Vec<Vec<(Tensor, BufId)>> = vec![Vec::new(); p];
         let mut sends = Vec::new();
@@ -175,6 +200,9 @@ impl Groups {
             for dst in self.members(g) {
                 let (_, ub) = self.group(dst);
                 for (t, src) in bufs.inputs(a) {
+                    if in_place(b, a, t, src) {
+                        continue;
+                    }
                     if dst == a {
                         on_a.push((t, src));
                     } else {
@@ -189,11 +217,12 @@ impl Groups {
             let got = b.transfer(step, 0, a, dst, x);
             pieces[dst].push((t, got));
         }
-        let gathered = bufs.map_inputs(|r, t, _| {
-            let (g, u) = self.group(r);
+        let gathered = bufs.map_inputs(|r, t, src| {
+            if in_place(b, r, t, src) {
+                return src;
+            }
             // The pieces cover the group's tokens of the slice: rank order unions them.
-            let dst =
-                b.alloc(r, step, BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c)), Fill::Overwritten);
+            let dst = b.alloc(r, step, self.slice_desc(r, t, c), Fill::Overwritten);
             for &(_, src) in pieces[r].iter().filter(|piece| piece.0 == t) {
                 b.push(r, step, Op::Copy { src, dst });
             }

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::mask::{long_tailed_doc_lens, DocKind};
-use crate::plan::{Pass, PlanSummary, RingBackward};
+use crate::plan::{Pass, PlanSummary, RingBackward, Tensor};
 use std::time::Instant;
 
 fn shape_128k() -> AttnShape {
@@ -403,4 +403,40 @@ fn narrowed_outputs_halve_the_all_to_all_back() {
         // f32 inputs: nothing to narrow to.
         assert_eq!(bytes(Strategy::Ulysses, DType::F32, &narrow), bytes(Strategy::Ulysses, DType::F32, &wide));
     }
+}
+
+#[test]
+fn kept_head_sharded_inputs_leave_the_backward_only_do_and_d_to_send() {
+    let (n, h, kv, d) = (4096u64, 32u64, 8u64, 128u64);
+    let shape = AttnShape::new(1, n as usize, n as usize, h as usize, kv as usize, d as usize).unwrap();
+    let mask = Mask::causal(n as usize, n as usize).unwrap();
+    let plan = |s, pass, keep| {
+        let opts = PlanOptions { pass: Some(pass), keep_head_sharded: keep, ..Default::default() };
+        let plan = build(s, 4, &shape, &mask, DType::BF16, &opts).unwrap();
+        plan.validate().unwrap();
+        plan
+    };
+    for s in [Strategy::Ulysses, Strategy::Hybrid { ulysses_degree: 2 }] {
+        // The forward moves what it moved, and hands back Q, K, V and LSE as the backward takes them.
+        let (fwd, kept) = (plan(s, Pass::Forward, false), plan(s, Pass::Forward, true));
+        assert_eq!(kept.summary().bytes_moved, fwd.summary().bytes_moved, "{s}");
+        let bwd = plan(s, Pass::Backward, true);
+        for (fr, br) in kept.ranks.iter().zip(&bwd.ranks) {
+            let saved: Vec<_> = fr.saved.iter().map(|&(t, b)| (t, fr.bufs[b].clone())).collect();
+            let wanted: Vec<_> = br
+                .inputs
+                .iter()
+                .filter(|(t, _)| matches!(t, Tensor::Q | Tensor::K | Tensor::V | Tensor::Lse))
+                .map(|&(t, b)| (t, br.bufs[b].clone()))
+                .collect();
+            assert_eq!(saved, wanted, "{s}");
+        }
+        assert!(fwd.ranks.iter().all(|r| r.saved.is_empty()));
+    }
+    // Ulysses' backward then sends only dO (bf16) and D (f32) to head sharding: 3/4 of each
+    // rank's, and its gradients back as before.
+    let (all, kept) = (plan(Strategy::Ulysses, Pass::Backward, false), plan(Strategy::Ulysses, Pass::Backward, true));
+    let per_rank_tokens = n / 4;
+    let q_kv_lse = 4 * 3 * per_rank_tokens / 4 * ((h + 2 * kv) * d * 2 + h * 4);
+    assert_eq!(all.summary().bytes_moved - kept.summary().bytes_moved, q_kv_lse);
 }

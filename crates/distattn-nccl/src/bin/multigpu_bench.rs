@@ -1,15 +1,16 @@
 //! Multi-GPU benchmark of distattn (run on a machine with several GPUs; the exactness checks
 //! are the ignored tests of `tests/gpus.rs`).
 //!
-//! Subcommands `bench`, `probe`, `kill-test` and `worker` (one rank of a launched run);
+//! Subcommands `bench`, `probe`, `links`, `kill-test` and `worker` (one rank of a launched run);
 //! `distattn-multigpu-bench <subcommand> --help` lists the options.
 
 use distattn_core::plan::{Pass, Plan, PlanOptions, RingBackward};
 use distattn_core::planner::build;
+use distattn_core::schedule::Lane;
 use distattn_core::timeline::{Timeline, TimelineRun};
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, MaskSpec, Result, Strategy};
 use distattn_cuda::{CudaBackend, GpuBuf};
-use distattn_exec::{execute, prepare, Communicator, ExecOptions};
+use distattn_exec::{execute, prepare, Backend, Communicator, ExecOptions};
 use distattn_nccl::launch::LaunchEnv;
 use distattn_nccl::{device_inputs, gpu_rank_from_env, with_gpu_ranks, GpuRank};
 use half::bf16;
@@ -31,6 +32,8 @@ enum Cli {
     Bench(BenchArgs),
     /// The longest sequence each length of --seqs reaches: runs until the first failure.
     Probe(ProbeArgs),
+    /// All-to-all rate through distattn's NCCL groups, as the strategies post them.
+    Links(LinksArgs),
     /// Kills one rank mid-run and checks that every other rank reports it and exits.
     KillTest(KillTestArgs),
     /// One rank of a launched run (RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/MASTER_PORT or NCCL_COMM_ID from the launcher).
@@ -70,6 +73,10 @@ struct BenchArgs {
     /// Ulysses head chunks (default: the planner's).
     #[arg(long)]
     head_chunks: Option<usize>,
+    /// Ulysses and hybrid keep the forward's head-sharded Q, K, V, LSE for the backward
+    /// (`PlanOptions::keep_head_sharded`).
+    #[arg(long)]
+    keep_head_sharded: bool,
 }
 
 #[derive(clap::Args)]
@@ -84,6 +91,22 @@ struct ProbeArgs {
     heads: usize,
     #[arg(long, default_value_t = 8)]
     kv_heads: usize,
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct LinksArgs {
+    #[arg(long, default_value_t = 4)]
+    gpus: usize,
+    /// MB each rank holds (1/P of it stays local), as in `bench/a2a_probe.py`.
+    #[arg(long, value_delimiter = ',', default_value = "8,24,48,96,192")]
+    mb: Vec<usize>,
+    /// Messages per peer the bytes for a peer are split into (Ulysses sends Q, K and V: 3).
+    #[arg(long, value_delimiter = ',', default_value = "1,3")]
+    parts: Vec<usize>,
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -115,6 +138,7 @@ fn fwd_bwd_plans(
     mask: &Mask,
     spec: &MaskSpec,
     head_chunks: Option<usize>,
+    keep_head_sharded: bool,
 ) -> Result<(Plan, Plan)> {
     let opts = |pass| PlanOptions {
         pass: Some(pass),
@@ -123,6 +147,7 @@ fn fwd_bwd_plans(
         head_chunks,
         // Training keeps O and the gradients in bf16, as the PyTorch peers return them.
         narrow_outputs: true,
+        keep_head_sharded,
         ..Default::default()
     };
     let f = build(st, world, shape, mask, DType::BF16, &opts(Pass::Forward))?;
@@ -256,7 +281,8 @@ fn bench(a: &BenchArgs) -> Res<()> {
                extra: serde_json::Value| {
         let mut r = json!({"impl": imp, "pass": pass, "causal": spec.is_causal(), "batch": 1, "seq": seq, "heads": h,
             "head_dim": d, "dtype": "bf16", "tflops": tflops, "gpus": gpus, "strategy": strategy, "mask": spec.to_string(),
-            "kv_heads": kvh, "tflops_per_gpu": tflops / gpus as f64, "ms": ms, "head_chunks": a.head_chunks});
+            "kv_heads": kvh, "tflops_per_gpu": tflops / gpus as f64, "ms": ms, "head_chunks": a.head_chunks,
+            "keep_head_sharded": a.keep_head_sharded});
         if let (Some(o), Some(e)) = (r.as_object_mut(), extra.as_object()) {
             for (k, v) in e {
                 o.insert(k.clone(), v.clone());
@@ -299,7 +325,8 @@ fn bench(a: &BenchArgs) -> Res<()> {
             let shape = AttnShape::new(1, n, n, h, kvh, d)?;
             let mask = spec.build(n, n)?;
             let t0 = Instant::now();
-            let r = fwd_bwd_plans(st, world, &shape, &mask, &spec, a.head_chunks).map(|(f, b)| (f, b, mask));
+            let r = fwd_bwd_plans(st, world, &shape, &mask, &spec, a.head_chunks, a.keep_head_sharded)
+                .map(|(f, b)| (f, b, mask));
             println!(
                 "plan {st} seq {n}: {:.0} ms{}",
                 t0.elapsed().as_secs_f64() * 1e3,
@@ -455,7 +482,7 @@ fn probe(a: &ProbeArgs) -> Res<()> {
         let shape = AttnShape::new(1, n, n, h, kvh, d)?;
         let mask = Mask::causal(n, n)?;
         let spec = MaskSpec::Causal;
-        let (pf, pb) = fwd_bwd_plans(st, world, &shape, &mask, &spec, None)?;
+        let (pf, pb) = fwd_bwd_plans(st, world, &shape, &mask, &spec, None, false)?;
         let t0 = Instant::now();
         let r = with_gpu_ranks(world, 0, Duration::from_secs(120), |g| {
             let (pf_r, pb_r) = (prepare(&pf, g.rank(), &mask)?, prepare(&pb, g.rank(), &mask)?);
@@ -597,11 +624,60 @@ fn kill_test(a: &KillTestArgs) -> Res<bool> {
     Ok(ok)
 }
 
+/// Times one group of sends and receives per size and split: each rank sends (P-1)/P of its
+/// bytes, `parts` messages to each peer, by CUDA events on the comm stream after a barrier.
+fn links(a: &LinksArgs) -> Res<()> {
+    let world = a.gpus;
+    let cases: Vec<(usize, usize)> = a.mb.iter().flat_map(|&mb| a.parts.iter().map(move |&k| (mb, k))).collect();
+    let results = run_cases(world, Duration::from_secs(60), cases.len(), |g, ci| {
+        let (mb, parts) = cases[ci];
+        let msg = (mb << 20) / world / parts;
+        let s = g.backend().stream();
+        let peers: Vec<usize> = (0..world).filter(|&p| p != g.rank()).collect();
+        let bufs = |n: usize| (0..n).map(|_| GpuBuf::alloc(s, DType::BF16, msg / 2)).collect::<Result<Vec<_>>>();
+        let sends = bufs(peers.len() * parts)?;
+        let mut recvs = bufs(peers.len() * parts)?;
+        let mut times = Vec::new();
+        for i in 0..3 + a.iters {
+            g.comm().wait_stream(s)?;
+            g.comm().barrier()?;
+            let t0 = g.backend().record(Lane::Comm, true)?;
+            let send: Vec<(usize, &GpuBuf)> = sends.iter().enumerate().map(|(j, b)| (peers[j / parts], b)).collect();
+            let mut recv: Vec<(usize, &mut GpuBuf)> =
+                recvs.iter_mut().enumerate().map(|(j, b)| (peers[j / parts], b)).collect();
+            g.comm().group(&send, &mut recv)?;
+            let t1 = g.backend().record(Lane::Comm, true)?;
+            g.comm().wait_event(&t1)?;
+            if i >= 3 {
+                times.push(g.backend().elapsed_ms(&t0, &t1)?);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    });
+    let mut rows = Vec::new();
+    for ((mb, parts), r) in cases.iter().zip(results) {
+        let ms = r?.into_iter().fold(0.0, f64::max);
+        let sent = ((*mb << 20) / world / parts * parts * (world - 1)) as f64;
+        println!(
+            "[links] {mb:>5} MB per rank, {parts} message(s) a peer: {ms:.3} ms, {:.0} GB/s sent per rank",
+            sent / ms / 1e6
+        );
+        rows.push(json!({"mb_per_rank": mb, "parts": parts, "ms": ms, "send_gb_per_s": sent / ms / 1e6}));
+    }
+    if let Some(out) = &a.out {
+        let doc = json!({"device": device_name(), "gpus": world, "rows": rows});
+        std::fs::write(out, serde_json::to_string_pretty(&doc)?)?;
+    }
+    Ok(())
+}
+
 fn main() {
     distattn_nccl::comm::nccl_env_defaults();
     let r: Res<bool> = match <Cli as clap::Parser>::parse() {
         Cli::Bench(a) => bench(&a).map(|_| true),
         Cli::Probe(a) => probe(&a).map(|_| true),
+        Cli::Links(a) => links(&a).map(|_| true),
         Cli::KillTest(a) => kill_test(&a),
         Cli::Worker => worker().map(|_| true),
     };
