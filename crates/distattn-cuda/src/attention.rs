@@ -60,20 +60,66 @@ impl CudaBackend {
         lse: &mut impl DevicePtrMut<f32>,
         o_f32: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
+        let o = self.checked_mut_ptr("o", o, shape.q_elems(), shape)?;
+        let o_f32 = match o_f32 {
+            Some(of) => self.checked_mut_ptr("o_f32", of, shape.q_elems(), shape)?,
+            None => 0,
+        };
+        self.forward_into((q, k, v), shape, mask, opts, (o, o_f32), lse, false)
+    }
+
+    /// As [`CudaBackend::forward`], but `o_f32` and `lse` hold an earlier partial result of the
+    /// same rows (f32 O, natural-log LSE), which the kernel merges the block's rows into by LSE
+    /// weights in its epilogue (no O in the input dtype is written). Only the sm_90a
+    /// warp-specialized kernels merge: elsewhere nothing runs and the answer is `false`.
+    #[allow(clippy::too_many_arguments)] // the forward's tensors
+    pub(crate) fn forward_merging<T: CudaElement>(
+        &self,
+        q: &impl DevicePtr<T>,
+        k: &impl DevicePtr<T>,
+        v: &impl DevicePtr<T>,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+        lse: &mut impl DevicePtrMut<f32>,
+        o_f32: &mut CudaViewMut<'_, f32>,
+    ) -> Result<bool> {
+        if !self.kernels(T::DTYPE, shape.head_dim)?.cfg.fwd_wg {
+            return Ok(false);
+        }
+        let o_f32 = self.checked_mut_ptr("o_f32", o_f32, shape.q_elems(), shape)?;
+        self.forward_into((q, k, v), shape, mask, opts, (0, o_f32), lse, true)?;
+        Ok(true)
+    }
+
+    /// The forward into checked output addresses `(o, o_f32)` (either may be 0, not written).
+    #[allow(clippy::too_many_arguments)] // the forward's tensors
+    fn forward_into<T: CudaElement>(
+        &self,
+        (q, k, v): (&impl DevicePtr<T>, &impl DevicePtr<T>, &impl DevicePtr<T>),
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+        (o, o_f32): (u64, u64),
+        lse: &mut impl DevicePtrMut<f32>,
+        merge: bool,
+    ) -> Result<()> {
         let cfg = self.check_common(T::DTYPE, shape, mask)?;
         let t = ForwardPtrs {
             q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
             k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
             v: self.checked_ptr("v", v, shape.kv_elems(), shape)?,
-            o: self.checked_mut_ptr("o", o, shape.q_elems(), shape)?,
-            o_f32: match o_f32 {
-                Some(of) => self.checked_mut_ptr("o_f32", of, shape.q_elems(), shape)?,
-                None => 0,
-            },
+            o,
+            o_f32,
             lse: self.checked_mut_ptr("lse", lse, shape.lse_elems(), shape)?,
+            merge,
         };
-        // SAFETY: cfg comes from check_common; every address was checked above to hold what
-        // `shape` says, 16-byte aligned, in buffers of this context used on the compute stream.
+        // SAFETY: cfg comes from check_common; every address was checked (by this function or
+        // its callers) to hold what `shape` says, 16-byte aligned, in buffers of this context
+        // used on the compute stream, or is 0 where the kernel writes nothing (o, o_f32; only
+        // the warp-specialized kernel, which alone merges, skips a 0 `o`). Merging, that kernel
+        // reads o_f32 and lse before it overwrites them, each element by the thread that writes
+        // it (an LSE by its quad's lane 0, passed to the quad before the write).
         unsafe { self.launch_forward(self.stream(), T::DTYPE, cfg, &t, shape, mask, opts) }
     }
 
@@ -465,6 +511,7 @@ pub(crate) fn fwd_params(
         n_tiles: tiles.n_major as i32,
         scale_log2: opts.scale_for(shape.head_dim)? * LOG2E,
         group: launch_group(tiles, shape.heads / shape.kv_heads, shape, sms),
+        merge: i32::from(t.merge),
     })
 }
 
@@ -503,7 +550,8 @@ fn grid_x(blocks: usize) -> Result<u32> {
         .ok_or_else(|| backend_err(format!("{blocks} blocks exceed a launch grid's 2^31 - 1")))
 }
 
-/// Device addresses of a forward launch's tensors (`o_f32` may be 0: no f32 copy of O).
+/// Device addresses of a forward launch's tensors (`o_f32` may be 0: no f32 copy of O), and
+/// whether `o_f32` and `lse` hold a partial result the kernel merges into.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ForwardPtrs {
     pub q: u64,
@@ -512,6 +560,7 @@ pub(crate) struct ForwardPtrs {
     pub o: u64,
     pub o_f32: u64,
     pub lse: u64,
+    pub merge: bool,
 }
 
 /// Device addresses of a dK/dV launch's tensors.

@@ -103,7 +103,9 @@ impl CudaBackend {
 
     /// Forward of one block into f32 (O, LSE) buffers of the block's rows: a decode-shaped block
     /// (a few rows, a run of keys each) by the split-KV decode kernel, any other by the flash
-    /// kernels.
+    /// kernels. With `merge`, the buffers hold an earlier partial of these rows that the flash
+    /// kernel merges into; `false`: this GPU's kernel does not, or the block is decode-shaped,
+    /// and nothing ran.
     fn block_forward<T: CudaElement>(
         &self,
         block: &Block,
@@ -111,28 +113,38 @@ impl CudaBackend {
         opts: &AttnOptions,
         o: &mut GpuBuf,
         lse: &mut GpuBuf,
-    ) -> Result<()> {
+        merge: bool,
+    ) -> Result<bool> {
         if let Some(runs) = block.row_runs.as_ref().filter(|r| decode_reads_pay(r, block.shape.k_len)) {
-            if self.decode_blocks(T::DTYPE, block.shape.head_dim).is_ok() {
-                return self.block_decode::<T>(block, runs, inputs.q, inputs.k, inputs.v, opts, o, lse);
+            if merge {
+                return Ok(false);
             }
+            if self.decode_blocks(T::DTYPE, block.shape.head_dim).is_ok() {
+                self.block_decode::<T>(block, runs, inputs.q, inputs.k, inputs.v, opts, o, lse)?;
+                return Ok(true);
+            }
+        }
+        let (q, k, v) = (inputs.q.view::<T>()?, inputs.k.view::<T>()?, inputs.v.view::<T>()?);
+        let (shape, mask) = (&block.shape, &block.mask);
+        if merge {
+            return self.forward_merging::<T>(&q, &k, &v, shape, mask, opts, &mut lse.view_mut()?, &mut o.view_mut()?);
         }
         let s = self.stream();
         // The kernel also writes O in the input dtype; the interpreter keeps only the f32 copy.
         let mut o_t = GpuBuf::alloc(s, T::DTYPE, block.shape.q_elems())?;
         let r = self.forward::<T>(
-            &inputs.q.view::<T>()?,
-            &inputs.k.view::<T>()?,
-            &inputs.v.view::<T>()?,
-            &block.shape,
-            &block.mask,
+            &q,
+            &k,
+            &v,
+            shape,
+            mask,
             opts,
             &mut o_t.view_mut::<T>()?,
             &mut lse.view_mut::<f32>()?,
             Some(&mut o.view_mut::<f32>()?),
         );
         o_t.free_on(s);
-        r
+        r.map(|_| true)
     }
 
     /// Backward of one block: dQ added into `dq` (f32, the block's query rows) and fresh dK, dV
@@ -285,8 +297,23 @@ impl Backend for CudaBackend {
         lse: &mut GpuBuf,
     ) -> Result<()> {
         match inputs.q.dtype() {
-            DType::BF16 => self.block_forward::<bf16>(block, &inputs, opts, o, lse),
-            DType::F16 => self.block_forward::<f16>(block, &inputs, opts, o, lse),
+            DType::BF16 => self.block_forward::<bf16>(block, &inputs, opts, o, lse, false).map(|_| ()),
+            DType::F16 => self.block_forward::<f16>(block, &inputs, opts, o, lse, false).map(|_| ()),
+            d => Err(cuda_dtype(d)),
+        }
+    }
+
+    fn forward_merging(
+        &self,
+        block: &Block,
+        inputs: FwdInputs<'_, GpuBuf>,
+        opts: &AttnOptions,
+        o_acc: &mut GpuBuf,
+        lse_acc: &mut GpuBuf,
+    ) -> Result<bool> {
+        match inputs.q.dtype() {
+            DType::BF16 => self.block_forward::<bf16>(block, &inputs, opts, o_acc, lse_acc, true),
+            DType::F16 => self.block_forward::<f16>(block, &inputs, opts, o_acc, lse_acc, true),
             d => Err(cuda_dtype(d)),
         }
     }

@@ -94,6 +94,7 @@ impl CudaBackend {
             o: aligned("o", t.o)?,
             o_f32: 0,
             lse: aligned("lse", t.lse)?,
+            merge: false,
         };
         self.check_stream(stream)?;
         // SAFETY: the caller's contract covers sizes and use; alignment was checked above, and

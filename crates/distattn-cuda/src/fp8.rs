@@ -196,7 +196,7 @@ impl CudaBackend {
         unsafe { s.launch_builder(&e.transpose_v).arg(&tp).launch(grid) }
             .map_err(driver_err("launching the V transpose"))?;
         let tiles = self.tiles(mask, E4M3_BM, E4M3_BN, false)?;
-        let f = ForwardPtrs { q: t.q, k: t.k, v: t.v, o: t.o, o_f32: 0, lse: t.lse };
+        let f = ForwardPtrs { q: t.q, k: t.k, v: t.v, o: t.o, o_f32: 0, lse: t.lse, merge: false };
         let p = E4m3FwdParams {
             f: fwd_params(s, &f, &tiles, shape, opts, self.sm_count())?,
             q_descale: t.q_descale,

@@ -63,6 +63,8 @@ kernel_params! {
         scale_log2: f32,
         // (batch, KV head) pairs per group of the launch order (launch_group)
         group: i32,
+        // o_f32 and lse hold a partial result to merge into (sm_90a warp-specialized kernel)
+        merge: i32,
     }
 
     /// The FP8 forward's (`flash_fwd_e4m3`): the forward's, and per-(batch, KV head) f32

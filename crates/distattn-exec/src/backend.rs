@@ -107,6 +107,20 @@ pub trait Backend: Sync {
         o: &mut Self::Buf,
         lse: &mut Self::Buf,
     ) -> Result<()>;
+    /// Attention of one block merged into accumulators `o_acc`, `lse_acc` that cover exactly
+    /// its rows and hold an earlier partial result, where the backend merges in the kernel
+    /// (what [`Backend::forward`] then [`Backend::merge`] would give). `Ok(false)`: the backend
+    /// does not, nothing ran, and the caller merges.
+    fn forward_merging(
+        &self,
+        _block: &Block,
+        _inputs: FwdInputs<'_, Self::Buf>,
+        _opts: &AttnOptions,
+        _o_acc: &mut Self::Buf,
+        _lse_acc: &mut Self::Buf,
+    ) -> Result<bool> {
+        Ok(false)
+    }
     /// Exact partial gradients of one block given the global LSE and D: adds dQ into `dq`
     /// (f32, the block's query rows) and returns the block's dK and dV (f32 or the input
     /// dtype), on the compute lane.

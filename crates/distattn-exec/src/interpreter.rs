@@ -399,9 +399,17 @@ where
                 let inputs = FwdInputs { q: s.get(*q)?, k: s.get(*k)?, v: s.get(*v)? };
                 backend.forward(block, inputs, opts, ob, lb)
             };
+            let in_kernel = match output {
+                FwdOutput::MergeInKernel(_) => store.with_mut2(*o, *lse, |s, ao, al| {
+                    let inputs = FwdInputs { q: s.get(*q)?, k: s.get(*k)?, v: s.get(*v)? };
+                    backend.forward_merging(block, inputs, opts, ao, al)
+                })?,
+                _ => false,
+            };
             match output {
+                _ if in_kernel => {}
                 FwdOutput::Direct => store.with_mut2(*o, *lse, fwd)?,
-                FwdOutput::Merge(spec) => {
+                FwdOutput::Merge(spec) | FwdOutput::MergeInKernel(spec) => {
                     let s = &block.shape;
                     let mut po = backend.alloc(Lane::Compute, DType::F32, s.q_elems(), None)?;
                     let mut pl = backend.alloc(Lane::Compute, DType::F32, s.lse_elems(), None)?;

@@ -16,6 +16,9 @@ pub enum FwdOutput {
     Direct,
     /// Into fresh partials, then merged into the accumulators.
     Merge(MergeSpec),
+    /// Merged into the accumulators by the kernel where the backend can: they cover exactly
+    /// the block's rows but hold an earlier partial (else as `Merge`).
+    MergeInKernel(MergeSpec),
 }
 
 /// Where a backward block's dQ goes.
@@ -175,11 +178,11 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
             Op::Fwd { q, k, v, o, lse, .. } => {
                 let (qd, kd) = (desc(*q)?, desc(*k)?);
                 let own_rows = |b: BufId| desc(b).is_ok_and(|d| d.tokens == qd.tokens && d.heads == qd.heads);
-                let output = if fresh[*o] && fresh[*lse] && own_rows(*o) && own_rows(*lse) {
-                    FwdOutput::Direct
-                } else {
-                    let part = BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone());
-                    FwdOutput::Merge(MergeSpec::new(&part, desc(*o)?, &shape))
+                let part = BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone());
+                let output = match (fresh[*o] && fresh[*lse], own_rows(*o) && own_rows(*lse)) {
+                    (true, true) => FwdOutput::Direct,
+                    (false, true) => FwdOutput::MergeInKernel(MergeSpec::new(&part, desc(*o)?, &shape)),
+                    _ => FwdOutput::Merge(MergeSpec::new(&part, desc(*o)?, &shape)),
                 };
                 let block = block_of(qd, kd)?;
                 PreparedOp::Fwd { q: *q, k: *k, v: *v, o: *o, lse: *lse, block, output }
@@ -238,4 +241,34 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
 /// Every rank's program of `plan`.
 pub fn prepare_all(plan: &Plan, mask: &Mask) -> Result<Vec<PreparedRank>> {
     (0..plan.world).map(|r| prepare(plan, r, mask)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distattn_core::planner::build;
+    use distattn_core::{PlanOptions, Strategy};
+
+    /// A ring forward over a full mask: each rank's first block writes its accumulators
+    /// directly, every later one (its own queries again, the accumulators holding a partial)
+    /// may merge in the kernel.
+    #[test]
+    fn later_blocks_of_a_ring_merge_in_the_kernel() {
+        let shape = AttnShape::new(1, 64, 64, 4, 2, 16).unwrap();
+        let mask = Mask::full(64, 64).unwrap();
+        let plan = build(Strategy::Ring, 4, &shape, &mask, DType::BF16, &PlanOptions::forward()).unwrap();
+        for rank in prepare_all(&plan, &mask).unwrap() {
+            let outputs: Vec<&FwdOutput> = rank
+                .ops
+                .iter()
+                .filter_map(|op| match op {
+                    PreparedOp::Fwd { output, .. } => Some(output),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(outputs.len(), 4);
+            assert!(matches!(outputs[0], FwdOutput::Direct));
+            assert!(outputs[1..].iter().all(|o| matches!(o, FwdOutput::MergeInKernel(_))), "{outputs:?}");
+        }
+    }
 }

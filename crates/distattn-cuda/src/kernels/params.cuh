@@ -23,6 +23,7 @@ struct FwdParams {
     int batch, q_len, k_len, heads, kv_heads, n_tiles;
     float scale_log2;
     int group; // (batch, KV head) pairs per group of the launch order (grid_slot)
+    int merge; // o_f32 and lse hold a partial result to merge into (sm_90a warp-specialized kernel)
 };
 
 // The launch order of the attention kernels' one-dimensional grids. Blocks start in launch

@@ -82,7 +82,10 @@ __device__ __forceinline__ void fwd_rescale(float (&o)[DK / 2], const float (&al
 }
 
 // Normalises (and multiplies by o_scale) and writes the thread's two output rows (row, row + 8)
-// of O (and the optional f32 copy) and their LSE.
+// of O (and the optional f32 copy) and their LSE. With p.merge, o_f32 and lse hold an earlier
+// partial result of these rows, and the rows are merged into it by LSE weights instead (what the
+// executor's separate merge kernel would do). O's element-type copy is skipped where p.o is null
+// (merging only).
 __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[DK / 2], const float (&m)[2],
                                           const float (&l)[2], int b, int h, int row0, int t, float o_scale) {
 #pragma unroll
@@ -91,17 +94,44 @@ __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D
         lt += __shfl_xor_sync(0xffffffff, lt, 1);
         lt += __shfl_xor_sync(0xffffffff, lt, 2);
         // lt = 0: the row saw no key (O = 0, LSE = -inf); a NaN lt is passed on.
-        const float inv = lt != 0.f ? o_scale / lt : 0.f;
+        float inv = lt != 0.f ? o_scale / lt : 0.f;
         const int row = row0 + 8 * r;
+        const size_t li = ((size_t)b * p.heads + h) * p.q_len + row;
+        float lse = lt != 0.f ? (m[r] + __log2f(lt)) * LN2 : NEG_INF;
+        float w_old = 0.f;
+        if (p.merge) {
+            // Lane t = 0 reads the earlier LSE for its quad (before it overwrites it below).
+            float old = t == 0 && row < p.q_len ? p.lse[li] : NEG_INF;
+            old = __shfl_sync(0xffffffff, old, (threadIdx.x & 31) & ~3);
+            const float mx = fmaxf(old, lse);
+            if (mx != NEG_INF) {
+                const float a = __expf(old - mx), c = __expf(lse - mx), sum = a + c;
+                w_old = a / sum;
+                inv *= c / sum;
+                lse = mx + __logf(sum);
+            }
+        }
         if (row >= p.q_len) continue;
-        if (t == 0)
-            p.lse[((size_t)b * p.heads + h) * p.q_len + row] = lt != 0.f ? (m[r] + __log2f(lt)) * LN2 : NEG_INF;
+        if (t == 0) p.lse[li] = lse;
         const size_t off = (((size_t)b * p.q_len + row) * p.heads + h) * D + 2 * t;
+        // The earlier partial is read CH column pairs at a time before any of them is written:
+        // the stores may alias the loads, so loads interleaved with them would each wait for
+        // the one before.
+        constexpr int CH = (D / 8) % 8 == 0 ? 8 : 4;
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-            const float x0 = o[4 * i + 2 * r] * inv, x1 = o[4 * i + 2 * r + 1] * inv;
-            *(u32*)(p.o + off + i * 8) = pack2(x0, x1);
-            if (p.o_f32) *(float2*)(p.o_f32 + off + i * 8) = make_float2(x0, x1);
+        for (int i0 = 0; i0 < D / 8; i0 += CH) {
+            float2 prev[CH];
+#pragma unroll
+            for (int j = 0; j < CH; ++j)
+                prev[j] = p.merge ? *(const float2*)(p.o_f32 + off + (i0 + j) * 8) : make_float2(0.f, 0.f);
+#pragma unroll
+            for (int j = 0; j < CH; ++j) {
+                const int i = i0 + j;
+                const float x0 = fmaf(w_old, prev[j].x, o[4 * i + 2 * r] * inv);
+                const float x1 = fmaf(w_old, prev[j].y, o[4 * i + 2 * r + 1] * inv);
+                if (p.o) *(u32*)(p.o + off + i * 8) = pack2(x0, x1);
+                if (p.o_f32) *(float2*)(p.o_f32 + off + i * 8) = make_float2(x0, x1);
+            }
         }
     }
 }
