@@ -8,10 +8,10 @@
 //!   in `distattn-cpu`, the CUDA backend in `distattn-cuda`;
 //! * [`comm`]: the [`Communicator`] trait a transport implements — [`threads::ThreadComm`]
 //!   here for ranks as threads, NCCL in `distattn-nccl`;
-//! * [`prepare`]: a rank's program made ready once (schedule, sub-masks, pieces, merge specs);
+//! * [`prepare`](mod@prepare): a rank's program made ready once (schedule, sub-masks, pieces, merge specs);
 //! * [`interpreter`]: [`execute`], the one interpreter, for every backend and transport, with
 //!   per-step timelines;
-//! * [`shard`] and [`run`]: whole host tensors to a rank's shards and back ([`run_rank`]);
+//! * [`shard`](mod@shard) and [`run`]: whole host tensors to a rank's shards and back ([`run_rank`]);
 //! * [`rendezvous`]: mailboxes, barrier and failure of ranks in one process, what thread
 //!   transports build on.
 //!

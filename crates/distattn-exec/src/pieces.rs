@@ -1,6 +1,6 @@
 //! Where the part of one plan buffer that another buffer also holds lies in each: element
 //! [`Piece`]s for copies and adds, and a compact [`MergeSpec`] for LSE merges. Both are pure
-//! data computed from buffer descriptors, once per program (see [`crate::prepare`]).
+//! data computed from buffer descriptors, once per program (see [`crate::prepare()`]).
 
 use distattn_core::plan::BufDesc;
 use distattn_core::AttnShape;
