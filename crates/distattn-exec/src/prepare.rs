@@ -178,11 +178,14 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
             Op::Fwd { q, k, v, o, lse, .. } => {
                 let (qd, kd) = (desc(*q)?, desc(*k)?);
                 let own_rows = |b: BufId| desc(b).is_ok_and(|d| d.tokens == qd.tokens && d.heads == qd.heads);
-                let part = BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone());
+                let spec = || -> Result<MergeSpec> {
+                    let part = BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone());
+                    Ok(MergeSpec::new(&part, desc(*o)?, &shape))
+                };
                 let output = match (fresh[*o] && fresh[*lse], own_rows(*o) && own_rows(*lse)) {
                     (true, true) => FwdOutput::Direct,
-                    (false, true) => FwdOutput::MergeInKernel(MergeSpec::new(&part, desc(*o)?, &shape)),
-                    _ => FwdOutput::Merge(MergeSpec::new(&part, desc(*o)?, &shape)),
+                    (false, true) => FwdOutput::MergeInKernel(spec()?),
+                    _ => FwdOutput::Merge(spec()?),
                 };
                 let block = block_of(qd, kd)?;
                 PreparedOp::Fwd { q: *q, k: *k, v: *v, o: *o, lse: *lse, block, output }

@@ -362,11 +362,7 @@ impl<'a> Builder<'a> {
     /// names another descriptor (Q, K, V, LSE a forward kept head-sharded).
     fn declare_backward_with(&mut self, layout: &Layout, rank: usize, given: &Given<'_>) -> BwdBufs {
         let mut input = |t| match given(rank, t) {
-            Some(desc) => {
-                let id = self.buf(rank, desc);
-                self.progs[rank].inputs.push((t, id));
-                id
-            }
+            Some(desc) => self.input_as(rank, t, desc),
             None => self.input(layout, rank, t),
         };
         let q = input(Tensor::Q);
@@ -388,6 +384,11 @@ impl<'a> Builder<'a> {
     /// Declares `rank`'s shard of input `tensor` in `layout`.
     fn input(&mut self, layout: &Layout, rank: usize, tensor: Tensor) -> BufId {
         let desc = BufDesc::new(tensor, layout.tokens(tensor, rank).clone(), self.all_heads(tensor));
+        self.input_as(rank, tensor, desc)
+    }
+
+    /// Declares `rank`'s input of `tensor` as `desc`.
+    fn input_as(&mut self, rank: usize, tensor: Tensor, desc: BufDesc) -> BufId {
         let id = self.buf(rank, desc);
         self.progs[rank].inputs.push((tensor, id));
         id

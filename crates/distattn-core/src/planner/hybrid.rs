@@ -7,7 +7,7 @@
 
 use super::builder::{accumulator_fill, Builder, PassBufs};
 use super::ring;
-use crate::plan::{BufDesc, BufId, Fill, Layout, Op, Tensor, TokenSet};
+use crate::plan::{BufDesc, BufId, Fill, Layout, Op, Pass, Tensor, TokenSet};
 use crate::{AttnShape, Result};
 use std::ops::Range;
 
@@ -83,12 +83,9 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
     if keep && chunks > 1 {
         return Err(b.unsupported(format!("{chunks} head chunks: keeping the head-sharded inputs needs one chunk")));
     }
-    let g = Groups { u_deg, chunks, h, kvh, layout: layout.clone() };
-    // A backward after a forward that kept them gets Q, K, V and LSE head-sharded already.
-    let kept = |r: usize, t: Tensor| {
-        (keep && matches!(t, Tensor::Q | Tensor::K | Tensor::V | Tensor::Lse)).then(|| g.slice_desc(r, t, 0))
-    };
-    let bufs = b.declare_pass_with(layout, &kept);
+    let kept_inputs = keep && b.pass() == Pass::Backward;
+    let g = Groups { u_deg, chunks, h, kvh, layout: layout.clone(), kept_inputs };
+    let bufs = b.declare_pass_with(layout, &|r, t| g.kept(r, t));
     let mut sliced = Vec::with_capacity(chunks);
     for step in 0..chunks + r_deg + 1 {
         if step < chunks {
@@ -150,6 +147,8 @@ struct Groups {
     h: usize,
     kvh: usize,
     layout: Layout,
+    /// A backward after a forward that kept them: Q, K, V and LSE come head-sharded already.
+    kept_inputs: bool,
 }
 
 impl Groups {
@@ -186,12 +185,21 @@ impl Groups {
         BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c))
     }
 
+    /// Whether inputs of `t` come head-sharded already (kept by the forward; one chunk).
+    fn is_kept(&self, t: Tensor) -> bool {
+        self.kept_inputs && matches!(t, Tensor::Q | Tensor::K | Tensor::V | Tensor::Lse)
+    }
+
+    /// Rank `r`'s input of `t` where it comes head-sharded already.
+    fn kept(&self, r: usize, t: Tensor) -> Option<BufDesc> {
+        self.is_kept(t).then(|| self.slice_desc(r, t, 0))
+    }
+
     /// All-to-all inside each group (sequence → heads) of head chunk `c` at `step`: every rank
     /// ends with its group's tokens of its slice's chunk, and accumulators of that shape. Inputs
-    /// given in that shape already (kept by the forward) stay where they are.
+    /// kept head-sharded by the forward stay where they are.
     fn scatter(&self, b: &mut Builder, step: usize, bufs: &PassBufs, c: usize) -> PassBufs {
         let p = b.world;
-        let in_place = |b: &Builder, r: usize, t: Tensor, buf: BufId| *b.desc(r, buf) == self.slice_desc(r, t, c);
         // pieces[r]: (tensor, buffer on rank r holding part of it for r's chunk), own parts first.
         let mut pieces: Vec<Vec<(Tensor, BufId)>> = vec![Vec::new(); p];
         let mut sends = Vec::new();
@@ -200,7 +208,7 @@ impl Groups {
             for dst in self.members(g) {
                 let (_, ub) = self.group(dst);
                 for (t, src) in bufs.inputs(a) {
-                    if in_place(b, a, t, src) {
+                    if self.is_kept(t) {
                         continue;
                     }
                     if dst == a {
@@ -218,7 +226,7 @@ impl Groups {
             pieces[dst].push((t, got));
         }
         let gathered = bufs.map_inputs(|r, t, src| {
-            if in_place(b, r, t, src) {
+            if self.is_kept(t) {
                 return src;
             }
             // The pieces cover the group's tokens of the slice: rank order unions them.
