@@ -65,36 +65,16 @@ impl CudaBackend {
             Some(of) => self.checked_mut_ptr("o_f32", of, shape.q_elems(), shape)?,
             None => 0,
         };
-        self.forward_into((q, k, v), shape, mask, opts, (o, o_f32), lse, false)
+        self.forward_into((q, k, v), shape, mask, opts, (o, o_f32), lse, false).map(|_| ())
     }
 
-    /// As [`CudaBackend::forward`], but `o_f32` and `lse` hold an earlier partial result of the
-    /// same rows (f32 O, natural-log LSE), which the kernel merges the block's rows into by LSE
-    /// weights in its epilogue (no O in the input dtype is written). Only the sm_90a
-    /// warp-specialized kernels merge: elsewhere nothing runs and the answer is `false`.
+    /// The forward into checked output addresses `(o, o_f32)` (either may be 0: not written).
+    /// With `merge`, `o_f32` and `lse` hold an earlier partial result of the same rows (f32 O,
+    /// natural-log LSE), which the kernel merges the block's rows into by LSE weights in its
+    /// epilogue. Only the sm_90a warp-specialized kernel merges or leaves a 0 `o` unwritten:
+    /// elsewhere such a call runs nothing and answers `false`.
     #[allow(clippy::too_many_arguments)] // the forward's tensors
-    pub(crate) fn forward_merging<T: CudaElement>(
-        &self,
-        q: &impl DevicePtr<T>,
-        k: &impl DevicePtr<T>,
-        v: &impl DevicePtr<T>,
-        shape: &AttnShape,
-        mask: &Mask,
-        opts: &AttnOptions,
-        lse: &mut impl DevicePtrMut<f32>,
-        o_f32: &mut CudaViewMut<'_, f32>,
-    ) -> Result<bool> {
-        if !self.kernels(T::DTYPE, shape.head_dim)?.cfg.fwd_wg {
-            return Ok(false);
-        }
-        let o_f32 = self.checked_mut_ptr("o_f32", o_f32, shape.q_elems(), shape)?;
-        self.forward_into((q, k, v), shape, mask, opts, (0, o_f32), lse, true)?;
-        Ok(true)
-    }
-
-    /// The forward into checked output addresses `(o, o_f32)` (either may be 0, not written).
-    #[allow(clippy::too_many_arguments)] // the forward's tensors
-    fn forward_into<T: CudaElement>(
+    pub(crate) fn forward_into<T: CudaElement>(
         &self,
         (q, k, v): (&impl DevicePtr<T>, &impl DevicePtr<T>, &impl DevicePtr<T>),
         shape: &AttnShape,
@@ -103,8 +83,14 @@ impl CudaBackend {
         (o, o_f32): (u64, u64),
         lse: &mut impl DevicePtrMut<f32>,
         merge: bool,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let cfg = self.check_common(T::DTYPE, shape, mask)?;
+        if merge && o_f32 == 0 {
+            return Err(backend_err("a merging forward needs the earlier partial's f32 O"));
+        }
+        if (merge || o == 0) && !self.kernels(T::DTYPE, shape.head_dim)?.cfg.fwd_wg {
+            return Ok(false);
+        }
         let t = ForwardPtrs {
             q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
             k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
@@ -116,11 +102,12 @@ impl CudaBackend {
         };
         // SAFETY: cfg comes from check_common; every address was checked (by this function or
         // its callers) to hold what `shape` says, 16-byte aligned, in buffers of this context
-        // used on the compute stream, or is 0 where the kernel writes nothing (o, o_f32; only
-        // the warp-specialized kernel, which alone merges, skips a 0 `o`). Merging, that kernel
-        // reads o_f32 and lse before it overwrites them, each element by the thread that writes
-        // it (an LSE by its quad's lane 0, passed to the quad before the write).
-        unsafe { self.launch_forward(self.stream(), T::DTYPE, cfg, &t, shape, mask, opts) }
+        // used on the compute stream, or is 0 where the kernel writes nothing (o_f32 always; o
+        // only for the warp-specialized kernel, checked above). Merging, that kernel reads
+        // o_f32 and lse before it overwrites them, each element by the thread that writes it
+        // (an LSE by its quad's lane 0, passed to the quad before the write).
+        unsafe { self.launch_forward(self.stream(), T::DTYPE, cfg, &t, shape, mask, opts) }?;
+        Ok(true)
     }
 
     /// Launches the forward kernel on `s`.

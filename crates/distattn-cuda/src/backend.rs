@@ -127,7 +127,8 @@ impl CudaBackend {
         let (q, k, v) = (inputs.q.view::<T>()?, inputs.k.view::<T>()?, inputs.v.view::<T>()?);
         let (shape, mask) = (&block.shape, &block.mask);
         if merge {
-            return self.forward_merging::<T>(&q, &k, &v, shape, mask, opts, &mut lse.view_mut()?, &mut o.view_mut()?);
+            let o_f32 = self.checked_mut_ptr("o_f32", &mut o.view_mut::<f32>()?, shape.q_elems(), shape)?;
+            return self.forward_into((&q, &k, &v), shape, mask, opts, (0, o_f32), &mut lse.view_mut::<f32>()?, true);
         }
         let s = self.stream();
         // The kernel also writes O in the input dtype; the interpreter keeps only the f32 copy.

@@ -116,24 +116,11 @@ __device__ __forceinline__ void merge_one(const float* o, const float* lse, floa
     const float lb = lse[sl];
     const float la = lacc[dl];
     __syncwarp();
-    if (isnan(la) || isnan(lb)) {  // a non-finite input upstream: the row is NaN
-        for (int c = lane; c < d; c += 32) oacc[dof + c] = QNAN;
-        if (lane == 0) lacc[dl] = QNAN;
-        return;
-    }
-    if (lb == NEG_INF) return;  // the partial saw no key: nothing to add
-    if (la == NEG_INF) {
-        for (int c = lane; c < d; c += 32) oacc[dof + c] = o[so + c];
-        if (lane == 0) lacc[dl] = lb;
-        return;
-    }
-    const float m = fmaxf(la, lb);
-    float wa = expf(la - m), wb = expf(lb - m);
-    const float sum = wa + wb;
-    wa /= sum;
-    wb /= sum;
+    if (lb == NEG_INF && !isnan(la)) return;  // the partial saw no key: nothing to add
+    float wa, wb;
+    const float l = lse_merge(la, lb, wa, wb);
     for (int c = lane; c < d; c += 32) oacc[dof + c] = wa * oacc[dof + c] + wb * o[so + c];
-    if (lane == 0) lacc[dl] = m + logf(sum);
+    if (lane == 0) lacc[dl] = l;
 }
 
 // One warp per (batch, head, token) row of the token pieces.

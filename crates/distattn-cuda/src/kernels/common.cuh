@@ -37,6 +37,23 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
     return r;
 }
 
+// The LSE merge of a row's partial result so far (LSE la) with another over other keys (lb):
+// the weights of the two (summing to 1) and the merged LSE. A partial no key reached (LSE −inf)
+// weighs 0; a NaN in either makes weights and LSE NaN, so the row turns NaN.
+__device__ __forceinline__ float lse_merge(float la, float lb, float& wa, float& wb) {
+    const float m = fmax_nan(la, lb);
+    if (m == NEG_INF) {
+        wa = wb = 0.f;
+        return NEG_INF;
+    }
+    wa = expf(la - m);
+    wb = expf(lb - m);
+    const float sum = wa + wb;
+    wa /= sum;
+    wb /= sum;
+    return m + logf(sum);
+}
+
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
     u32 r;
 #if DA_BF16

@@ -103,13 +103,9 @@ __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D
             // Lane t = 0 reads the earlier LSE for its quad (before it overwrites it below).
             float old = t == 0 && row < p.q_len ? p.lse[li] : NEG_INF;
             old = __shfl_sync(0xffffffff, old, (threadIdx.x & 31) & ~3);
-            const float mx = fmaxf(old, lse);
-            if (mx != NEG_INF) {
-                const float a = __expf(old - mx), c = __expf(lse - mx), sum = a + c;
-                w_old = a / sum;
-                inv *= c / sum;
-                lse = mx + __logf(sum);
-            }
+            float w_new;
+            lse = lse_merge(old, lse, w_old, w_new);
+            inv *= w_new;
         }
         if (row >= p.q_len) continue;
         if (t == 0) p.lse[li] = lse;
