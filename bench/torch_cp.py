@@ -10,6 +10,9 @@
 
 usage: torch_cp.py --world 4 --seqs 32768,131072 --passes fwd,fwdbwd --heads 32 --kv-heads 8
                    --out FILE [--iters 3] [--probe-seqs 524288] [--configs ...] [--masks causal,full]
+       torch_cp.py --world 4 --a2a-mb 8,24,48,96,192 --iters 20 --out FILE
+(the second: the machine's all-to-all rate through PyTorch's NCCL, rows impl torch-a2a with
+mb_per_rank, ms, send_gb_per_s; what distattn-multigpu-bench `links` measures for distattn)
 Rows: impl, pass, causal, batch, seq, heads, head_dim, dtype, tflops, gpus, strategy, mask,
 kv_heads, tflops_per_gpu, ms, mem_gb_per_gpu, gqa (native / expanded K,V heads).
 """
@@ -203,6 +206,44 @@ def worker(rank, args, port, out_q):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
                             timeout=timedelta(seconds=120), device_id=torch.device("cuda", rank))
+    rows = (a2a_rows if args.a2a_mb else peer_rows)(args, rank, P)
+    if rank == 0:
+        out_q.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def a2a_rows(args, rank, P):
+    """all_to_all_single per size of --a2a-mb (MB each rank holds, 1/P of it staying local):
+    median ms by CUDA events over --iters after 3 warm-ups, slowest rank, and GB/s each rank
+    sends ((P-1)/P of its bytes over that time)."""
+    rows = []
+    for mb in (int(m) for m in args.a2a_mb.split(",")):
+        n = mb * (1 << 20) // P * P
+        x = torch.empty(n, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+        ms = []
+        for i in range(3 + args.iters):
+            dist.barrier()
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dist.all_to_all_single(y, x)
+            b.record()
+            b.synchronize()
+            if i >= 3:
+                ms.append(a.elapsed_time(b))
+        t = torch.tensor([sorted(ms)[len(ms) // 2]], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        row = {"impl": "torch-a2a", "gpus": P, "mb_per_rank": mb, "ms": t.item(),
+               "send_gb_per_s": n * (P - 1) / P / t.item() / 1e6}
+        rows.append(row)
+        if rank == 0:
+            print(f"[a2a] {mb:>5} MB per rank: {row['ms']:.3f} ms, {row['send_gb_per_s']:.0f} GB/s sent per rank", flush=True)
+    return rows
+
+
+def peer_rows(args, rank, P):
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cuda", (P,))
     rows = []
@@ -244,10 +285,7 @@ def worker(rank, args, port, out_q):
             print(f"[torch] {imp:14s} {c:16s} {mask:6s} seq {seq:>7} {row['pass']:8s} {msg} mem {row['mem_gb_per_gpu']:.1f} GB ({time.time() - t0:.0f} s)", flush=True)
             rows.append(row)
             write(args.out, rows)  # partial results survive a later failure
-    if rank == 0:
-        out_q.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def main():
@@ -261,6 +299,7 @@ def main():
     ap.add_argument("--configs", default="allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash,ulysses-cudnn")
     ap.add_argument("--probe-seqs", default="")
     ap.add_argument("--masks", default="causal", help="causal and/or full, ','-separated")
+    ap.add_argument("--a2a-mb", default="", help="instead: all_to_all_single rates at these MB a rank")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     port = 29400 + os.getpid() % 500

@@ -99,7 +99,7 @@ struct ProbeArgs {
 struct LinksArgs {
     #[arg(long, default_value_t = 4)]
     gpus: usize,
-    /// MB each rank holds (1/P of it stays local), as in `bench/a2a_probe.py`.
+    /// MB each rank holds (1/P of it stays local), as in `bench/torch_cp.py --a2a-mb`.
     #[arg(long, value_delimiter = ',', default_value = "8,24,48,96,192")]
     mb: Vec<usize>,
     /// Messages per peer the bytes for a peer are split into (Ulysses sends Q, K and V: 3).
@@ -627,6 +627,9 @@ fn kill_test(a: &KillTestArgs) -> Res<bool> {
 /// Times one group of sends and receives per size and split: each rank sends (P-1)/P of its
 /// bytes, `parts` messages to each peer, by CUDA events on the comm stream after a barrier.
 fn links(a: &LinksArgs) -> Res<()> {
+    if a.iters == 0 || a.parts.contains(&0) {
+        return Err("--iters and every --parts must be at least 1".into());
+    }
     let world = a.gpus;
     let cases: Vec<(usize, usize)> = a.mb.iter().flat_map(|&mb| a.parts.iter().map(move |&k| (mb, k))).collect();
     let results = run_cases(world, Duration::from_secs(60), cases.len(), |g, ci| {
