@@ -9,7 +9,8 @@
 # STRATEGIES (default zigzag,balanced,ulysses,allgather), BUDGET_S (default 400: later stages are
 # skipped or shortened to end within it), PROBE_SEQS (default 524288; empty = no probe),
 # MASKS (';'-separated, default causal: the distattn benchmark runs each; the PyTorch peers run
-# those of causal and full they support), KV_HEADS (default 8), STAGES (default check,bench,kill,torch,probe),
+# causal and full, and packed documents (docs*, lengths from `doc-lens`) through varlen and flex
+# attention), KV_HEADS (default 8), STAGES (default check,bench,kill,torch,probe),
 # TORCH_CONFIGS (default: every flash/cuDNN rotation and the Ulysses baseline on both backends), ITERS (timed
 # iterations of each side, default 4 for distattn and 3 for torch), DISTATTN_COMMIT.
 # Writes OUTDIR/check/ (the GPU tests' logs), distattn.json, timelines.json, torch.json, probe.json,
@@ -70,14 +71,20 @@ fi
 
 if want torch && [ "$(left)" -gt 60 ]; then
   stage "PyTorch context parallel + Ulysses (budget $(left) s)"
-  CONFIGS=${TORCH_CONFIGS:-allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash,ulysses-cudnn}
-  [ "$(left)" -lt 150 ] && CONFIGS="alltoall-cudnn,ulysses-cudnn"
+  CONFIGS=${TORCH_CONFIGS:-allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash,ulysses-cudnn,ulysses-varlen,ulysses-flex}
+  [ "$(left)" -lt 150 ] && CONFIGS="alltoall-cudnn,ulysses-cudnn,ulysses-varlen"
+  DOCS=""
+  for m in $(echo "$MASKS" | tr ';' '\n' | grep -E '^docs'); do
+    f="$OUT/doclens-$(echo "$m" | tr -c 'a-zA-Z0-9\n' '-').json"
+    "$BIN" doc-lens --mask "$m" --seqs "$SEQS" > "$f" && DOCS="$DOCS${DOCS:+,}$f"
+  done
+  [ -n "$DOCS" ] && { python3 "$HERE/torch_cp.py" --check-docs || rc=1; }
   TPROBE=""
   [ "$(left)" -gt 200 ] && TPROBE="$PROBE_SEQS"
   # Own process group, so that the spawned ranks end with it (killed by its id on overrun).
   TMASKS=$(echo "$MASKS" | tr ';' '\n' | grep -xE 'causal|full' | paste -sd, -)
-  setsid python3 "$HERE/torch_cp.py" --world "$GPUS" --seqs "$SEQS" --passes fwd,fwdbwd --masks "${TMASKS:-causal}" \
-    --heads 32 --kv-heads "$KV_HEADS" --iters "${ITERS:-3}" --configs "$CONFIGS" --probe-seqs "$TPROBE" --out "$OUT/torch.json" &
+  setsid python3 "$HERE/torch_cp.py" --world "$GPUS" --seqs "$SEQS" --passes fwd,fwdbwd --masks "$TMASKS" \
+    --doc-lens "$DOCS" --heads 32 --kv-heads "$KV_HEADS" --iters "${ITERS:-3}" --configs "$CONFIGS" --probe-seqs "$TPROBE" --out "$OUT/torch.json" &
   TP=$!; TEND=$(( SECONDS + $(left) - 25 ))
   while kill -0 $TP 2>/dev/null && [ $SECONDS -lt $TEND ]; do sleep 1; done
   if kill -0 $TP 2>/dev/null; then echo "torch stage over budget: ending its process group $TP"; kill -- -$TP 2>/dev/null; sleep 2; kill -9 -- -$TP 2>/dev/null; rc=1; fi

@@ -7,10 +7,16 @@
 * torch-ulysses: all-to-all from sequence to head sharding, SDPA (flash or cuDNN: configs
   ulysses-flash, ulysses-cudnn) on the full sequence, all-to-all back (autograd through both);
   the yunchang / DeepSpeed-Ulysses layout.
+* Packed documents (a mask spec of `distattn-multigpu-bench doc-lens`, passed with --doc-lens):
+  the same all-to-alls around torch's varlen_attn (config ulysses-varlen, FlashAttention-2
+  kernels) or a compiled flex_attention with a document block mask built once (ulysses-flex).
+  SDPA and PyTorch's context parallel take no document masks, so their configs skip them.
 
 usage: torch_cp.py --world 4 --seqs 32768,131072 --passes fwd,fwdbwd --heads 32 --kv-heads 8
                    --out FILE [--iters 3] [--probe-seqs 524288] [--configs ...] [--masks causal,full]
+                   [--doc-lens F.json,...] (each mask of these files is also run)
        torch_cp.py --world 4 --a2a-mb 8,24,48,96,192 --iters 20 --out FILE
+       torch_cp.py --check-docs
 (the second: the machine's all-to-all rate through PyTorch's NCCL, rows impl torch-a2a with
 mb_per_rank, ms, send_gb_per_s; what distattn-multigpu-bench `links` measures for distattn)
 Rows: impl, pass, causal, batch, seq, heads, head_dim, dtype, tflops, gpus, strategy, mask,
@@ -59,9 +65,15 @@ WARM = 1  # warm-up iterations (0 for the longest-sequence probe)
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def flops(seq, heads, d, fwdbwd, causal):
-    area = seq * (seq + 1) / 2 if causal else seq * seq
-    f = 4.0 * area * d * heads
+def area(seq, causal, lens=None):
+    """Kept query-key pairs: of the whole sequence, or inside each document of `lens`."""
+    if lens is not None:
+        return sum(area(n, causal) for n in lens)
+    return seq * (seq + 1) / 2 if causal else seq * seq
+
+
+def flops(seq, heads, d, fwdbwd, causal, lens=None):
+    f = 4.0 * area(seq, causal, lens) * d * heads
     return f * (3.5 if fwdbwd else 1.0)
 
 
@@ -157,6 +169,106 @@ def run_ulysses(args, seq, fwdbwd, P, rank, backend, causal):
     return res
 
 
+def seq_to_tokens(x, P):
+    # [1, S/P, H, D] -> [S, H/P, D] (varlen's packed layout)
+    _, s, H, D = x.shape
+    y = _A2A.apply(x[0].reshape(s, P, H // P, D).transpose(0, 1).contiguous())  # [P (seq chunk), s, H/P, D]
+    return y.reshape(P * s, H // P, D)
+
+
+def tokens_to_seq(o, P):
+    # [S, H/P, D] -> [1, S/P, H, D]
+    S, h, D = o.shape
+    y = _A2A.apply(o.reshape(P, S // P, h, D))  # [P (head group), s, h, D]
+    return y.transpose(0, 1).reshape(1, S // P, P * h, D)
+
+
+def doc_attention(kind, lens, causal, seq):
+    """f(q, k, v) on [S, H, D] tokens with attention inside each document of `lens`."""
+    if kind == "varlen":
+        import inspect
+        from torch.nn.attention.varlen import varlen_attn
+        params = inspect.signature(varlen_attn).parameters
+        kw = {"enable_gqa": True} if "enable_gqa" in params else {}
+        if causal:  # the keyword changed between releases
+            kw.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
+        cu = torch.tensor([0] + lens, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return lambda q, k, v: varlen_attn(q, k, v, cu, cu, max(lens), max(lens), **kw)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
+
+    def keep(b, h, qi, ki):
+        same = doc[qi] == doc[ki]
+        return same & (qi >= ki) if causal else same
+    bm = torch.compile(create_block_mask)(keep, None, None, seq, seq, device="cuda")  # compiled: no S² entries
+    flex = torch.compile(flex_attention, dynamic=False)
+    # flex takes [B, H, S, D]
+    return lambda q, k, v: flex(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=bm, enable_gqa=True)[0].transpose(0, 1)
+
+
+def run_ulysses_docs(args, seq, fwdbwd, P, rank, kind, lens, causal):
+    H, Hkv, D = args.heads, args.kv_heads, 128
+    s = seq // P
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    mk = lambda h: torch.randn(1, s, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v, do = mk(H), mk(Hkv), mk(Hkv), mk(H)
+    try:
+        attn = doc_attention(kind, lens, causal, seq)
+
+        def step():
+            if fwdbwd:
+                qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                o = tokens_to_seq(attn(seq_to_tokens(qq, P), seq_to_tokens(kk, P), seq_to_tokens(vv, P)), P)
+                o.backward(do)
+            else:
+                with torch.no_grad():
+                    tokens_to_seq(attn(seq_to_tokens(q, P), seq_to_tokens(k, P), seq_to_tokens(v, P)), P)
+        ms, ts = timed(step, args.iters)
+        return {"ms": ms, "iters_ms": ts, "gqa": "native"}
+    except Exception as e:  # noqa: BLE001
+        if rank == 0 and os.environ.get("TORCH_CP_TRACE"):
+            traceback.print_exc()
+        torch.cuda.synchronize()
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+
+
+DOC_KINDS = ("varlen", "flex")
+
+
+def check_doc_peers():
+    """The document peers against SDPA's math backend with the dense mask, on one GPU, forward
+    and gradients (1.5k tokens, 8/2 heads, lengths that split tiles): exit status 1 where an
+    error passes 1% of the reference's largest magnitude (bf16 outputs round at 0.4%)."""
+    lens, H, Hkv, D = [300, 1000, 1, 235], 8, 2, 128
+    S, ok = sum(lens), True
+    doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(S, h, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (H, Hkv, Hkv, H))
+    for causal in (False, True):
+        keep = doc[:, None] == doc[None, :]
+        if causal:
+            keep &= torch.ones(S, S, dtype=torch.bool, device="cuda").tril()
+        x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel([SDPBackend.MATH]):
+            ref = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in x), attn_mask=keep, enable_gqa=True).transpose(0, 1)
+        ref.backward(do.double())
+        for kind in DOC_KINDS:
+            try:
+                y = [t.detach().requires_grad_() for t in (q, k, v)]
+                o = doc_attention(kind, lens, causal, S)(*y)
+                o.backward(do)
+                errs = [((a.double() - b).abs().max() / b.abs().max()).item()
+                        for a, b in zip([o] + [t.grad for t in y], [ref] + [t.grad for t in x])]
+                good = max(errs) < 1e-2
+                print(f"[check] {kind:6s} causal={causal}: max error / max |f64| O {errs[0]:.1e}, dQ {errs[1]:.1e}, "
+                      f"dK {errs[2]:.1e}, dV {errs[3]:.1e} {'ok' if good else 'FAIL'}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                good = False
+                print(f"[check] {kind:6s} causal={causal}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
+            ok &= good
+    return 0 if ok else 1
+
+
 def run_cp(args, seq, fwdbwd, P, rank, rotate, backend, mesh, causal):
     context_parallel, set_rotate_method = cp_api()
     B, H, Hkv, D = 1, args.heads, args.kv_heads, 128
@@ -250,12 +362,20 @@ def peer_rows(args, rank, P):
     configs = args.configs.split(",")
     seqs = [int(s) for s in args.seqs.split(",") if s]
     passes = args.passes.split(",")
-    jobs = [(seq, p, c, m) for m in args.masks.split(",") for seq in seqs for p in passes for c in configs]
+    docs = {}  # mask spec -> (causal inside, {seq: lens})
+    for f in (f for f in args.doc_lens.split(",") if f):
+        d = json.load(open(f))
+        docs[d["mask"]] = (d["causal"], {int(n): lens for n, lens in d["lens"].items()})
+    masks = [m for m in args.masks.split(",") if m] + list(docs)
+    # Document masks run on the document configs only, causal and full on the others.
+    fits = lambda c, m: (c.split("-")[1] in DOC_KINDS) == (m in docs)
+    jobs = [(seq, p, c, m) for m in masks for seq in seqs for p in passes for c in configs if fits(c, m)]
     jobs += [(int(s), "fwdbwd", configs[0], "causal") for s in args.probe_seqs.split(",") if s]
     global WARM
     n_main = len(jobs) - len([s for s in args.probe_seqs.split(",") if s])
     for ji, (seq, p, c, mask) in enumerate(jobs):
         fwdbwd, causal = p == "fwdbwd", mask == "causal"
+        lens = docs[mask][1][seq] if mask in docs else None
         set_load_balance(causal)
         probe = ji >= n_main
         if probe:  # one cold iteration
@@ -263,7 +383,11 @@ def peer_rows(args, rank, P):
         torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
         rot, be = c.split("-")
-        if rot == "ulysses":
+        if lens is not None:
+            causal = docs[mask][0]
+            r = run_ulysses_docs(args, seq, fwdbwd, P, rank, be, lens, causal)
+            imp = "torch-ulysses"
+        elif rot == "ulysses":
             r = run_ulysses(args, seq, fwdbwd, P, rank, be, causal)
             imp = "torch-ulysses"
         else:
@@ -276,7 +400,7 @@ def peer_rows(args, rank, P):
                "heads": args.heads, "head_dim": 128, "dtype": "bf16", "gpus": P, "strategy": c, "mask": mask,
                "kv_heads": args.kv_heads, "mem_gb_per_gpu": memt.item(), "probe": probe}
         if "ms" in r:
-            tf = flops(seq, args.heads, 128, fwdbwd, causal) / r["ms"] / 1e9
+            tf = flops(seq, args.heads, 128, fwdbwd, causal, lens) / r["ms"] / 1e9
             row.update({"tflops": tf, "tflops_per_gpu": tf / P, "ms": r["ms"], "iters_ms": r["iters_ms"], "gqa": r["gqa"]})
         else:
             row.update({"tflops": None, "tflops_per_gpu": None, "error": r.get("error")})
@@ -296,12 +420,19 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--configs", default="allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash,ulysses-cudnn")
+    ap.add_argument("--configs", default="allgather-flash,alltoall-flash,allgather-cudnn,alltoall-cudnn,ulysses-flash,ulysses-cudnn,"
+                    "ulysses-varlen,ulysses-flex")
     ap.add_argument("--probe-seqs", default="")
     ap.add_argument("--masks", default="causal", help="causal and/or full, ','-separated")
+    ap.add_argument("--doc-lens", default="", help="','-separated JSON files of `distattn-multigpu-bench doc-lens`")
     ap.add_argument("--a2a-mb", default="", help="instead: all_to_all_single rates at these MB a rank")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--check-docs", action="store_true", help="instead: check the document peers on one GPU")
+    ap.add_argument("--out")
     args = ap.parse_args()
+    if args.check_docs:
+        return check_doc_peers()
+    if not args.out:
+        ap.error("--out is required")
     port = 29400 + os.getpid() % 500
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()

@@ -1,9 +1,11 @@
 //! Multi-GPU benchmark of distattn (run on a machine with several GPUs; the exactness checks
 //! are the ignored tests of `tests/gpus.rs`).
 //!
-//! Subcommands `bench`, `probe`, `links`, `kill-test` and `worker` (one rank of a launched run);
+//! Subcommands `bench`, `probe`, `links`, `doc-lens`, `kill-test` and `worker` (one rank of a
+//! launched run);
 //! `distattn-multigpu-bench <subcommand> --help` lists the options.
 
+use distattn_core::mask::DocKind;
 use distattn_core::plan::{Pass, Plan, PlanOptions, RingBackward};
 use distattn_core::planner::build;
 use distattn_core::schedule::Lane;
@@ -34,6 +36,9 @@ enum Cli {
     Probe(ProbeArgs),
     /// All-to-all rate through distattn's NCCL groups, as the strategies post them.
     Links(LinksArgs),
+    /// Document lengths of a packed-documents mask at each length of --seqs (JSON on stdout),
+    /// for peers that take documents as cumulative lengths (`bench/torch_cp.py --doc-lens`).
+    DocLens(DocLensArgs),
     /// Kills one rank mid-run and checks that every other rank reports it and exits.
     KillTest(KillTestArgs),
     /// One rank of a launched run (RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/MASTER_PORT or NCCL_COMM_ID from the launcher).
@@ -109,6 +114,15 @@ struct LinksArgs {
     iters: usize,
     #[arg(long)]
     out: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct DocLensArgs {
+    /// docs, docs-causal, docs-random or docs-random-causal.
+    #[arg(long)]
+    mask: MaskSpec,
+    #[arg(long, value_delimiter = ',', default_value = "32768,131072")]
+    seqs: Vec<usize>,
 }
 
 #[derive(clap::Args)]
@@ -675,12 +689,32 @@ fn links(a: &LinksArgs) -> Res<()> {
     Ok(())
 }
 
+/// `{"mask", "causal" (inside each document), "lens": {seq: [len, ...]}}`.
+fn doc_lens(a: &DocLensArgs) -> Res<serde_json::Value> {
+    let causal = match &a.mask {
+        MaskSpec::Documents { kind, .. } | MaskSpec::RandomDocuments { kind, .. } => *kind == DocKind::Causal,
+        other => {
+            return Err(format!(
+                "mask '{other}' is not packed documents (docs, docs-causal, docs-random, docs-random-causal)"
+            )
+            .into())
+        }
+    };
+    let mut lens = serde_json::Map::new();
+    for &n in &a.seqs {
+        a.mask.build(n, n)?; // the lengths add up to n
+        lens.insert(n.to_string(), json!(a.mask.doc_lens(n)));
+    }
+    Ok(json!({"mask": a.mask.to_string(), "causal": causal, "lens": lens}))
+}
+
 fn main() {
     distattn_nccl::comm::nccl_env_defaults();
     let r: Res<bool> = match <Cli as clap::Parser>::parse() {
         Cli::Bench(a) => bench(&a).map(|_| true),
         Cli::Probe(a) => probe(&a).map(|_| true),
         Cli::Links(a) => links(&a).map(|_| true),
+        Cli::DocLens(a) => doc_lens(&a).map(|v| println!("{v}")).map(|_| true),
         Cli::KillTest(a) => kill_test(&a),
         Cli::Worker => worker().map(|_| true),
     };
