@@ -15,7 +15,8 @@ use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::plan::TokenSet;
 use distattn::planner::fastest;
 use distattn::{
-    AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, PlanOptions, RankAttention, Result, Strategy,
+    AttnShape, Backend, Communicator, CpuBackend, DType, Element, Error, HostData, PlanOptions, RankAttention, Result,
+    Strategy,
 };
 use distattn_cuda::{CudaBackend, GpuBuf};
 use distattn_nccl::comm::UniqueId;
@@ -156,6 +157,11 @@ impl CpTransport {
         let mut joined = None;
         crate::guarded(py, || {
             let gpu = gpu(ordinal)?;
+            // A run's buffers come from the device's memory pool. Kept between calls (as torch's
+            // caching allocator keeps its blocks), the next call reuses them; trimmed at every
+            // synchronisation, as by default, each call maps its memory again (a third of a
+            // 32k-token forward on two GPUs). `release_cached_memory` gives them back.
+            gpu.keep_memory_pool()?;
             let comm = NcclComm::init(&gpu, rank, world, id, None, timeout)?;
             joined = Some(Transport::Nccl { gpu, comm });
             Ok(())
@@ -177,6 +183,13 @@ pub struct CpRank {
 pub fn nccl_unique_id(py: Python<'_>) -> PyResult<Py<PyBytes>> {
     let id = distattn_nccl::comm::unique_id().map_err(crate::to_py)?;
     Ok(PyBytes::new(py, &id.to_bytes()).unbind())
+}
+
+/// Returns to the device the memory context-parallel runs on GPU `ordinal` keep for their next
+/// call (blocks of the device's default memory pool that no run holds).
+#[pyfunction]
+pub fn release_cached_memory(py: Python<'_>, ordinal: i64) -> PyResult<()> {
+    crate::guarded(py, || gpu(ordinal)?.release_memory_pool())
 }
 
 /// The rank holding each of positions `start..start + count` of a request homed on `home`, its
@@ -312,8 +325,8 @@ impl CpRank {
         runs(self.attn.kv_tokens())
     }
 
-    /// Writes O (f32, `[b, n_local, h, d]`) and LSE (f32, `[b, h, n_local]`) of this rank's
-    /// shards of Q, K, V. `stream` is torch's current stream (CUDA tensors).
+    /// Writes O (`[b, n_local, h, d]`, the inputs' dtype) and LSE (f32, `[b, h, n_local]`) of
+    /// this rank's shards of Q, K, V. `stream` is torch's current stream (CUDA tensors).
     #[pyo3(signature = (q, k, v, o, lse, stream))]
     #[allow(clippy::too_many_arguments)] // one descriptor per tensor of the pass
     fn forward(
@@ -329,19 +342,20 @@ impl CpRank {
         let run = || {
             let io = self.io(&q)?;
             io.check_inputs(&[("q", &q, false), ("k", &k, true), ("v", &v, true)])?;
-            io.check_outputs(&[("o", &o, false)], &lse)?;
+            io.check_outputs(&[("o", &o, false)])?;
+            io.check_stat("lse", &lse)?;
             match &*self.transport {
                 Transport::Host(comm) => {
                     let cpu = CpuBackend;
                     let [qb, kb, vb] = [&q, &k, &v].map(|t| host_buf(io.dtype, t));
                     let [ob, lb] = self.attn.forward(&cpu, comm, io.dtype, qb?, kb?, vb?)?;
-                    host_out(&cpu, &ob, &o)?;
-                    host_out(&cpu, &lb, &lse)
+                    host_out(&cpu, &ob, io.dtype, &o)?;
+                    host_out(&cpu, &lb, DType::F32, &lse)
                 }
                 Transport::Nccl { gpu, comm } => {
                     let [qb, kb, vb] = gpu_inputs(gpu, stream, io.dtype, [&q, &k, &v])?;
                     let res = self.attn.forward(&**gpu, comm, io.dtype, qb, kb, vb)?;
-                    gpu_outputs(gpu, stream, &res, [&o, &lse])
+                    gpu_outputs(gpu, stream, &res, [(&o, io.dtype), (&lse, DType::F32)])
                 }
             }
         };
@@ -350,9 +364,9 @@ impl CpRank {
         crate::guarded(py, run)
     }
 
-    /// Writes dQ, dK, dV (f32, like this rank's shards) from its shards of Q, K, V, dO, the
-    /// forward's LSE and D = rowsum(dO ∘ O) (f32, `[b, h, n_local]`).
-    #[pyo3(signature = (q, k, v, d_o, lse, delta, dq, dk, dv, stream))]
+    /// Writes dQ, dK, dV (like this rank's shards, in their dtype) from its shards of Q, K, V,
+    /// the forward's O and LSE, and dO.
+    #[pyo3(signature = (q, k, v, o, lse, d_o, dq, dk, dv, stream))]
     #[allow(clippy::too_many_arguments)] // one descriptor per tensor of the pass
     fn backward(
         &self,
@@ -360,9 +374,9 @@ impl CpRank {
         q: TensorDesc,
         k: TensorDesc,
         v: TensorDesc,
-        d_o: TensorDesc,
+        o: TensorDesc,
         lse: TensorDesc,
-        delta: TensorDesc,
+        d_o: TensorDesc,
         dq: TensorDesc,
         dk: TensorDesc,
         dv: TensorDesc,
@@ -370,25 +384,33 @@ impl CpRank {
     ) -> PyResult<()> {
         let run = || {
             let io = self.io(&q)?;
-            io.check_inputs(&[("q", &q, false), ("k", &k, true), ("v", &v, true), ("d_o", &d_o, false)])?;
-            io.check_outputs(&[("dq", &dq, false), ("dk", &dk, true), ("dv", &dv, true)], &lse)?;
-            io.check_stat("delta", &delta)?;
+            let inputs = [("q", &q, false), ("k", &k, true), ("v", &v, true), ("o", &o, false), ("d_o", &d_o, false)];
+            io.check_inputs(&inputs)?;
+            io.check_stat("lse", &lse)?;
+            io.check_outputs(&[("dq", &dq, false), ("dk", &dk, true), ("dv", &dv, true)])?;
+            let rows = io.local;
             match &*self.transport {
                 Transport::Host(comm) => {
                     let cpu = CpuBackend;
-                    let [qb, kb, vb, ob] = [&q, &k, &v, &d_o].map(|t| host_buf(io.dtype, t));
-                    let [lb, db] = [&lse, &delta].map(|t| host_buf(DType::F32, t));
-                    let grads = self.attn.backward(&cpu, comm, io.dtype, qb?, kb?, vb?, ob?, lb?, db?)?;
+                    let [qb, kb, vb, ob, gb] = [&q, &k, &v, &o, &d_o].map(|t| host_buf(io.dtype, t));
+                    let (ob, gb) = (ob?, gb?);
+                    let delta = cpu.row_delta(&ob, &gb, &rows)?;
+                    let lb = host_buf(DType::F32, &lse)?;
+                    let grads = self.attn.backward(&cpu, comm, io.dtype, qb?, kb?, vb?, gb, lb, delta)?;
                     for (g, t) in grads.iter().zip([&dq, &dk, &dv]) {
-                        host_out(&cpu, g, t)?;
+                        host_out(&cpu, g, io.dtype, t)?;
                     }
                     Ok(())
                 }
                 Transport::Nccl { gpu, comm } => {
-                    let [qb, kb, vb, ob] = gpu_inputs(gpu, stream, io.dtype, [&q, &k, &v, &d_o])?;
-                    let [lb, db] = gpu_inputs(gpu, stream, DType::F32, [&lse, &delta])?;
-                    let grads = self.attn.backward(&**gpu, comm, io.dtype, qb, kb, vb, ob, lb, db)?;
-                    gpu_outputs(gpu, stream, &grads, [&dq, &dk, &dv])
+                    let [qb, kb, vb, ob, gb] = gpu_inputs(gpu, stream, io.dtype, [&q, &k, &v, &o, &d_o])?;
+                    let [lb] = gpu_inputs(gpu, stream, DType::F32, [&lse])?;
+                    // D = rowsum(dO ∘ O) from torch's O, in the inputs' dtype, as the kernels'
+                    // own backward computes it.
+                    let delta = gpu.row_delta(&ob, &gb, &rows)?;
+                    let grads = self.attn.backward(&**gpu, comm, io.dtype, qb, kb, vb, gb, lb, delta)?;
+                    let [gq, gk, gv] = [&dq, &dk, &dv].map(|t| (t, io.dtype));
+                    gpu_outputs(gpu, stream, &grads, [gq, gk, gv])
                 }
             }
         };
@@ -450,9 +472,9 @@ impl Io {
         ts.iter().try_for_each(|(name, t, kv)| self.check(name, t, &self.dims(*kv), self.dtype))
     }
 
-    fn check_outputs(&self, ts: &[(&str, &TensorDesc, bool)], lse: &TensorDesc) -> Result<()> {
-        ts.iter().try_for_each(|(name, t, kv)| self.check(name, t, &self.dims(*kv), DType::F32))?;
-        self.check_stat("lse", lse)
+    /// Outputs are written in the inputs' dtype.
+    fn check_outputs(&self, ts: &[(&str, &TensorDesc, bool)]) -> Result<()> {
+        self.check_inputs(ts)
     }
 
     fn check_stat(&self, name: &str, t: &TensorDesc) -> Result<()> {
@@ -474,21 +496,30 @@ fn host_buf(dtype: DType, t: &TensorDesc) -> Result<HostData> {
     }
 }
 
-/// Copies a host output (f32) into the f32 CPU tensor `t` (checked, same size).
-fn host_out(cpu: &CpuBackend, buf: &HostData, t: &TensorDesc) -> Result<()> {
+/// Writes a host output (f32 values) into the CPU tensor `t` of `dtype` (checked, same size),
+/// rounding to nearest even for 16-bit types.
+fn host_out(cpu: &CpuBackend, buf: &HostData, dtype: DType, t: &TensorDesc) -> Result<()> {
     let vals = cpu.download_f32(buf)?;
-    // SAFETY: `t` is a contiguous f32 CPU tensor of this output's shape (checked) that the
-    // Python caller allocated for this call and nothing else touches during it.
-    let out = unsafe { host_mut::<f32>(t) };
-    if out.len() != vals.len() {
-        return Err(Error::Internal(format!("an output of {} values for a tensor of {}", vals.len(), out.len())));
+    fn put<T: Element>(vals: &[f32], t: &TensorDesc) -> Result<()> {
+        // SAFETY: `t` is a contiguous CPU tensor of T of this output's shape (checked) that the
+        // Python caller allocated for this call and nothing else touches during it.
+        let out = unsafe { host_mut::<T>(t) };
+        if out.len() != vals.len() {
+            return Err(Error::Internal(format!("an output of {} values for a tensor of {}", vals.len(), out.len())));
+        }
+        T::convert_from_f32(vals, out);
+        Ok(())
     }
-    out.copy_from_slice(&vals);
-    Ok(())
+    match dtype {
+        DType::F32 => put::<f32>(&vals, t),
+        DType::BF16 => put::<bf16>(&vals, t),
+        DType::F16 => put::<f16>(&vals, t),
+    }
 }
 
-/// Device buffers holding copies of the CUDA tensors `ts` (checked, of `dtype`), copied on the
-/// backend's compute stream after the work enqueued so far on torch's `stream`.
+/// The CUDA tensors `ts` (checked, of `dtype`) as device buffers, read on the backend's compute
+/// stream after the work enqueued so far on torch's `stream`: lent without a copy where
+/// 16-byte aligned (the kernels' loads need it), else copied.
 fn gpu_inputs<const N: usize>(
     gpu: &CudaBackend,
     stream: u64,
@@ -503,28 +534,37 @@ fn gpu_inputs<const N: usize>(
     for t in ts {
         let len = t.1.iter().product();
         // SAFETY: `t` is a contiguous CUDA tensor of `dtype` on this device with `len`
-        // elements (checked); torch keeps it alive and does not write it during the call (the
-        // run returns once the device is done with it).
-        out.push(unsafe { GpuBuf::copy_of(gpu.stream(), dtype, t.0, len) }?);
+        // elements (checked); torch keeps it alive and does not write it during the call, and
+        // the run returns once the device is done with it. Plans never write their inputs
+        // (`Plan::validate`), so a lent tensor is only read.
+        let buf = unsafe {
+            if t.0.is_multiple_of(16) {
+                GpuBuf::lent(gpu.stream(), dtype, t.0, len)
+            } else {
+                GpuBuf::copy_of(gpu.stream(), dtype, t.0, len)
+            }
+        };
+        out.push(buf?);
     }
     out.try_into().map_err(|_| Error::Internal("input count".into()))
 }
 
-/// Copies the f32 outputs into the CUDA tensors `ts` on the backend's compute stream; torch's
-/// `stream` then waits for the copies.
-fn gpu_outputs<const N: usize>(gpu: &CudaBackend, stream: u64, bufs: &[GpuBuf; N], ts: [&TensorDesc; N]) -> Result<()> {
-    for (b, t) in bufs.iter().zip(ts) {
-        if b.len() != t.1.iter().product::<usize>() || b.dtype() != DType::F32 {
-            return Err(Error::Internal(format!(
-                "an output of {} {} for a tensor of shape {:?}",
-                b.len(),
-                b.dtype(),
-                t.1
-            )));
+/// Writes the f32 outputs into the CUDA tensors `ts` in their dtypes on the backend's compute
+/// stream; torch's `stream` then waits for the writes.
+fn gpu_outputs<const N: usize>(
+    gpu: &CudaBackend,
+    stream: u64,
+    bufs: &[GpuBuf; N],
+    ts: [(&TensorDesc, DType); N],
+) -> Result<()> {
+    for (b, (t, dtype)) in bufs.iter().zip(ts) {
+        if b.len() != t.1.iter().product::<usize>() {
+            return Err(Error::Internal(format!("an output of {} values for a tensor of shape {:?}", b.len(), t.1)));
         }
-        // SAFETY: `t` is a contiguous f32 CUDA tensor of this device with room for the buffer
-        // (checked above), allocated by the Python caller for this call's output.
-        unsafe { b.copy_to(gpu.stream(), t.0) }?;
+        // SAFETY: `t` is a contiguous CUDA tensor of `dtype` on this device with room for the
+        // buffer's values (checked above and by the caller), allocated by the Python caller for
+        // this call's output (torch aligns fresh allocations to 512 bytes).
+        unsafe { gpu.store_external(b, t.0, dtype) }?;
     }
     // SAFETY: as in `gpu_inputs`.
     let torch = unsafe { gpu.borrow_stream(stream) };

@@ -236,7 +236,6 @@ impl Backend for CpuBackend {
     }
 
     fn row_delta(&self, o: &HostData, d_o: &HostData, rows: &AttnShape) -> Result<HostData> {
-        let o = o.as_slice::<f32>()?;
-        Ok(HostData::F32(with_typed!(d_o, |g| crate::row_delta(o, g, rows))?))
+        Ok(HostData::F32(with_typed!(o, |o| with_typed!(d_o, |g| crate::row_delta(o, g, rows)))?))
     }
 }

@@ -334,19 +334,27 @@ impl Backend for CudaBackend {
     }
 
     fn row_delta(&self, o: &GpuBuf, d_o: &GpuBuf, rows: &AttnShape) -> Result<GpuBuf> {
-        f32_only("row delta's O", &[o])?;
         rows.check_len("o", o.len(), rows.q_elems())?;
         rows.check_len("d_o", d_o.len(), rows.q_elems())?;
         let aux = self.aux(d_o.dtype())?;
         if aux.dtype() != d_o.dtype() {
             return Err(cuda_dtype(d_o.dtype()));
         }
+        if o.dtype() != DType::F32 && o.dtype() != d_o.dtype() {
+            return Err(Error::DTypeMismatch {
+                a: "row delta's O".into(),
+                a_dtype: o.dtype().to_string(),
+                b: "dO".into(),
+                b_dtype: d_o.dtype().to_string(),
+            });
+        }
         let s = self.stream();
         let delta = GpuBuf::alloc(s, DType::F32, rows.lse_elems())?;
-        // SAFETY: O (f32) and dO (the module's type) hold q_elems() values and delta, allocated
-        // above, lse_elems() f32 (all checked above); each is a whole CUDA allocation, aligned for
-        // any element type; all three are used on the compute stream, where this runs.
-        unsafe { aux.row_delta(s, o.ptr(s), DType::F32, d_o.ptr(s), delta.ptr(s), rows) }?;
+        // SAFETY: O (f32 or dO's type) and dO (the module's type) hold q_elems() values and
+        // delta, allocated above, lse_elems() f32 (all checked above); each is a whole CUDA
+        // allocation or a lent one (16-byte aligned); all three are used on the compute stream,
+        // where this runs.
+        unsafe { aux.row_delta(s, o.ptr(s), o.dtype(), d_o.ptr(s), delta.ptr(s), rows) }?;
         Ok(delta)
     }
 }

@@ -5,15 +5,28 @@ use crate::driver_err;
 use cudarc::driver::{sys, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DeviceRepr};
 use distattn_core::{DType, Element, Error, Result};
 use half::{bf16, f16};
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 /// A device buffer: `len` elements of `dtype` (its storage holds at least one element, so
-/// empty buffers exist too).
+/// empty buffers exist too), allocated here or lent by another library ([`GpuBuf::lent`]).
 #[derive(Debug)]
 pub struct GpuBuf {
-    mem: CudaSlice<u8>,
+    /// Dropped by hand: a lent buffer's memory is its owner's to free.
+    mem: ManuallyDrop<CudaSlice<u8>>,
     dtype: DType,
     len: usize,
+    lent: bool,
+}
+
+impl Drop for GpuBuf {
+    fn drop(&mut self) {
+        // SAFETY: `mem` is taken once, here, and not used again.
+        let mem = unsafe { ManuallyDrop::take(&mut self.mem) };
+        if self.lent {
+            mem.leak();
+        }
+    }
 }
 
 /// An element type the kernels read and write (f32, bf16, f16).
@@ -33,7 +46,7 @@ impl GpuBuf {
         // memory only as bytes the driver copies back, and every bit pattern is a valid u8 (and
         // f32, bf16, f16). Callers write it before they read it (fills, receives, kernel outputs).
         let mem = unsafe { stream.alloc::<u8>(bytes) }.map_err(driver_err("allocating a buffer"))?;
-        Ok(GpuBuf { mem, dtype, len })
+        Ok(GpuBuf { mem: ManuallyDrop::new(mem), dtype, len, lent: false })
     }
 
     /// A buffer of `len` values `fill` (0 or −inf in f32; 0 in 16-bit types).
@@ -48,7 +61,7 @@ impl GpuBuf {
         let one = [T::default()];
         let src: &[T] = if data.is_empty() { &one } else { data };
         let mem = stream.clone_htod(bytemuck::cast_slice::<T, u8>(src)).map_err(driver_err("uploading a buffer"))?;
-        Ok(GpuBuf { mem, dtype: T::DTYPE, len: data.len() })
+        Ok(GpuBuf { mem: ManuallyDrop::new(mem), dtype: T::DTYPE, len: data.len(), lent: false })
     }
 
     /// A buffer holding a copy of the `len` elements of `dtype` at device address `src`, copied
@@ -66,6 +79,27 @@ impl GpuBuf {
                 .map_err(driver_err("copying a tensor into a buffer"))?;
         }
         Ok(b)
+    }
+
+    /// The `len` elements of `dtype` at device address `ptr`, memory another library owns (a
+    /// PyTorch tensor), without a copy: dropping or freeing the buffer leaves the memory to its
+    /// owner.
+    ///
+    /// # Safety
+    /// `ptr` is device memory of `stream`'s context holding `len` elements of `dtype`, aligned
+    /// to 16 bytes; it stays allocated, and no other work writes it (nor reads it, where the
+    /// buffer is written), while the buffer or work using it lives.
+    pub unsafe fn lent(stream: &Arc<CudaStream>, dtype: DType, ptr: u64, len: usize) -> Result<GpuBuf> {
+        if len == 0 {
+            return Self::alloc(stream, dtype, 0);
+        }
+        let bytes = len
+            .checked_mul(dtype.size())
+            .ok_or_else(|| Error::invalid("buffer length", format!("{len} elements overflow")))?;
+        // SAFETY: the caller's contract; event tracking is off on this backend's context, so
+        // the slice records nothing, and `Drop` leaks it instead of freeing it.
+        let mem = unsafe { stream.upgrade_device_ptr::<u8>(ptr, bytes) };
+        Ok(GpuBuf { mem: ManuallyDrop::new(mem), dtype, len, lent: true })
     }
 
     /// Copies the buffer's elements to device address `dst`, in the order of `stream`.
@@ -153,9 +187,16 @@ impl GpuBuf {
         r.result().map_err(driver_err("filling a buffer"))
     }
 
-    /// Frees the buffer in the order of `stream`, which must be ordered after every use.
-    pub fn free_on(self, stream: &CudaStream) {
-        let ptr = self.mem.leak();
+    /// Frees the buffer in the order of `stream`, which must be ordered after every use (a lent
+    /// one is only let go).
+    pub fn free_on(mut self, stream: &CudaStream) {
+        if self.lent {
+            return;
+        }
+        // SAFETY: `mem` is taken once; `self` is then forgotten, so `Drop` does not take it again.
+        let mem = unsafe { ManuallyDrop::take(&mut self.mem) };
+        std::mem::forget(self);
+        let ptr = mem.leak();
         // SAFETY: `leak` gave up the CudaSlice's ownership of `ptr`, an allocation of this
         // buffer's stream's context, so nothing else frees it; the free is stream-ordered, and
         // this method's contract is that `stream` is ordered after every use of the buffer.
@@ -166,7 +207,7 @@ impl GpuBuf {
 
     /// The values as f32 on the host, after the work issued on `stream`.
     pub fn download_f32(&self, stream: &Arc<CudaStream>) -> Result<Vec<f32>> {
-        let bytes = stream.clone_dtoh(&self.mem).map_err(driver_err("downloading a buffer"))?;
+        let bytes = stream.clone_dtoh(&*self.mem).map_err(driver_err("downloading a buffer"))?;
         stream.synchronize().map_err(driver_err("synchronising a download"))?;
         let bytes = &bytes[..self.bytes()];
         Ok(match self.dtype {

@@ -368,6 +368,15 @@ impl CudaBackend {
         }
     }
 
+    /// Returns the memory pool's unused blocks to the device (what [`Self::keep_memory_pool`]
+    /// keeps between runs).
+    pub fn release_memory_pool(&self) -> Result<()> {
+        let pool = self.memory_pool()?;
+        // SAFETY: `pool` is the device's default pool (from memory_pool above); trimming frees
+        // only blocks no allocation holds.
+        unsafe { sys::cuMemPoolTrimTo(pool, 0) }.result().map_err(driver_err("memory pool"))
+    }
+
     /// Peak bytes in use in the device's memory pool since the last reset (and resets it when
     /// asked).
     pub fn pool_peak_bytes(&self, reset: bool) -> Result<u64> {

@@ -61,6 +61,7 @@ impl Plan {
             }
             self.check_liveness(r, prog).map_err(bad)?;
             check_overwritten(r, prog).map_err(bad)?;
+            check_inputs_only_read(r, prog).map_err(bad)?;
         }
         Ok(())
     }
@@ -150,6 +151,25 @@ fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), St
     Ok(())
 }
 
+/// No op writes an input, and no input is handed back as an output or saved: callers may lend
+/// their own tensors as inputs (the Python package lends PyTorch's) and read them afterwards.
+fn check_inputs_only_read(r: usize, prog: &RankProgram) -> std::result::Result<(), String> {
+    let input = |b: BufId| prog.inputs.iter().find(|&&(_, i)| i == b).map(|&(t, _)| t);
+    for (t, op) in prog.steps.iter().enumerate() {
+        for op in op.iter().filter(|op| !matches!(op, Op::Free { .. })) {
+            if let Some((b, tensor)) =
+                crate::schedule::reads_writes(op).1.into_iter().find_map(|b| Some((b, input(b)?)))
+            {
+                return Err(format!("rank {r}, step {t}: writes buffer {b}, its input {tensor:?}"));
+            }
+        }
+    }
+    match prog.outputs.iter().chain(&prog.saved).find_map(|&(out, b)| Some((out, input(b)?))) {
+        Some((out, tensor)) => Err(format!("rank {r}: hands back its input {tensor:?} as {out:?}")),
+        None => Ok(()),
+    }
+}
+
 /// Whether `regions` (tokens × heads, inside `desc`) cover all of `desc`.
 fn covers(desc: &BufDesc, regions: &[(TokenSet, Range<usize>)]) -> bool {
     desc.heads.clone().all(|h| {
@@ -219,6 +239,15 @@ mod tests {
         let mut dead_output = send_k();
         dead_output.ranks[1].outputs.push((Tensor::K, 0));
         dead_output.ranks[1].steps[0].push(Op::Free { buf: 0 });
+        // Inputs may be the caller's own tensors: never written, never handed back.
+        let mut input_received_into = send_k();
+        input_received_into.ranks[1].inputs.push((Tensor::K, 0));
+        let mut input_as_output = send_k();
+        input_as_output.ranks[0].outputs.push((Tensor::O, 0));
+        let e = input_received_into.validate().unwrap_err().to_string();
+        assert!(e.contains("rank 1, step 0: writes buffer 0, its input K"), "{e}");
+        let e = input_as_output.validate().unwrap_err().to_string();
+        assert!(e.contains("rank 0: hands back its input K as O"), "{e}");
         for broken in [
             to_nobody,
             unreceived,
