@@ -11,7 +11,8 @@
 # MASKS (';'-separated, default causal: the distattn benchmark runs each; the PyTorch peers run
 # causal and full, and packed documents (docs*, lengths from `doc-lens`) through varlen and flex
 # attention), KV_HEADS (default 8), STAGES (default check,bench,kill,torch,probe),
-# TORCH_CONFIGS (default: every flash/cuDNN rotation and the Ulysses baseline on both backends), ITERS (timed
+# TORCH_CONFIGS (default: every flash/cuDNN rotation and the Ulysses baseline on both backends;
+# add distattn-STRATEGY to time distattn's Python package in the same harness), ITERS (timed
 # iterations of each side, default 4 for distattn and 3 for torch), DISTATTN_COMMIT.
 # Writes OUTDIR/check/ (the GPU tests' logs), distattn.json, timelines.json, torch.json, probe.json,
 # multigpu.json ({device, date, commit, rows}: distattn + torch rows) and prints a summary last.
@@ -125,6 +126,15 @@ for mask, seq in sorted({(r.get("mask", "causal"), r["seq"]) for r in rows}):
         dd = [r for r in rows if same(r, "distattn")]
         tt = [r for r in rows if same(r, "torch-cp")]
         uu = [r for r in rows if same(r, "torch-ulysses")]
+        pp = [r for r in rows if same(r, "distattn-py")]
+        if pp and (tt or uu):
+            bpy = max(pp, key=lambda r: r["tflops"]); bp = max(tt + uu, key=lambda r: r["tflops"])
+            s = f"{mask:6s} seq {seq:>7d} {ps:8s}: best distattn-py {bpy['strategy']} {bpy['tflops_per_gpu']:.1f}/GPU | best peer {bp['impl']} {bp['strategy']}: {bpy['tflops']/bp['tflops']:.2f}x"
+            for r in pp:
+                rust = [x for x in dd if "distattn-" + x["strategy"] == r["strategy"]]
+                if rust:
+                    s += f" | {r['strategy']} from Python / from Rust {r['tflops']/rust[0]['tflops']:.2f}x"
+            print(s)
         if dd and (tt or uu):
             bd = max(dd, key=lambda r: r["tflops"])
             s = f"{mask:6s} seq {seq:>7d} {ps:8s}: best distattn {bd['strategy']} {bd['tflops_per_gpu']:.1f}/GPU"

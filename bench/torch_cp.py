@@ -11,6 +11,11 @@
   the same all-to-alls around torch's varlen_attn (config ulysses-varlen, FlashAttention-2
   kernels) or a compiled flex_attention with a document block mask built once (ulysses-flex).
   SDPA and PyTorch's context parallel take no document masks, so their configs skip them.
+* distattn-STRATEGY (impl distattn-py): distattn's own Python package in the same harness,
+  `distattn.distributed.ContextParallel(strategy=STRATEGY, mask=...)` on each rank's shards
+  (the package must be importable), for every mask: the path a PyTorch training loop takes,
+  timed like the peers; its memory adds distattn's workspace (held in the device's memory pool,
+  outside torch's statistics) to torch's peak.
 
 usage: torch_cp.py --world 4 --seqs 32768,131072 --passes fwd,fwdbwd --heads 32 --kv-heads 8
                    --out FILE [--iters 3] [--probe-seqs 524288] [--configs ...] [--masks causal,full]
@@ -269,6 +274,45 @@ def check_doc_peers():
     return 0 if ok else 1
 
 
+def run_distattn(args, seq, fwdbwd, P, rank, strategy, mask):
+    import distattn.distributed as dd
+    H, Hkv, D = args.heads, args.kv_heads, 128
+    try:
+        cp = dd.ContextParallel(strategy=strategy, mask=mask, num_heads=H, num_kv_heads=Hkv)
+        n = len(cp.position_ids(seq))
+        g = torch.Generator(device="cuda").manual_seed(rank)
+        mk = lambda h: torch.randn(1, n, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        q, k, v, do = mk(H), mk(Hkv), mk(Hkv), mk(H)
+
+        def step():
+            if fwdbwd:
+                qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                cp.attention(qq, kk, vv, seq_len=seq).backward(do)
+            else:
+                with torch.no_grad():
+                    cp.attention(q, k, v, seq_len=seq)
+        # distattn's workspace comes from the device's memory pool, which torch's statistics
+        # miss: it is what the device lost beyond torch's reserve over the timed calls, after a
+        # first call has set up the communicator and kernels (0 where the pool is trimmed at
+        # every synchronisation, as before release_cached_memory existed).
+        step()
+        release = getattr(dd, "release_cached_memory", None)  # absent from older builds
+        if release:
+            release()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+        ms, ts = timed(step, args.iters)
+        torch.cuda.synchronize()
+        held = (free0 - torch.cuda.mem_get_info()[0]) - (torch.cuda.memory_reserved() - reserved0)
+        return {"ms": ms, "iters_ms": ts, "gqa": "native", "workspace_gb": max(held, 0) / 1e9}
+    except Exception as e:  # noqa: BLE001
+        if rank == 0 and os.environ.get("TORCH_CP_TRACE"):
+            traceback.print_exc()
+        torch.cuda.synchronize()
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+
+
 def run_cp(args, seq, fwdbwd, P, rank, rotate, backend, mesh, causal):
     context_parallel, set_rotate_method = cp_api()
     B, H, Hkv, D = 1, args.heads, args.kv_heads, 128
@@ -368,7 +412,7 @@ def peer_rows(args, rank, P):
         docs[d["mask"]] = (d["causal"], {int(n): lens for n, lens in d["lens"].items()})
     masks = [m for m in args.masks.split(",") if m] + list(docs)
     # Document masks run on the document configs only, causal and full on the others.
-    fits = lambda c, m: (c.split("-")[1] in DOC_KINDS) == (m in docs)
+    fits = lambda c, m: c.startswith("distattn-") or (c.split("-")[1] in DOC_KINDS) == (m in docs)
     jobs = [(seq, p, c, m) for m in masks for seq in seqs for p in passes for c in configs if fits(c, m)]
     jobs += [(int(s), "fwdbwd", configs[0], "causal") for s in args.probe_seqs.split(",") if s]
     global WARM
@@ -382,8 +426,12 @@ def peer_rows(args, rank, P):
             WARM, args.iters = 0, 1
         torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
-        rot, be = c.split("-")
-        if lens is not None:
+        rot, be = c.split("-", 1)
+        if rot == "distattn":
+            r = run_distattn(args, seq, fwdbwd, P, rank, be, mask)
+            imp = "distattn-py"
+            causal = docs[mask][0] if lens is not None else causal
+        elif lens is not None:
             causal = docs[mask][0]
             r = run_ulysses_docs(args, seq, fwdbwd, P, rank, be, lens, causal)
             imp = "torch-ulysses"
@@ -393,7 +441,7 @@ def peer_rows(args, rank, P):
         else:
             r = run_cp(args, seq, fwdbwd, P, rank, rot, be, mesh, causal)
             imp = "torch-cp"
-        mem = torch.cuda.max_memory_allocated() / 1e9
+        mem = torch.cuda.max_memory_allocated() / 1e9 + r.get("workspace_gb", 0.0)
         memt = torch.tensor([mem], device="cuda")
         dist.all_reduce(memt, op=dist.ReduceOp.MAX)
         row = {"impl": imp, "pass": "fwd+bwd" if fwdbwd else "fwd", "causal": causal, "batch": 1, "seq": seq,
