@@ -44,6 +44,12 @@ def exactness(out, runs):
     return lines
 
 
+def used(r):
+    """GiB in use on the device at the end of the run (runs before the field: '-')."""
+    u = [x for x in r.get("device_used_gib_per_gpu") or [] if x is not None]
+    return f"{max(u):.1f}" if u else "-"
+
+
 def speed(runs):
     by_seq = {}
     for name, r in runs.items():
@@ -54,8 +60,8 @@ def speed(runs):
         r0 = rows[0][1]
         lines += [
             f"\n### {seq} tokens ({r0['world']} GPU(s), {seq // r0['world']} per GPU), {r0['layers']} layers, {r0['device']}\n",
-            "| setup | s/step | tokens/s | peak GiB/GPU | attention fwd ops/step | × distattn layer | × best peer layer | × best peer selective |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| setup | s/step | tokens/s | peak GiB/GPU (torch) | GiB/GPU in use at the end | attention fwd ops/step | × distattn layer | × best peer layer | × best peer selective |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         tps = {k: r["tokens_per_s"] for k, r in rows}
         base = tps.get("distattn-layer")
@@ -64,7 +70,7 @@ def speed(runs):
         for k, r in sorted(rows, key=lambda x: -x[1]["tokens_per_s"]):
             ratio = lambda b: f"{r['tokens_per_s'] / b:.2f}" if b else ""  # noqa: E731
             lines.append(
-                f"| {k} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {max(r['peak_gib_per_gpu']):.1f} | "
+                f"| {k} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {max(r['peak_gib_per_gpu']):.1f} | {used(r)} | "
                 f"{r['attention_forwards_per_step']} | {ratio(base)} | {ratio(peer_layer)} | {ratio(peer_sel)} |"
             )
     return lines

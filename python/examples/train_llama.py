@@ -318,23 +318,26 @@ def main():
     timed = rows[2:] if len(rows) > 3 else rows[1:] or rows  # steps 0-1 warm up (and count ops)
     sec = sorted(r["seconds"] for r in timed)[len(timed) // 2]
     peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
-    peaks = [peak]
+    # What the GPU has in use at the end: torch's cache, distattn's workspace (kept in the
+    # device's memory pool, which torch's statistics miss), communicators and the context.
+    used = (lambda f, t: (t - f) / 2**30)(*torch.cuda.mem_get_info()) if a.device == "cuda" else None
+    peaks, useds = [peak], [used]
     if world > 1 and peak is not None:
-        t = torch.tensor([peak], device=dev)
+        t = torch.tensor([peak, used], device=dev)
         got = [torch.zeros_like(t) for _ in range(world)]
         dist.all_gather(got, t)
-        peaks = [float(x) for x in got]
+        peaks, useds = [float(x[0]) for x in got], [float(x[1]) for x in got]
     summary = {
         "attn": a.attn, "strategy": a.strategy if cp is not None else None, "policy": a.policy,
         "sdpa_backend": a.sdpa_backend if a.attn != "distattn" else None, "world": world, "seq": a.seq,
         "tokens_per_gpu": a.seq // world, "layers": a.layers, "hidden": a.hidden, "heads": a.heads,
         "kv_heads": a.kv_heads, "ffn": a.ffn, "vocab": a.vocab, "dtype": a.dtype, "mlp_chunk": a.mlp_chunk,
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-        "median_step_s": sec, "tokens_per_s": a.seq / sec, "peak_gib_per_gpu": peaks,
+        "median_step_s": sec, "tokens_per_s": a.seq / sec, "peak_gib_per_gpu": peaks, "device_used_gib_per_gpu": useds,
         "attention_forwards_per_step": forwards, "steps": rows,
     }  # fmt: skip
     if rank == 0:
-        mem = f"{max(peaks):.1f} GiB peak per GPU" if peak is not None else "CPU"
+        mem = f"{max(peaks):.1f} GiB peak per GPU ({max(useds):.1f} GiB in use on the device)" if peak is not None else "CPU"
         print(
             f"{a.attn}{'/' + a.strategy if cp is not None else ''} {a.policy}: {world} x {a.seq // world} tokens, "
             f"{sec:.3f} s/step, {a.seq / sec:,.0f} tokens/s, {mem}, {forwards} attention forwards per step"
