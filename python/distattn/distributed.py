@@ -428,9 +428,13 @@ class KVCacheGroup:
 
     def local_keys(self, requests, prefill: bool = False):
         """This rank's cached keys: ``(request, first, end)`` runs over each request's
-        ``cached + new`` positions."""
-        r, _ = self._step(requests, prefill, "pass-q", (1, 1, 8), None, torch.device("cpu"))
-        return self._per_request(r.kv_tokens(), [c + n for _, c, n in requests])
+        ``cached + new`` positions, ascending within each request, in request order."""
+        capacity = max(c + n for _, c, n in requests)
+        return [
+            (i, s, e)
+            for i, (home, c, n) in enumerate(requests)
+            for s, e in _native.kv_positions(self.placement, self.world, capacity, int(home), int(c) + int(n), self.rank)
+        ]
 
     def attention(
         self,

@@ -200,6 +200,25 @@ pub fn kv_owners(placement: &str, world: usize, home: usize, start: usize, count
     Ok((start..start + count).map(|pos| p.owner(home, pos)).collect())
 }
 
+/// The positions (of `0..length`) of a request homed on `home` that `rank` holds, as runs
+/// `(start, end)`, its cache placed by `placement` over `world` ranks (`capacity`: the longest
+/// request of the step, for placements named without one).
+#[pyfunction]
+pub fn kv_positions(
+    placement: &str,
+    world: usize,
+    capacity: usize,
+    home: usize,
+    length: usize,
+    rank: usize,
+) -> PyResult<Vec<(usize, usize)>> {
+    let p = KvPlacement::from_spec(placement, capacity, world).map_err(crate::to_py)?;
+    if rank >= world || home >= world {
+        return Err(crate::to_py(Error::invalid("rank", format!("ranks {home} and {rank} of a world of {world}"))));
+    }
+    Ok(p.positions(home, length, rank).into_iter().map(|r| (r.start, r.end)).collect())
+}
+
 /// The strategy named `name` (`hybrid:U` for a Ulysses degree), as distattn prints it; an
 /// unknown name is a `ValueError` listing the strategies.
 #[pyfunction]
