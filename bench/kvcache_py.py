@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Decode steps through distattn's Python serving API, a KV cache spread over the GPUs of one
+machine (``distattn.distributed.KVCacheGroup.step``): what a PyTorch serving loop pays per
+token, planning and transfers included.
+
+    kvcache_py.py --world 2 --contexts 262144,1048576 --steps 20 --out FILE [--placement contiguous]
+
+Per context: one request homed on rank 0 is prefilled with that many tokens in one step
+(untimed), then decodes ``--steps`` tokens one at a time; each step is timed like
+``torch_cp.py`` times its peers (a barrier, then the wall clock of the call until the GPU is
+done, slowest rank) and the median is reported, with the cache bytes a step reads per second.
+32/8 heads, d 128, bf16, strategy ``auto``. Rows: impl distattn-py, context, placement, world,
+ms (median), steps_ms, gb_per_s, strategy (the planner's pick of the last step).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+H, HKV, D = 32, 8, 128
+
+
+def worker(rank, args, port, out_q):
+    cuda = torch.cuda.is_available()  # CPU ranks over gloo check the script itself
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.world, timeout=timedelta(seconds=300), device_id=dev if cuda else None)
+    from distattn.distributed import KVCacheGroup
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    rows = []
+    for ci, ctx in enumerate(int(c) for c in args.contexts.split(",")):
+        capacity = args.placement.partition(":")[0] + f":{ctx + args.steps}"
+        cache = KVCacheGroup(placement=capacity if args.placement.partition(":")[2] == "" else args.placement)
+        cache.add(ci, home=0)
+        mk = lambda n, h: torch.randn(1, n, h, D, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
+        n = ctx if rank == 0 else 0
+        cache.step([(ci, ctx)], mk(n, H), mk(n, HKV), mk(n, HKV))  # the prompt
+        ms = []
+        for _ in range(args.steps):
+            n = 1 if rank == 0 else 0
+            q, k, v = mk(n, H), mk(n, HKV), mk(n, HKV)
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            cache.step([(ci, 1)], q, k, v)
+            sync()
+            t = torch.tensor([time.perf_counter() - t0], device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            ms.append(t.item() * 1e3)
+        med = sorted(ms[1:])[len(ms[1:]) // 2]
+        bytes_read = 2 * ctx * HKV * D * 2  # K and V, bf16
+        row = {"impl": "distattn-py", "context": ctx, "placement": args.placement, "world": args.world, "heads": H,
+               "kv_heads": HKV, "head_dim": D, "batch": 1, "ms": med, "steps_ms": ms, "gb_per_s": bytes_read / med / 1e6,
+               "strategy": cache.last_strategy}
+        rows.append(row)
+        if rank == 0:
+            print(f"[kvcache] {ctx:>9} tokens on {args.world} ranks ({args.placement}): {med:.3f} ms a step "
+                  f"({row['gb_per_s']:.0f} GB/s of cache), {cache.last_strategy}", flush=True)
+        del cache
+        if cuda:
+            torch.cuda.empty_cache()
+    if rank == 0:
+        out_q.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=torch.cuda.device_count() or 2)
+    ap.add_argument("--contexts", default="262144,1048576")
+    ap.add_argument("--steps", type=int, default=20)
+    # The prompt is one prefill step: over small pages its plan has a run per page, slow to plan
+    # and prepare at long contexts (decode steps are one run a rank whatever the placement).
+    ap.add_argument("--placement", default="contiguous", help="pages:N, contiguous or zigzag (capacity: context + steps)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    port = 29400 + os.getpid() % 500
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(args, port, q), nprocs=args.world, join=True)
+    out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+           "rows": q.get()}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
