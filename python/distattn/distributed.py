@@ -107,6 +107,10 @@ class ContextParallel:
     torchrun sets) lets hybrid keep its all-to-alls inside nodes, consecutive ranks of the
     group sharing one; ``timeout`` (seconds) bounds how long a rank waits for a silent peer on
     the GPU.
+
+    On GPUs the shards are read in place and O and the gradients are written into tensors torch
+    allocates; the transfers' buffers come from the device's memory pool and are kept there for
+    the next call (outside ``torch.cuda.memory_allocated``), until ``release_cached_memory()``.
     """
 
     def __init__(
