@@ -109,6 +109,22 @@ impl KvPlacement {
         (home + self.turn(pos / self.block_tokens)) % self.world
     }
 
+    /// How many positions (of `0..len`) of a request homed on `home` `rank` holds: the length
+    /// of [`KvPlacement::positions`], counted without listing its blocks.
+    pub fn held(&self, home: usize, len: usize, rank: usize) -> usize {
+        let (p, bt) = (self.world, self.block_tokens);
+        let mine = (rank + p - home % p) % p;
+        let blocks = len.div_ceil(bt);
+        // Blocks j < `blocks` this rank holds: j ≡ mine (mod P), or, zig-zag, j mod 2P one of
+        // mine and 2P − 1 − mine (two different residues, as mine < P).
+        let turn = if self.zigzag { 2 * p } else { p };
+        let residues: &[usize] = if self.zigzag { &[mine, 2 * p - 1 - mine] } else { &[mine] };
+        let count: usize = residues.iter().map(|&m| if m < blocks { (blocks - 1 - m) / turn + 1 } else { 0 }).sum();
+        let last = blocks.checked_sub(1).filter(|j| residues.contains(&(j % turn)));
+        // The last block may be short.
+        count * bt - last.map_or(0, |j| (j + 1) * bt - len)
+    }
+
     /// The positions (of `0..len`) of a request homed on `home` that `rank` holds, ascending.
     pub fn positions(&self, home: usize, len: usize, rank: usize) -> Vec<Range<usize>> {
         let mine = (rank + self.world - home % self.world) % self.world;
@@ -194,15 +210,15 @@ impl ServingStep {
             let decode = r.new == 1 && !queries_with_keys;
             let mut packed = k_len; // a decode request's keys so far, rank by rank
             for (rank, runs) in k_runs.iter_mut().enumerate() {
-                let held = placement.positions(r.home, n, rank);
                 if decode {
-                    let count: usize = held.iter().map(|x| x.len()).sum();
+                    let count = placement.held(r.home, n, rank);
                     if count > 0 {
                         runs.push(packed..packed + count);
                     }
                     packed += count;
                     continue;
                 }
+                let held = placement.positions(r.home, n, rank);
                 if queries_with_keys {
                     // Query row j is position cached + j.
                     let rows = held.iter().filter_map(|x| {
@@ -311,6 +327,31 @@ mod tests {
         assert_eq!(s.layout.q[1], TokenSet::from_runs(vec![0..1, 3..4]));
         assert_eq!(s.layout.k[1], TokenSet::from_runs(vec![0..2, 4..6, 8..9]));
         assert_eq!(s.layout.k[0], TokenSet::from_runs(vec![2..4, 6..8]));
+    }
+
+    #[test]
+    fn held_counts_what_positions_lists() {
+        for world in 1..5 {
+            for block in [1, 3, 16] {
+                for pl in [
+                    KvPlacement::interleaved(block, world).unwrap(),
+                    KvPlacement::zigzag(block * 2 * world, world).unwrap(),
+                ] {
+                    for home in 0..world {
+                        for len in 0..70 {
+                            for rank in 0..world {
+                                let listed: usize = pl.positions(home, len, rank).iter().map(|x| x.len()).sum();
+                                assert_eq!(
+                                    pl.held(home, len, rank),
+                                    listed,
+                                    "{pl:?} home {home} len {len} rank {rank}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
