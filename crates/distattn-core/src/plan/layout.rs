@@ -205,6 +205,14 @@ impl TokenSet {
     fn is_runs(&self) -> bool {
         matches!(self, TokenSet::Runs(_)) || matches!(self, TokenSet::Strided { step: 1, .. })
     }
+
+    /// Runs of a set that [`TokenSet::is_runs`].
+    fn run_count(&self) -> usize {
+        match self {
+            TokenSet::Runs(r) => r.len(),
+            TokenSet::Strided { count, .. } => usize::from(*count > 0),
+        }
+    }
 }
 
 impl std::fmt::Display for TokenSet {
@@ -226,7 +234,7 @@ pub fn area(mask: &Mask, q: &TokenSet, k: &TokenSet) -> u64 {
     if q.is_empty() || k.is_empty() {
         return 0;
     }
-    if q.is_runs() && k.is_runs() {
+    if few_run_pairs(q, k) {
         let (qr, kr) = (q.to_runs(), k.to_runs());
         let mut a = 0;
         for qa in &qr {
@@ -237,6 +245,7 @@ pub fn area(mask: &Mask, q: &TokenSet, k: &TokenSet) -> u64 {
         return a;
     }
     let mut a = 0u64;
+    let k_local = local_ranges(k);
     for s in mask.slices() {
         let rows = q.local_range(s.q.start, s.q.end);
         if rows.is_empty() {
@@ -244,10 +253,36 @@ pub fn area(mask: &Mask, q: &TokenSet, k: &TokenSet) -> u64 {
         }
         for_each_row(q, rows, |i| {
             let (lo, hi) = s.row(i);
-            a += k.local_range(lo, hi).len() as u64;
+            a += k_local(lo, hi).len() as u64;
         });
     }
     a
+}
+
+/// [`TokenSet::local_range`] of one set for many intervals: O(log runs) a call where the set's
+/// own walks its runs.
+fn local_ranges(set: &TokenSet) -> impl Fn(usize, usize) -> Range<usize> + '_ {
+    let runs = match set {
+        TokenSet::Runs(r) => r.as_slice(),
+        TokenSet::Strided { .. } => &[],
+    };
+    // Members before each run.
+    let before: Vec<usize> = runs
+        .iter()
+        .scan(0, |n, r| {
+            let b = *n;
+            *n += r.len();
+            Some(b)
+        })
+        .collect();
+    let rank_of = move |x: usize| match runs.partition_point(|r| r.start < x) {
+        0 => 0,
+        i => before[i - 1] + x.min(runs[i - 1].end) - runs[i - 1].start,
+    };
+    move |lo: usize, hi: usize| match set {
+        TokenSet::Runs(_) => rank_of(lo)..rank_of(hi.max(lo)),
+        TokenSet::Strided { .. } => set.local_range(lo, hi),
+    }
 }
 
 /// Calls `f` with the global token of each local row in `rows`.
@@ -260,6 +295,16 @@ fn for_each_row(set: &TokenSet, rows: Range<usize>, mut f: impl FnMut(usize)) {
             }
         }
     }
+}
+
+/// Whether [`area`] and [`sub_mask`] go run pair by run pair (each pair visits the mask's
+/// slices over its query rows) rather than row by row (a binary search over the key runs per
+/// query row): while both sets are runs and the pairs are few. A long prompt's queries against
+/// a KV cache in 16-token pages make thousands of pairs, each over every row: 0.5 s to plan and
+/// 1 s to prepare a 256k-token step on 2 ranks that way, 20 ms row by row.
+fn few_run_pairs(q: &TokenSet, k: &TokenSet) -> bool {
+    const MAX_RUN_PAIRS: usize = 256;
+    q.is_runs() && k.is_runs() && q.run_count().saturating_mul(k.run_count()) <= MAX_RUN_PAIRS
 }
 
 /// The mask between two token sets, re-indexed to local positions (query `a` of the result is
@@ -281,7 +326,7 @@ pub fn sub_mask(mask: &Mask, q: &TokenSet, k: &TokenSet) -> Result<Mask> {
         }
     }
     let mut slices: Vec<MaskSlice> = Vec::new();
-    if q.is_runs() && k.is_runs() {
+    if few_run_pairs(q, k) {
         let (qr, kr) = (q.to_runs(), k.to_runs());
         let mut qo = 0;
         for qa in &qr {
@@ -298,6 +343,7 @@ pub fn sub_mask(mask: &Mask, q: &TokenSet, k: &TokenSet) -> Result<Mask> {
             qo += qa.len();
         }
     } else {
+        let k_local = local_ranges(k);
         for s in mask.slices() {
             let rows = q.local_range(s.q.start, s.q.end);
             if rows.is_empty() {
@@ -306,7 +352,7 @@ pub fn sub_mask(mask: &Mask, q: &TokenSet, k: &TokenSet) -> Result<Mask> {
             let mut bounds = Vec::with_capacity(rows.len());
             for_each_row(q, rows.clone(), |i| {
                 let (lo, hi) = s.row(i);
-                let r = k.local_range(lo, hi);
+                let r = k_local(lo, hi);
                 bounds.push((r.start, r.end));
             });
             let base = rows.start;
@@ -526,6 +572,10 @@ mod tests {
             TokenSet::Strided { start: 1, step: 3, count: 12 },
             TokenSet::range(0..37),
             TokenSet::range(30..37),
+            // One-token pages: 19 runs, so a pair with itself (361 run pairs) goes row by row.
+            TokenSet::from_runs((0..37).step_by(2).map(|i| i..i + 1).collect()),
+            // Two-token pages, every other one: 10 runs.
+            TokenSet::from_runs((0..37).step_by(4).map(|i| i..(i + 2).min(37)).collect()),
         ];
         for m in &masks {
             for q in &sets {
