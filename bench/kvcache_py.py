@@ -41,8 +41,9 @@ def worker(rank, args, port, out_q):
     g = torch.Generator(device=dev).manual_seed(rank)
     rows = []
     for ci, ctx in enumerate(int(c) for c in args.contexts.split(",")):
-        capacity = args.placement.partition(":")[0] + f":{ctx + args.steps}"
-        cache = KVCacheGroup(placement=capacity if args.placement.partition(":")[2] == "" else args.placement)
+        # contiguous / zigzag: chunks of requests of up to the context and the decoded tokens.
+        placement = args.placement if ":" in args.placement else f"{args.placement}:{ctx + args.steps}"
+        cache = KVCacheGroup(placement=placement)
         cache.add(ci, home=0)
         mk = lambda n, h: torch.randn(1, n, h, D, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
         n = ctx if rank == 0 else 0
@@ -84,9 +85,11 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     # The prompt is one prefill step: over small pages its plan has a run per page, slow to plan
     # and prepare at long contexts (decode steps are one run a rank whatever the placement).
-    ap.add_argument("--placement", default="contiguous", help="pages:N, contiguous or zigzag (capacity: context + steps)")
+    ap.add_argument("--placement", default="contiguous", help="pages:N, contiguous[:N] or zigzag[:N] (without N: the context + steps)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.placement.partition(":")[0] not in ("pages", "contiguous", "zigzag") or args.placement == "pages":
+        ap.error(f"--placement: pages:N, contiguous[:N] or zigzag[:N], got {args.placement!r}")
     port = 29400 + os.getpid() % 500
     q = mp.get_context("spawn").SimpleQueue()
     mp.spawn(worker, args=(args, port, q), nprocs=args.world, join=True)

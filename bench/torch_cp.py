@@ -99,6 +99,29 @@ def timed(fn, iters, warm=None):
     return ts[len(ts) // 2], ts
 
 
+def pass_step(attn, q, k, v, do, fwdbwd):
+    """One timed call of `attn(q, k, v)`: without gradients, or with its backward from dO."""
+    def step():
+        if fwdbwd:
+            attn(*(t.detach().requires_grad_() for t in (q, k, v))).backward(do)
+        else:
+            with torch.no_grad():
+                attn(q, k, v)
+    return step
+
+
+def describe(e):
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def failure(e, rank):
+    """A config's error row (the traceback on rank 0 with TORCH_CP_TRACE set)."""
+    if rank == 0 and os.environ.get("TORCH_CP_TRACE"):
+        traceback.print_exc()
+    torch.cuda.synchronize()
+    return {"error": describe(e)}
+
+
 class _A2A(torch.autograd.Function):
     """all_to_all_single over dim 0 chunks; backward is the same exchange."""
 
@@ -155,22 +178,18 @@ def run_ulysses(args, seq, fwdbwd, P, rank, backend, causal):
     q, k, v, do = mk(H), mk(Hkv), mk(Hkv), mk(H)
     res = {}
     for gqa in ("native", "expanded"):
-        def step():
-            with sdpa_kernel([BACKENDS[backend]]):
-                if fwdbwd:
-                    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-                    o = head_to_seq(sdpa(seq_to_head(qq, P), seq_to_head(kk, P), seq_to_head(vv, P), gqa, causal), P)
-                    o.backward(do)
-                else:
-                    with torch.no_grad():
-                        head_to_seq(sdpa(seq_to_head(q, P), seq_to_head(k, P), seq_to_head(v, P), gqa, causal), P)
+        attn = lambda q, k, v, gqa=gqa: head_to_seq(sdpa(*(seq_to_head(t, P) for t in (q, k, v)), gqa, causal), P)  # noqa: E731
+        step = pass_step(attn, q, k, v, do, fwdbwd)
+
+        def pinned():
+            with sdpa_kernel([BACKENDS[backend]]):  # forward and backward on this backend
+                step()
         try:
-            ms, ts = timed(step, args.iters)
+            ms, ts = timed(pinned, args.iters)
             res = {"ms": ms, "iters_ms": ts, "gqa": gqa}
             break
         except Exception as e:  # noqa: BLE001
-            res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-            torch.cuda.synchronize()
+            res = failure(e, rank)
     return res
 
 
@@ -218,23 +237,12 @@ def run_ulysses_docs(args, seq, fwdbwd, P, rank, kind, lens, causal):
     mk = lambda h: torch.randn(1, s, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
     q, k, v, do = mk(H), mk(Hkv), mk(Hkv), mk(H)
     try:
-        attn = doc_attention(kind, lens, causal, seq)
-
-        def step():
-            if fwdbwd:
-                qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-                o = tokens_to_seq(attn(seq_to_tokens(qq, P), seq_to_tokens(kk, P), seq_to_tokens(vv, P)), P)
-                o.backward(do)
-            else:
-                with torch.no_grad():
-                    tokens_to_seq(attn(seq_to_tokens(q, P), seq_to_tokens(k, P), seq_to_tokens(v, P)), P)
-        ms, ts = timed(step, args.iters)
+        inner = doc_attention(kind, lens, causal, seq)
+        attn = lambda q, k, v: tokens_to_seq(inner(seq_to_tokens(q, P), seq_to_tokens(k, P), seq_to_tokens(v, P)), P)  # noqa: E731
+        ms, ts = timed(pass_step(attn, q, k, v, do, fwdbwd), args.iters)
         return {"ms": ms, "iters_ms": ts, "gqa": "native"}
     except Exception as e:  # noqa: BLE001
-        if rank == 0 and os.environ.get("TORCH_CP_TRACE"):
-            traceback.print_exc()
-        torch.cuda.synchronize()
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        return failure(e, rank)
 
 
 DOC_KINDS = ("varlen", "flex")
@@ -269,7 +277,7 @@ def check_doc_peers():
                       f"dK {errs[2]:.1e}, dV {errs[3]:.1e} {'ok' if good else 'FAIL'}", flush=True)
             except Exception as e:  # noqa: BLE001
                 good = False
-                print(f"[check] {kind:6s} causal={causal}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
+                print(f"[check] {kind:6s} causal={causal}: {describe(e)}", flush=True)
             ok &= good
     return 0 if ok else 1
 
@@ -283,14 +291,7 @@ def run_distattn(args, seq, fwdbwd, P, rank, strategy, mask):
         g = torch.Generator(device="cuda").manual_seed(rank)
         mk = lambda h: torch.randn(1, n, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
         q, k, v, do = mk(H), mk(Hkv), mk(Hkv), mk(H)
-
-        def step():
-            if fwdbwd:
-                qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-                cp.attention(qq, kk, vv, seq_len=seq).backward(do)
-            else:
-                with torch.no_grad():
-                    cp.attention(q, k, v, seq_len=seq)
+        step = pass_step(lambda q, k, v: cp.attention(q, k, v, seq_len=seq), q, k, v, do, fwdbwd)
         # distattn's workspace comes from the device's memory pool, which torch's statistics
         # miss: it is what the device lost beyond torch's reserve over the timed calls, after a
         # first call has set up the communicator and kernels (0 where the pool is trimmed at
@@ -307,10 +308,7 @@ def run_distattn(args, seq, fwdbwd, P, rank, strategy, mask):
         held = (free0 - torch.cuda.mem_get_info()[0]) - (torch.cuda.memory_reserved() - reserved0)
         return {"ms": ms, "iters_ms": ts, "gqa": "native", "workspace_gb": max(held, 0) / 1e9}
     except Exception as e:  # noqa: BLE001
-        if rank == 0 and os.environ.get("TORCH_CP_TRACE"):
-            traceback.print_exc()
-        torch.cuda.synchronize()
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        return failure(e, rank)
 
 
 def run_cp(args, seq, fwdbwd, P, rank, rotate, backend, mesh, causal):
@@ -328,22 +326,12 @@ def run_cp(args, seq, fwdbwd, P, rank, rotate, backend, mesh, causal):
             set_rotate_method(rotate)
             with sdpa_kernel([BACKENDS[backend]]):
                 with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers={q, k, v, do}):
-                    def step():
-                        if fwdbwd:
-                            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-                            o = sdpa(qq, kk, vv, gqa, causal)
-                            o.backward(do)
-                        else:
-                            with torch.no_grad():
-                                sdpa(q, k, v, gqa, causal)
-                    ms, ts = timed(step, args.iters)
+                    attn = lambda q, k, v, gqa=gqa: sdpa(q, k, v, gqa, causal)  # noqa: E731
+                    ms, ts = timed(pass_step(attn, q, k, v, do, fwdbwd), args.iters)
             res = {"ms": ms, "iters_ms": ts, "gqa": gqa}
             break
         except Exception as e:  # noqa: BLE001
-            res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
-            if rank == 0 and os.environ.get("TORCH_CP_TRACE"):
-                traceback.print_exc()
-            torch.cuda.synchronize()
+            res = failure(e, rank)
         finally:
             del q, k, v, do
             torch.cuda.empty_cache()

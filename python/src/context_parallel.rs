@@ -360,8 +360,7 @@ impl CpRank {
     ) -> PyResult<()> {
         let run = || {
             let io = self.io(&q)?;
-            io.check_inputs(&[("q", &q, false), ("k", &k, true), ("v", &v, true)])?;
-            io.check_outputs(&[("o", &o, false)])?;
+            io.check_shards(&[("q", &q, false), ("k", &k, true), ("v", &v, true), ("o", &o, false)])?;
             io.check_stat("lse", &lse)?;
             match &*self.transport {
                 Transport::Host(comm) => {
@@ -403,10 +402,9 @@ impl CpRank {
     ) -> PyResult<()> {
         let run = || {
             let io = self.io(&q)?;
-            let inputs = [("q", &q, false), ("k", &k, true), ("v", &v, true), ("o", &o, false), ("d_o", &d_o, false)];
-            io.check_inputs(&inputs)?;
+            io.check_shards(&[("q", &q, false), ("k", &k, true), ("v", &v, true), ("o", &o, false)])?;
+            io.check_shards(&[("d_o", &d_o, false), ("dq", &dq, false), ("dk", &dk, true), ("dv", &dv, true)])?;
             io.check_stat("lse", &lse)?;
-            io.check_outputs(&[("dq", &dq, false), ("dk", &dk, true), ("dv", &dv, true)])?;
             let rows = io.local;
             match &*self.transport {
                 Transport::Host(comm) => {
@@ -487,13 +485,10 @@ impl Io {
         expect(name, t, dims, dtype, self.device)
     }
 
-    fn check_inputs(&self, ts: &[(&str, &TensorDesc, bool)]) -> Result<()> {
+    /// Tensors shaped like this rank's shards of Q (`kv` false) or K, V, in the inputs' dtype:
+    /// the inputs, and the outputs written in it.
+    fn check_shards(&self, ts: &[(&str, &TensorDesc, bool)]) -> Result<()> {
         ts.iter().try_for_each(|(name, t, kv)| self.check(name, t, &self.dims(*kv), self.dtype))
-    }
-
-    /// Outputs are written in the inputs' dtype.
-    fn check_outputs(&self, ts: &[(&str, &TensorDesc, bool)]) -> Result<()> {
-        self.check_inputs(ts)
     }
 
     fn check_stat(&self, name: &str, t: &TensorDesc) -> Result<()> {

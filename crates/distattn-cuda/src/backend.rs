@@ -148,6 +148,23 @@ impl CudaBackend {
         r.map(|_| true)
     }
 
+    /// [`Self::block_forward`] for the inputs' dtype.
+    fn block_forward_of_dtype(
+        &self,
+        block: &Block,
+        inputs: &FwdInputs<'_, GpuBuf>,
+        opts: &AttnOptions,
+        o: &mut GpuBuf,
+        lse: &mut GpuBuf,
+        merge: bool,
+    ) -> Result<bool> {
+        match inputs.q.dtype() {
+            DType::BF16 => self.block_forward::<bf16>(block, inputs, opts, o, lse, merge),
+            DType::F16 => self.block_forward::<f16>(block, inputs, opts, o, lse, merge),
+            d => Err(cuda_dtype(d)),
+        }
+    }
+
     /// Backward of one block: dQ added into `dq` (f32, the block's query rows) and fresh dK, dV
     /// in the input dtype.
     fn block_backward<T: CudaElement>(
@@ -297,11 +314,7 @@ impl Backend for CudaBackend {
         o: &mut GpuBuf,
         lse: &mut GpuBuf,
     ) -> Result<()> {
-        match inputs.q.dtype() {
-            DType::BF16 => self.block_forward::<bf16>(block, &inputs, opts, o, lse, false).map(|_| ()),
-            DType::F16 => self.block_forward::<f16>(block, &inputs, opts, o, lse, false).map(|_| ()),
-            d => Err(cuda_dtype(d)),
-        }
+        self.block_forward_of_dtype(block, &inputs, opts, o, lse, false).map(|_| ())
     }
 
     fn forward_merging(
@@ -312,11 +325,7 @@ impl Backend for CudaBackend {
         o_acc: &mut GpuBuf,
         lse_acc: &mut GpuBuf,
     ) -> Result<bool> {
-        match inputs.q.dtype() {
-            DType::BF16 => self.block_forward::<bf16>(block, &inputs, opts, o_acc, lse_acc, true),
-            DType::F16 => self.block_forward::<f16>(block, &inputs, opts, o_acc, lse_acc, true),
-            d => Err(cuda_dtype(d)),
-        }
+        self.block_forward_of_dtype(block, &inputs, opts, o_acc, lse_acc, true)
     }
 
     fn backward(

@@ -132,7 +132,7 @@ pub trait Backend: Sync {
         dq: &mut Self::Buf,
     ) -> Result<(Self::Buf, Self::Buf)>;
     /// D = rowsum(dO ∘ O) of `rows.q_len` tokens (`rows` gives batch, tokens, heads and head
-    /// dim): `o` f32 or in the input dtype and `d_o` in the input dtype, `[b, tokens, h, d]`; returns f32
-    /// `[b, h, tokens]`.
+    /// dim): `o` f32 or in the input dtype and `d_o` in the input dtype, `[b, tokens, h, d]`;
+    /// returns f32 `[b, h, tokens]`.
     fn row_delta(&self, o: &Self::Buf, d_o: &Self::Buf, rows: &AttnShape) -> Result<Self::Buf>;
 }

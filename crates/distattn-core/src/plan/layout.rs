@@ -275,14 +275,12 @@ fn local_ranges(set: &TokenSet) -> impl Fn(usize, usize) -> Range<usize> + '_ {
             Some(b)
         })
         .collect();
-    let rank_of = move |x: usize| match runs.partition_point(|r| r.start < x) {
-        0 => 0,
-        i => before[i - 1] + x.min(runs[i - 1].end) - runs[i - 1].start,
+    let rank_of = move |x: usize| match (set, runs.partition_point(|r| r.start < x)) {
+        (TokenSet::Strided { .. }, _) => set.rank_of(x),
+        (_, 0) => 0,
+        (_, i) => before[i - 1] + x.min(runs[i - 1].end) - runs[i - 1].start,
     };
-    move |lo: usize, hi: usize| match set {
-        TokenSet::Runs(_) => rank_of(lo)..rank_of(hi.max(lo)),
-        TokenSet::Strided { .. } => set.local_range(lo, hi),
-    }
+    move |lo: usize, hi: usize| rank_of(lo)..rank_of(hi.max(lo))
 }
 
 /// Calls `f` with the global token of each local row in `rows`.
