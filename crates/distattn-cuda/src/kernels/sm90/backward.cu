@@ -22,7 +22,7 @@
 // (dS^T of both consumers stored) orders its reuse.
 #define WG_BN 128
 #define WG_BM BWD_ITEM_ROWS
-#define BS_STAGES 2
+#define BS_STAGES BWD_STAGES
 // Adds a swizzled f32 tile of R rows x 32 columns (128-byte rows) at src into rows r0.. and
 // columns c0.. of (head h, batch b) of an f32 tensor; rows past its end are dropped.
 template <int R>
@@ -107,10 +107,11 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     for (int i = 0; i < DK / 2; ++i) dk[i] = dv[i] = 0.f;
     // This thread's staged dQ pairs: rows 16wi + g (+8), columns 8i + 2t, in box i / 4 at 16-byte
     // chunk (2(i % 4) + t / 2) ^ g (the row's swizzle; rows g and g + 8 share it). Rows g and g ^ 1
-    // would hit the same banks if stored in the same order, so store k writes column block
-    // i = k ^ (g % 4) (within the box): the 16 lanes of each half-warp then cover all 32 banks.
+    // would hit the same banks if stored in the same order, so store k of an odd row writes
+    // column block i = k ^ 2 (within the box): the 16 lanes of each half-warp then cover all 32
+    // banks (flipping bit 1 of the block is enough; bit 0 is not).
     const u32 dq_row = dQs + cw * 2 * WG_BM * 128 + (16 * wi + g) * 128 + 8 * (t & 1);
-    const int dq_rot = g & 3;
+    const int dq_rot = (g & 1) << 1;
     if (total > 0) mbar_wait(full_kv, 0);
     int2 te_next = total > 0 ? p.tiles[e0] : make_int2(0, -1); // loaded an item ahead
     for (int it = 0; it < total; ++it) {
@@ -123,26 +124,29 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         const float* ndel_st = del_s + st * WG_BM; // minus delta
         mbar_wait(full + 8 * st, ph);
 
+        // The item's LSE and minus delta (this thread's query columns 8j + 2t, +1), read before
+        // the first product: behind the tensor cores' shared-memory reads these loads take long,
+        // and dP^T's issue waits for them.
+        float2 lse_j[8], nd_j[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            lse_j[j] = ((const float2*)(lse_st + 2 * t))[4 * j];
+            nd_j[j] = ((const float2*)(ndel_st + 2 * t))[4 * j];
+        }
         float s[32], dp[32];
         wg_fence();
         wg_gemm_kmajor(s, Ks, WG_BN, 64 * cw, qst, WG_BM);
         wg_commit();
-        // dP^T starts from -delta (per query column), so it ends as dP^T - delta: no delta load
-        // or subtraction between the wait and dS^T. This thread's query columns are 8j + 2t (+1).
+        // dP^T starts from -delta (per query column), so it ends as dP^T - delta: no subtraction
+        // between the wait and dS^T.
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const float2 nd = ((const float2*)(ndel_st + 2 * t))[4 * j];
-            dp[4 * j] = dp[4 * j + 2] = nd.x;
-            dp[4 * j + 1] = dp[4 * j + 3] = nd.y;
+            dp[4 * j] = dp[4 * j + 2] = nd_j[j].x;
+            dp[4 * j + 1] = dp[4 * j + 3] = nd_j[j].y;
         }
         wg_fence();
         wg_gemm_kmajor<32, true>(dp, Vs, WG_BN, 64 * cw, dost, WG_BM);
         wg_commit();
-        // The item's LSE, read before the wait (the wait is a compiler barrier to loads): under
-        // the tensor cores' shared-memory traffic these loads take long.
-        float2 lse_j[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) lse_j[j] = ((const float2*)(lse_st + 2 * t))[4 * j];
         wg_wait<1>(); // S^T (dP^T may run)
         wg_pin(s);
 
@@ -222,12 +226,10 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         if (it > 0) mbar_wait(dq_free + 8 * cw, (it - 1) & 1); // the previous dQ has been read
         wg_wait<1>(); // dV and dQ (dK may run)
         wg_pin(dq);
-        // Column blocks permuted by dq_rot (two rounds of selects: registers are not indexable).
+        // Column blocks permuted by dq_rot (selects: registers are not indexable).
         float dqr[32];
 #pragma unroll
-        for (int k = 0; k < 32; ++k) dqr[k] = (dq_rot & 1) ? dq[k ^ 4] : dq[k];
-#pragma unroll
-        for (int k = 0; k < 32; ++k) dq[k] = (dq_rot & 2) ? dqr[k ^ 8] : dqr[k];
+        for (int k = 0; k < 32; ++k) dqr[k] = dq_rot ? dq[k ^ 8] : dq[k];
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             const int i = (k & 4) | ((k & 3) ^ dq_rot);
@@ -235,7 +237,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
 #pragma unroll
             for (int r = 0; r < 2; ++r)
                 asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a + r * 8 * 128),
-                             "f"(dq[4 * k + 2 * r] * p.scale), "f"(dq[4 * k + 2 * r + 1] * p.scale));
+                             "f"(dqr[4 * k + 2 * r] * p.scale), "f"(dqr[4 * k + 2 * r + 1] * p.scale));
         }
         fence_async_smem();
         __syncwarp();
