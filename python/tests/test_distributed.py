@@ -303,19 +303,21 @@ def test_kv_cache_over_ranks_matches_f64(placement, prefill, strategy):
     assert all(torch.equal(s, torch.ones_like(s)) for s in seen), "every query row answered once"
 
 
-def _growing_cache_case(rank, world, placement, homes=None):
+def _growing_cache_case(rank, world, placement, homes=None, cuda=False):
     """Requests prefilled, then decoded for 3 steps, their K/V appended where the placement puts
-    them; every step's output rows against f64 on the whole sequences so far."""
+    them; every step's output rows against f64 on the whole sequences so far. On GPUs (``cuda``)
+    in bf16 at d 64, which the CUDA kernels take."""
     import distattn.distributed as dd
 
-    h, hkv, d = 4, 2, 16
+    h, hkv, d = 4, 2, 64 if cuda else 16
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     homes = homes or {"a": 0, "b": 1, "c": 1}
     prompt = {rid: p for rid, p in {"a": 37, "b": 5, "c": 20}.items() if rid in homes}
     g = torch.Generator().manual_seed(5)
     total = {rid: prompt[rid] + 3 for rid in homes}
-    qs = {rid: torch.randn(1, total[rid], h, d, generator=g) for rid in homes}
-    ks = {rid: torch.randn(1, total[rid], hkv, d, generator=g) for rid in homes}
-    vs = {rid: torch.randn(1, total[rid], hkv, d, generator=g) for rid in homes}
+    qs = {rid: torch.randn(1, total[rid], h, d, generator=g).to(dtype) for rid in homes}
+    ks = {rid: torch.randn(1, total[rid], hkv, d, generator=g).to(dtype) for rid in homes}
+    vs = {rid: torch.randn(1, total[rid], hkv, d, generator=g).to(dtype) for rid in homes}
     cache = dd.KVCacheGroup(placement=placement)
     for rid, home in homes.items():
         cache.add(rid, home)
@@ -323,8 +325,8 @@ def _growing_cache_case(rank, world, placement, homes=None):
     steps = [[(rid, prompt[rid]) for rid in homes]] + [[(rid, 1) for rid in homes]] * 3
     for batch in steps:
         mine = [(rid, n) for rid, n in batch if homes[rid] == rank]
-        rows = lambda t, hh: torch.cat([t[rid][:, length[rid] : length[rid] + n] for rid, n in mine], 1) if mine else torch.zeros(1, 0, hh, d)  # noqa: E731
-        o = cache.step(batch, rows(qs, h), rows(ks, hkv), rows(vs, hkv))
+        rows = lambda t, hh: (torch.cat([t[rid][:, length[rid] : length[rid] + n] for rid, n in mine], 1) if mine else torch.zeros(1, 0, hh, d, dtype=dtype)).to(dev)  # noqa: E731
+        o = cache.step(batch, rows(qs, h), rows(ks, hkv), rows(vs, hkv)).cpu()
         at = 0
         for rid, n in mine:
             end = length[rid] + n
@@ -346,6 +348,17 @@ def test_growing_cache_appends_where_placed_and_matches_f64(placement, homes):
         assert ok, value
         errors += value
     assert errors and max(errors) < 1e-5, errors
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("placement", ["pages:8", "contiguous:64"])
+@pytest.mark.parametrize("homes", [None, {"a": 1}], ids=["three-requests", "one-request"])
+def test_growing_cache_on_cuda_gpus_matches_f64(placement, homes):
+    errors = []
+    for ok, value in _run(2, _growing_cache_case, placement, homes, True, backend="nccl", timeout=120):
+        assert ok, value
+        errors += value
+    assert errors and max(errors) < 2e-2, errors
 
 
 def _compiled_case(rank, world):

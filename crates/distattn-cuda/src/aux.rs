@@ -89,8 +89,14 @@ pub struct AuxKernels {
 }
 
 /// One block of 256 threads per `per_block` items.
-fn blocks_of_256(items: usize, per_block: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (items.div_ceil(per_block) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+/// Blocks of 256 threads, `per_block` items each, over `items`; `None` for no items (a grid of
+/// no blocks is a launch error: a rank holding no rows of a step has nothing to launch).
+fn blocks_of_256(items: usize, per_block: usize) -> Option<LaunchConfig> {
+    (items > 0).then(|| LaunchConfig {
+        grid_dim: (items.div_ceil(per_block) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
 }
 
 impl AuxKernels {
@@ -178,13 +184,13 @@ impl AuxKernels {
             heads: shape.heads as i32,
             pad_: 0,
         };
+        let Some(cfg) = blocks_of_256(rows, 8) else { return Ok(()) };
         // SAFETY: the kernels take one DeltaParams by value (its layout is asserted against
         // params.cuh at every compile); each warp reads one row of head_dim values, an even
         // number (checked above), of O and dO and writes one f32 of delta, rows < `rows` only
         // (the grid of 8 rows per block covers them); the addresses are the caller's, under this
         // function's contract.
-        unsafe { s.launch_builder(f).arg(&p).launch(blocks_of_256(rows, 8)) }
-            .map_err(drv("launching the row delta"))?;
+        unsafe { s.launch_builder(f).arg(&p).launch(cfg) }.map_err(drv("launching the row delta"))?;
         Ok(())
     }
 
@@ -198,11 +204,12 @@ impl AuxKernels {
             return Err(backend_err(format!("convert_f32 converts pairs; {n} values given")));
         }
         let n2 = (n / 2) as i64;
+        let Some(cfg) = blocks_of_256(n / 2, 256) else { return Ok(()) };
         // SAFETY: the arguments are the kernel's (src, dst, number of pairs): u64 addresses for
         // its two pointers and an i64; thread i < n / 2 reads f32 pair i of `src` and writes pair
         // i of `dst`, within the caller's n values (n even, checked above; alignment and sizes
         // under this function's contract).
-        unsafe { s.launch_builder(&self.convert_f32).arg(&src).arg(&dst).arg(&n2).launch(blocks_of_256(n / 2, 256)) }
+        unsafe { s.launch_builder(&self.convert_f32).arg(&src).arg(&dst).arg(&n2).launch(cfg) }
             .map_err(drv("launching convert_f32"))?;
         Ok(())
     }
@@ -282,12 +289,12 @@ impl AuxKernels {
             hd0: dims.hd0 as i32,
             d: dims.head_dim as i32,
         };
+        let Some(cfg) = blocks_of_256(rows, 8) else { return Ok(()) };
         // SAFETY: the kernel takes one MergeParams by value (its layout is asserted against
         // params.cuh at every compile); one warp per row of the `rows` that `dims` describes
         // (rows beyond them return), each inside the four buffers and reading the quads under
         // this function's contract.
-        unsafe { s.launch_builder(&self.merge_pieces).arg(&a).launch(blocks_of_256(rows, 8)) }
-            .map_err(drv("launching merge_pieces"))?;
+        unsafe { s.launch_builder(&self.merge_pieces).arg(&a).launch(cfg) }.map_err(drv("launching merge_pieces"))?;
         Ok(())
     }
 
@@ -341,6 +348,15 @@ mod tests {
             ] {
                 assert!(names.iter().any(|n| n == k), "{k} missing from the {dtype} module: {names:?}");
             }
+        }
+    }
+
+    #[test]
+    fn launches_cover_their_items_and_none_for_no_items() {
+        assert!(blocks_of_256(0, 8).is_none(), "a grid of no blocks is a launch error");
+        for (items, per_block, blocks) in [(1, 8, 1), (8, 8, 1), (9, 8, 2), (257, 256, 2)] {
+            let cfg = blocks_of_256(items, per_block).expect("items to launch");
+            assert_eq!(cfg.grid_dim, (blocks, 1, 1), "{items} items, {per_block} a block");
         }
     }
 }

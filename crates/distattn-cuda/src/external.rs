@@ -152,6 +152,11 @@ impl CudaBackend {
         if src.dtype() != DType::F32 {
             return Err(Error::UnsupportedDType(format!("storing a {} buffer; f32 is stored", src.dtype())));
         }
+        if src.is_empty() {
+            // Nothing to store, and an empty tensor's address may be null (a serving step's rank
+            // that holds no query rows).
+            return Ok(());
+        }
         let s = self.stream();
         if dtype == DType::F32 {
             // SAFETY: the caller's contract covers `dst` for src.len() f32.
