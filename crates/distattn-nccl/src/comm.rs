@@ -143,7 +143,7 @@ impl Inner {
         if !h.aborted && !h.comm.is_null() {
             h.aborted = true;
             // SAFETY: `h.comm` is the live communicator from `init`: not null and not yet
-            // aborted or destroyed (both set `aborted`, checked above). The lock is held, so no
+            // aborted (Drop aborts too and sets `aborted`, checked above). The lock is held, so no
             // other call on it runs meanwhile, and every later use sees `aborted` and stops.
             unsafe {
                 let _ = nsys::ncclCommAbort(h.comm);
@@ -185,7 +185,7 @@ impl Inner {
                 None
             } else {
                 let mut st = nsys::ncclResult_t::ncclSuccess;
-                // SAFETY: `h.comm` is live (not aborted, checked above; it is destroyed only in
+                // SAFETY: `h.comm` is live (not aborted, checked above; it is ended only here or in
                 // Drop, after the watchdog is joined, and then marked aborted); the lock is held;
                 // `st` is a local the call writes.
                 let r = unsafe { nsys::ncclCommGetAsyncError(h.comm, &mut st) };
@@ -621,36 +621,31 @@ impl Drop for NcclComm {
             return;
         }
         let _ = self.ctx.bind_to_thread();
-        // Finalize (non-blocking) then destroy; abort if it does not settle.
+        // Finalize (flushes this rank's pending operations; non-blocking), wait a while for it to
+        // settle, then abort rather than destroy: destroy can block until the peers destroy
+        // theirs (seen with NCCL 2.28 on a rank whose call failed after its transfers and dropped
+        // its communicator while its peer waited in the next step), and a drop must not hang.
+        // Once finalized, abort frees the same resources.
         let comm = h.comm;
         // SAFETY: the watchdog is joined and the lock is held, so nothing else calls NCCL on
         // `comm`, which is live (neither aborted nor null, checked above).
         let r = unsafe { nsys::ncclCommFinalize(comm) };
         let t0 = Instant::now();
-        let mut ok = r == nsys::ncclResult_t::ncclSuccess || r == nsys::ncclResult_t::ncclInProgress;
-        while ok {
+        let mut pending = r == nsys::ncclResult_t::ncclInProgress;
+        while pending && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_micros(100));
             let mut st = nsys::ncclResult_t::ncclSuccess;
             // SAFETY: as for the finalize: `comm` is live and only this thread calls NCCL on it;
             // `st` is a local the call writes.
             unsafe {
                 let _ = nsys::ncclCommGetAsyncError(comm, &mut st);
             }
-            if st == nsys::ncclResult_t::ncclSuccess {
-                break;
-            }
-            if st != nsys::ncclResult_t::ncclInProgress || t0.elapsed() > Duration::from_secs(10) {
-                ok = false;
-            }
-            std::thread::sleep(Duration::from_micros(100));
+            pending = st == nsys::ncclResult_t::ncclInProgress;
         }
-        // SAFETY: as for the finalize; exactly one of destroy and abort ends `comm`, and the handle
-        // is marked aborted right after, so nothing passes it to NCCL again.
+        // SAFETY: as for the finalize; abort ends `comm`, and the handle is marked aborted right
+        // after, so nothing passes it to NCCL again.
         unsafe {
-            if ok {
-                let _ = nsys::ncclCommDestroy(comm);
-            } else {
-                let _ = nsys::ncclCommAbort(comm);
-            }
+            let _ = nsys::ncclCommAbort(comm);
         }
         h.aborted = true;
     }
