@@ -6,11 +6,12 @@ token, planning and transfers included.
     kvcache_py.py --world 2 --contexts 262144,1048576 --steps 20 --out FILE [--placement contiguous]
 
 Per context: one request homed on rank 0 is prefilled with that many tokens in one step
-(untimed), then decodes ``--steps`` tokens one at a time; each step is timed like
+(its time reported apart), then decodes ``--steps`` tokens one at a time; each step is timed like
 ``torch_cp.py`` times its peers (a barrier, then the wall clock of the call until the GPU is
 done, slowest rank) and the median is reported, with the cache bytes a step reads per second.
 32/8 heads, d 128, bf16, strategy ``auto``. Rows: impl distattn-py, context, placement, world,
-ms (median), steps_ms, gb_per_s, strategy (the planner's pick of the last step).
+ms (median), steps_ms, gb_per_s, prompt_s (the prompt's step, wall clock on rank 0),
+strategy (the planner's pick of the last step).
 """
 import argparse
 import json
@@ -47,7 +48,15 @@ def worker(rank, args, port, out_q):
         cache.add(ci, home=0)
         mk = lambda n, h: torch.randn(1, n, h, D, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
         n = ctx if rank == 0 else 0
-        cache.step([(ci, ctx)], mk(n, H), mk(n, HKV), mk(n, HKV))  # the prompt
+        q, k, v = mk(n, H), mk(n, HKV), mk(n, HKV)
+        sync()
+        t0 = time.perf_counter()
+        cache.step([(ci, ctx)], q, k, v)  # the prompt
+        sync()
+        prompt_s = time.perf_counter() - t0
+        if rank == 0:
+            print(f"[kvcache] {ctx:>9} tokens on {args.world} ranks ({args.placement}): prompt in {prompt_s:.2f} s "
+                  f"({cache.last_strategy}), decoding {args.steps} steps", flush=True)
         ms = []
         for _ in range(args.steps):
             n = 1 if rank == 0 else 0
@@ -63,7 +72,7 @@ def worker(rank, args, port, out_q):
         med = sorted(ms[1:])[len(ms[1:]) // 2]
         bytes_read = 2 * ctx * HKV * D * 2  # K and V, bf16
         row = {"impl": "distattn-py", "context": ctx, "placement": args.placement, "world": args.world, "heads": H,
-               "kv_heads": HKV, "head_dim": D, "batch": 1, "ms": med, "steps_ms": ms, "gb_per_s": bytes_read / med / 1e6,
+               "kv_heads": HKV, "head_dim": D, "batch": 1, "ms": med, "steps_ms": ms, "gb_per_s": bytes_read / med / 1e6, "prompt_s": prompt_s,
                "strategy": cache.last_strategy}
         rows.append(row)
         if rank == 0:
