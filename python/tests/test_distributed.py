@@ -4,6 +4,7 @@ uneven lengths and GQA; shard/unshard/position_ids round trips; bad input is an 
 peer is an error on the survivors, not a hang."""
 
 import os
+import queue
 import socket
 import sys
 import traceback
@@ -28,7 +29,8 @@ def _free_port():
 
 def _run(world, fn, *args, timeout=120, backend="gloo"):
     """Runs fn(rank, world, *args) in `world` processes of a `backend` group; returns their
-    results in order."""
+    results in order. Once a rank fails, the others (which may wait for it forever) are stopped
+    and report its error; a rank silent for `timeout` seconds fails the test by name."""
     port = _free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -37,12 +39,19 @@ def _run(world, fn, *args, timeout=120, backend="gloo"):
         p.start()
     results = {}
     try:
-        for _ in range(world):
-            rank, ok, value = q.get(timeout=timeout)
+        while len(results) < world:
+            try:
+                rank, ok, value = q.get(timeout=timeout)
+            except queue.Empty:
+                silent = [r for r in range(world) if r not in results]
+                raise AssertionError(f"ranks {silent} reported nothing in {timeout} s; the others: {results}") from None
             results[rank] = (ok, _tensors(value))
+            if not ok:
+                for r in range(world):
+                    results.setdefault(r, (False, f"stopped: rank {rank} failed first:\n{value}"))
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if len(results) == world and all(ok for ok, _ in results.values()) else 1)
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
