@@ -10,7 +10,7 @@
 use distattn_core::mask::DocKind;
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask};
 use distattn_cuda::cudarc::driver::CudaSlice;
-use distattn_cuda::{CudaBackend, CudaElement};
+use distattn_cuda::{CudaBackend, CudaElement, GpuBuf};
 use distattn_testkit::{cast, lse_err, randn, reference, rel_err, seeded_rng};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
@@ -208,6 +208,27 @@ fn bad_inputs_are_typed_errors() {
         &opts,
     );
     assert!(matches!(r, Err(Error::UnsupportedHeadDim { head_dim: 80, .. })), "{r:?}");
+}
+
+/// A rank of a step that holds no query rows has empty outputs, which torch gives a null
+/// address: storing one stores nothing (it once failed on the address, then on a launch of no
+/// blocks), and a non-empty store still refuses a null address.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn empty_outputs_store_nothing() {
+    let gpu = gpu();
+    let s = gpu.stream();
+    let empty = GpuBuf::alloc(s, DType::F32, 0).unwrap();
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        // SAFETY: nothing is written: the buffer is empty.
+        let r = unsafe { gpu.store_external(&empty, 0, dtype) };
+        assert!(r.is_ok(), "{dtype}: {r:?}");
+    }
+    let one = GpuBuf::filled(s, DType::F32, 2, 1.0).unwrap();
+    // SAFETY: refused before any write: the address is null.
+    let r = unsafe { gpu.store_external(&one, 0, DType::BF16) };
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    s.synchronize().unwrap();
 }
 
 /// A NaN or infinite query row gives NaN in that row only; a NaN key gives NaN in exactly the
