@@ -98,14 +98,24 @@ class _GroupTransfers:
 _instances: "weakref.WeakValueDictionary[int, ContextParallel]" = weakref.WeakValueDictionary()
 
 
+def _ranks_per_node_from_env() -> Optional[int]:
+    """Ranks per node as the launcher says: torchrun's ``LOCAL_WORLD_SIZE``, else Slurm's
+    ``SLURM_NTASKS_PER_NODE`` ("4", or "4(x2)" for 2 nodes of 4: the count before "(")."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(name, "").split("(")[0].strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
 class ContextParallel:
     """Attention over one sequence split across the ranks of ``group`` by ``strategy``.
 
     ``mask`` is a spec over the whole sequence, as ``distattn.attention`` takes it.
     ``num_heads`` and ``num_kv_heads`` are needed only by ``hybrid`` without a degree (which
     picks its layout from them); ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE``, which
-    torchrun sets) lets hybrid keep its all-to-alls inside nodes, consecutive ranks of the
-    group sharing one; ``timeout`` (seconds) bounds how long a rank waits for a silent peer on
+    torchrun sets, else Slurm's ``SLURM_NTASKS_PER_NODE``) lets hybrid keep its all-to-alls
+    inside nodes, consecutive ranks of the group sharing one; ``timeout`` (seconds) bounds how long a rank waits for a silent peer on
     the GPU.
 
     On GPUs the shards are read in place and O and the gradients are written into tensors torch
@@ -134,9 +144,7 @@ class ContextParallel:
         self.strategy = strategy
         self.mask = mask
         self.timeout = float(timeout)
-        if ranks_per_node is None and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
-            ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-        self.ranks_per_node = ranks_per_node
+        self.ranks_per_node = _ranks_per_node_from_env() if ranks_per_node is None else ranks_per_node
         self._heads = (num_heads or self.world, num_kv_heads or num_heads or self.world)
         self._layouts: Dict[int, List[Tensor]] = {}
         self._ranks: Dict[tuple, object] = {}

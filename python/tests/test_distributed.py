@@ -184,6 +184,25 @@ def test_bad_input_is_an_error_on_every_rank():
         assert "strategy" in value[0]
 
 
+def _ranks_per_node_case(rank, world):
+    import distattn.distributed as dd
+
+    seen = []
+    for env in ({"SLURM_NTASKS_PER_NODE": "2(x3)"}, {"SLURM_NTASKS_PER_NODE": "4", "LOCAL_WORLD_SIZE": "2"}, {}):
+        for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+            os.environ.pop(name, None)
+        os.environ.update(env)
+        seen.append(dd.ContextParallel(strategy="zigzag").ranks_per_node)
+    seen.append(dd.ContextParallel(strategy="zigzag", ranks_per_node=1).ranks_per_node)
+    return seen
+
+
+def test_ranks_per_node_come_from_torchrun_or_slurm():
+    for ok, value in _run(2, _ranks_per_node_case):
+        assert ok, value
+        assert value == [2, 2, None, 1], value
+
+
 def _dies(rank, world):
     import distattn.distributed as dd
 
