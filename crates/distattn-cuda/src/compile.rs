@@ -201,8 +201,8 @@ impl KernelConfig {
             self.bwd_bm = 64;
             self.bwd_warps = 8;
             // At d 64 an item's products are short and its loads a larger share: 4 stages of Q and
-            // dO (16k, 32 heads: 2.5-3% faster on an H100, up to 2.8% on an H200); at d 96 and 128
-            // a third stage leaves too little shared memory (and 3 stages were 0-4% slower).
+            // dO (16k, 32 heads: 2.5-3% faster on an H100, up to 2.8% on an H200). At d 128, 3
+            // stages were 0.4-4% slower and 4 do not fit.
             if !o.contains_key("bwd_stages") && self.head_dim == 64 {
                 self.bwd_stages = 4;
             }
