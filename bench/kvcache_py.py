@@ -72,8 +72,8 @@ def worker(rank, args, port, out_q):
         med = sorted(ms[1:])[len(ms[1:]) // 2]
         bytes_read = 2 * ctx * HKV * D * 2  # K and V, bf16
         row = {"impl": "distattn-py", "context": ctx, "placement": args.placement, "world": args.world, "heads": H,
-               "kv_heads": HKV, "head_dim": D, "batch": 1, "ms": med, "steps_ms": ms, "gb_per_s": bytes_read / med / 1e6, "prompt_s": prompt_s,
-               "strategy": cache.last_strategy}
+               "kv_heads": HKV, "head_dim": D, "batch": 1, "ms": med, "steps_ms": ms, "gb_per_s": bytes_read / med / 1e6,
+               "prompt_s": prompt_s, "strategy": cache.last_strategy}
         rows.append(row)
         if rank == 0:
             print(f"[kvcache] {ctx:>9} tokens on {args.world} ranks ({args.placement}): {med:.3f} ms a step "
@@ -92,8 +92,8 @@ def main():
     ap.add_argument("--world", type=int, default=torch.cuda.device_count() or 2)
     ap.add_argument("--contexts", default="262144,1048576")
     ap.add_argument("--steps", type=int, default=20)
-    # The prompt is one prefill step: over small pages its plan has a run per page, slow to plan
-    # and prepare at long contexts (decode steps are one run a rank whatever the placement).
+    # The prompt is one step: over small pages its plan has a run per page (seconds of host time
+    # at 1M tokens in 16-token pages); decode steps are one run a rank whatever the placement.
     ap.add_argument("--placement", default="contiguous", help="pages:N, contiguous[:N] or zigzag[:N] (without N: the context + steps)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -143,21 +143,30 @@ class _A2A(torch.autograd.Function):
         return out
 
 
-def seq_to_head(x, P):
-    # [B, S/P, H, D] -> [B, H/P, S, D]
+def scatter_heads(x, P):
+    """[B, S/P, H, D] sequence shards -> [P (seq chunk), B, S/P, H/P, D]: every rank's tokens of
+    this rank's heads (the all-to-all)."""
     B, s, H, D = x.shape
-    y = x.reshape(B, s, P, H // P, D).permute(2, 0, 1, 3, 4).contiguous()
-    y = _A2A.apply(y)  # [P (seq chunk), B, s, H/P, D]
-    return y.permute(1, 3, 0, 2, 4).reshape(B, H // P, P * s, D)
+    return _A2A.apply(x.reshape(B, s, P, H // P, D).permute(2, 0, 1, 3, 4).contiguous())
+
+
+def gather_heads(y):
+    """[P (head group), B, S/P, h, D] (contiguous) -> [B, S/P, P·h, D]: back to sequence shards."""
+    P, B, s, h, D = y.shape
+    return _A2A.apply(y).permute(1, 2, 0, 3, 4).reshape(B, s, P * h, D)
+
+
+def seq_to_head(x, P):
+    # [B, S/P, H, D] -> [B, H/P, S, D] (SDPA's layout)
+    y = scatter_heads(x, P)
+    _, B, s, h, D = y.shape
+    return y.permute(1, 3, 0, 2, 4).reshape(B, h, P * s, D)
 
 
 def head_to_seq(o, P):
     # [B, H/P, S, D] -> [B, S/P, H, D]
     B, h, S, D = o.shape
-    s = S // P
-    y = o.reshape(B, h, P, s, D).permute(2, 0, 3, 1, 4).contiguous()  # [P (seq chunk), B, s, h, D]
-    y = _A2A.apply(y)  # [P (head group), B, s, h, D]
-    return y.permute(1, 2, 0, 3, 4).reshape(B, s, P * h, D)
+    return gather_heads(o.reshape(B, h, P, S // P, D).permute(2, 0, 3, 1, 4).contiguous())
 
 
 def sdpa(q, k, v, gqa, causal):
@@ -195,16 +204,14 @@ def run_ulysses(args, seq, fwdbwd, P, rank, backend, causal):
 
 def seq_to_tokens(x, P):
     # [1, S/P, H, D] -> [S, H/P, D] (varlen's packed layout)
-    _, s, H, D = x.shape
-    y = _A2A.apply(x[0].reshape(s, P, H // P, D).transpose(0, 1).contiguous())  # [P (seq chunk), s, H/P, D]
-    return y.reshape(P * s, H // P, D)
+    y = scatter_heads(x, P)
+    return y.reshape(-1, *y.shape[3:])
 
 
 def tokens_to_seq(o, P):
-    # [S, H/P, D] -> [1, S/P, H, D]
+    # [S, h, D] -> [1, S/P, P·h, D]
     S, h, D = o.shape
-    y = _A2A.apply(o.reshape(P, S // P, h, D))  # [P (head group), s, h, D]
-    return y.transpose(0, 1).reshape(1, S // P, P * h, D)
+    return gather_heads(o.reshape(P, 1, S // P, h, D))
 
 
 def doc_attention(kind, lens, causal, seq):

@@ -22,7 +22,6 @@ fails or stops responding for ``timeout`` seconds makes every rank raise. CPU te
 through the group itself (gloo): the test bed; a dead peer surfaces as the group's error.
 """
 
-import os
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -98,16 +97,6 @@ class _GroupTransfers:
 _instances: "weakref.WeakValueDictionary[int, ContextParallel]" = weakref.WeakValueDictionary()
 
 
-def _ranks_per_node_from_env() -> Optional[int]:
-    """Ranks per node as the launcher says: torchrun's ``LOCAL_WORLD_SIZE``, else Slurm's
-    ``SLURM_NTASKS_PER_NODE`` ("4", or "4(x2)" for 2 nodes of 4: the count before "(")."""
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(name, "").split("(")[0].strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return None
-
-
 class ContextParallel:
     """Attention over one sequence split across the ranks of ``group`` by ``strategy``.
 
@@ -115,8 +104,8 @@ class ContextParallel:
     ``num_heads`` and ``num_kv_heads`` are needed only by ``hybrid`` without a degree (which
     picks its layout from them); ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE``, which
     torchrun sets, else Slurm's ``SLURM_NTASKS_PER_NODE``) lets hybrid keep its all-to-alls
-    inside nodes, consecutive ranks of the group sharing one; ``timeout`` (seconds) bounds how long a rank waits for a silent peer on
-    the GPU.
+    inside nodes, consecutive ranks of the group sharing one; ``timeout`` (seconds) bounds how
+    long a rank waits for a silent peer on the GPU.
 
     On GPUs the shards are read in place and O and the gradients are written into tensors torch
     allocates; the transfers' buffers come from the device's memory pool and are kept there for
@@ -144,7 +133,7 @@ class ContextParallel:
         self.strategy = strategy
         self.mask = mask
         self.timeout = float(timeout)
-        self.ranks_per_node = _ranks_per_node_from_env() if ranks_per_node is None else ranks_per_node
+        self.ranks_per_node = _native.launcher_ranks_per_node() if ranks_per_node is None else ranks_per_node
         self._heads = (num_heads or self.world, num_kv_heads or num_heads or self.world)
         self._layouts: Dict[int, List[Tensor]] = {}
         self._ranks: Dict[tuple, object] = {}

@@ -10,13 +10,12 @@
 //!   torch's memory after an event on torch's current stream, and torch's stream waits for
 //!   the outputs' copies by another event.
 
-use crate::problem::{cached_mask, dtype_of, expect, gpu, host, host_mut, where_is, TensorDesc};
+use crate::problem::{cached_mask, dtype_of, expect, gpu, host, where_is, TensorDesc};
 use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::plan::TokenSet;
 use distattn::planner::fastest;
 use distattn::{
-    AttnShape, Backend, Communicator, CpuBackend, DType, Element, Error, HostData, PlanOptions, RankAttention, Result,
-    Strategy,
+    AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, PlanOptions, RankAttention, Result, Strategy,
 };
 use distattn_cuda::{CudaBackend, GpuBuf};
 use distattn_nccl::comm::UniqueId;
@@ -190,6 +189,13 @@ pub fn nccl_unique_id(py: Python<'_>) -> PyResult<Py<PyBytes>> {
 #[pyfunction]
 pub fn release_cached_memory(py: Python<'_>, ordinal: i64) -> PyResult<()> {
     crate::guarded(py, || gpu(ordinal)?.release_memory_pool())
+}
+
+/// Ranks per node as the launcher's variables say (torchrun's `LOCAL_WORLD_SIZE`, else Slurm's
+/// `SLURM_NTASKS_PER_NODE`), or `None`; a malformed value is a `ValueError`.
+#[pyfunction]
+pub fn launcher_ranks_per_node() -> PyResult<Option<usize>> {
+    distattn_nccl::launch::ranks_per_node(|k| std::env::var(k).ok()).map_err(crate::to_py)
 }
 
 /// The rank holding each of positions `start..start + count` of a request homed on `home`, its
@@ -513,22 +519,15 @@ fn host_buf(dtype: DType, t: &TensorDesc) -> Result<HostData> {
 /// Writes a host output (f32 values) into the CPU tensor `t` of `dtype` (checked, same size),
 /// rounding to nearest even for 16-bit types.
 fn host_out(cpu: &CpuBackend, buf: &HostData, dtype: DType, t: &TensorDesc) -> Result<()> {
-    let vals = cpu.download_f32(buf)?;
-    fn put<T: Element>(vals: &[f32], t: &TensorDesc) -> Result<()> {
-        // SAFETY: `t` is a contiguous CPU tensor of T of this output's shape (checked) that the
-        // Python caller allocated for this call and nothing else touches during it.
-        let out = unsafe { host_mut::<T>(t) };
-        if out.len() != vals.len() {
-            return Err(Error::Internal(format!("an output of {} values for a tensor of {}", vals.len(), out.len())));
-        }
-        T::convert_from_f32(vals, out);
-        Ok(())
+    let data = HostData::from_f32(&cpu.download_f32(buf)?, dtype);
+    let bytes = t.1.iter().product::<usize>() * dtype.size();
+    if data.as_bytes().len() != bytes {
+        return Err(Error::Internal(format!("an output of {} values for a tensor of shape {:?}", data.len(), t.1)));
     }
-    match dtype {
-        DType::F32 => put::<f32>(&vals, t),
-        DType::BF16 => put::<bf16>(&vals, t),
-        DType::F16 => put::<f16>(&vals, t),
-    }
+    // SAFETY: `t` is a contiguous CPU tensor of `dtype` (checked) of `bytes` bytes, which the
+    // Python caller allocated for this call's output and nothing else touches during it.
+    unsafe { std::slice::from_raw_parts_mut(t.0 as *mut u8, bytes) }.copy_from_slice(data.as_bytes());
+    Ok(())
 }
 
 /// The CUDA tensors `ts` (checked, of `dtype`) as device buffers, read on the backend's compute

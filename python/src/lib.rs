@@ -259,6 +259,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(context_parallel::strategy_name, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::kv_owners, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::kv_positions, m)?)?;
+    m.add_function(wrap_pyfunction!(context_parallel::launcher_ranks_per_node, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::release_cached_memory, m)?)?;
     m.add_class::<context_parallel::CpRank>()?;
     m.add_class::<context_parallel::CpTransport>()?;

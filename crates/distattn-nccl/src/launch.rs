@@ -64,6 +64,30 @@ const SLURM: Names = Names {
     local_world: "SLURM_NTASKS_PER_NODE",
 };
 
+/// Ranks on this host under `names`' launcher, if it says. Slurm writes tasks per node as "4"
+/// or "4(x2)"; the count before any "(" is this host's.
+fn local_world_of(names: &Names, get: &impl Fn(&str) -> Option<String>) -> Result<Option<usize>> {
+    match get(names.local_world) {
+        Some(v) => Ok(Some(parse_num(names.local_world, v.split('(').next().unwrap_or(&v))?)),
+        None => Ok(None),
+    }
+}
+
+/// Ranks per host as the launcher's variables say, read through `get`: torchrun's
+/// `LOCAL_WORLD_SIZE`, else Slurm's `SLURM_NTASKS_PER_NODE`; `None` where neither is set (a
+/// process group started without a launcher). For code that joins its group otherwise (the
+/// Python package, through torch.distributed) and still plans by node.
+pub fn ranks_per_node(get: impl Fn(&str) -> Option<String>) -> Result<Option<usize>> {
+    match local_world_of(&TORCHRUN, &get)? {
+        Some(n) => Ok(Some(n)),
+        None => local_world_of(&SLURM, &get),
+    }
+    .and_then(|n| match n {
+        Some(0) => Err(bad("0 ranks per node")),
+        n => Ok(n),
+    })
+}
+
 impl LaunchEnv {
     /// Reads the variables through `get`: torchrun's names first, else Slurm's. `Ok(None)` when
     /// neither `RANK` nor `SLURM_PROCID` is set (not launched).
@@ -83,11 +107,7 @@ impl LaunchEnv {
             return Err(bad(format!("{}={rank} outside {}={world}", names.rank, names.world)));
         }
         let local_rank = num(names.local_rank)?.unwrap_or(rank);
-        // Slurm writes tasks per node as "4" or "4(x2)"; the count before any "(" is this host's.
-        let local_world = match get(names.local_world) {
-            Some(v) => Some(parse_num(names.local_world, v.split('(').next().unwrap_or(&v))?),
-            None => None,
-        };
+        let local_world = local_world_of(&names, &get)?;
         if let Some(lw) = local_world {
             if lw == 0 || local_rank >= lw || world % lw != 0 {
                 return Err(bad(format!(
@@ -204,6 +224,18 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!((e.rank, e.world, e.local_rank, e.node(), e.comm_id.as_str()), (3, 4, 1, Some((2, 1)), "n0:6001"));
+    }
+
+    #[test]
+    fn ranks_per_node_from_torchrun_else_slurm() {
+        assert_eq!(ranks_per_node(env(&[])).unwrap(), None);
+        assert_eq!(ranks_per_node(env(&[("SLURM_NTASKS_PER_NODE", "2(x3)")])).unwrap(), Some(2));
+        let both = [("SLURM_NTASKS_PER_NODE", "4"), ("LOCAL_WORLD_SIZE", "2")];
+        assert_eq!(ranks_per_node(env(&both)).unwrap(), Some(2));
+        for bad in [("LOCAL_WORLD_SIZE", "two"), ("SLURM_NTASKS_PER_NODE", "0")] {
+            let e = ranks_per_node(env(&[bad])).unwrap_err().to_string();
+            assert!(e.contains("launcher environment"), "{bad:?}: {e}");
+        }
     }
 
     #[test]
