@@ -464,6 +464,32 @@ impl Mask {
         Ok(Mask::new_unchecked(q.len(), k.len(), merge_adjacent(slices)))
     }
 
+    /// Lengths of the consecutive diagonal blocks that no slice crosses, when the mask is square
+    /// and has at least two (packed documents, however they were built); `None` otherwise.
+    /// Every kept pair lies inside one block, so a planner may balance each block on its own.
+    /// Rows and keys that no slice touches join the block before them.
+    pub fn diagonal_blocks(&self) -> Option<Vec<usize>> {
+        if self.q_len != self.k_len {
+            return None;
+        }
+        let mut spans: Vec<Range<usize>> =
+            self.slices.iter().map(|s| s.q.start.min(s.k.start)..s.q.end.max(s.k.end)).collect();
+        spans.sort_by_key(|s| s.start);
+        let mut starts = vec![0];
+        let mut reach = 0;
+        for s in spans {
+            if s.start >= reach && s.start > 0 {
+                starts.push(s.start);
+            }
+            reach = reach.max(s.end);
+        }
+        if starts.len() < 2 {
+            return None;
+        }
+        starts.push(self.q_len);
+        Some(starts.windows(2).map(|w| w[1] - w[0]).collect())
+    }
+
     /// True if every pair of the matrix is kept by a single full slice.
     pub fn is_full(&self) -> bool {
         self.area() == (self.q_len * self.k_len) as u64

@@ -150,6 +150,49 @@ fn documents_and_prefix() {
     );
 }
 
+/// Every kept pair of `m` lies inside one of `blocks` (consecutive, covering the matrix).
+fn inside_blocks(m: &Mask, blocks: &[usize]) -> bool {
+    let n = m.q_len();
+    let mut block_of = Vec::with_capacity(n);
+    for (b, &len) in blocks.iter().enumerate() {
+        block_of.extend(std::iter::repeat_n(b, len));
+    }
+    let d = dense(m);
+    block_of.len() == n && (0..n).all(|i| (0..n).all(|j| !d[i * n + j] || block_of[i] == block_of[j]))
+}
+
+#[test]
+fn diagonal_blocks_are_the_documents() {
+    let lens = [5, 1, 12, 0, 30];
+    for kind in [DocKind::Full, DocKind::Causal] {
+        assert_eq!(Mask::documents(&lens, kind).unwrap().diagonal_blocks(), Some(vec![5, 1, 12, 30]));
+    }
+    let m = Mask::prefix_lm_documents(&[(10, 3), (15, 0), (7, 7)]).unwrap();
+    assert_eq!(m.diagonal_blocks(), Some(vec![10, 15, 7]));
+    let spec: MaskSpec = "docs-random-causal:1".parse().unwrap();
+    let m = spec.build(4096, 4096).unwrap();
+    assert_eq!(m.diagonal_blocks(), spec.doc_lens(4096));
+    assert!(inside_blocks(&m, &m.diagonal_blocks().unwrap()));
+    // Rows 3 and 4 keep nothing: they join the block before them.
+    let gap = Mask::from_slices(
+        8,
+        8,
+        vec![MaskSlice::new(0..3, 0..3, SliceKind::Full), MaskSlice::new(5..8, 5..8, SliceKind::Causal)],
+    )
+    .unwrap();
+    assert_eq!(gap.diagonal_blocks(), Some(vec![5, 3]));
+    // One block, or not square: none.
+    for m in [
+        Mask::causal(40, 40).unwrap(),
+        Mask::full(40, 40).unwrap(),
+        Mask::documents(&[0, 40, 0], DocKind::Causal).unwrap(),
+        Mask::sliding_window(40, 40, Some(3), Some(0)).unwrap(),
+        Mask::documents_qk(&[4, 6], &[8, 2], DocKind::Full).unwrap(),
+    ] {
+        assert_eq!(m.diagonal_blocks(), None, "{m:?}");
+    }
+}
+
 #[test]
 fn per_document_windows_with_ragged_lengths() {
     // Varlen cross-attention: query and key lengths differ per document (one has no keys, one
@@ -420,6 +463,19 @@ proptest! {
         let m = Mask::new_unchecked(n, k, slices_from_rows(0..n, f));
         let want = from_fn(n, k, |i, j| { let (lo, hi) = f(i); j >= lo && j < hi });
         prop_assert_eq!(dense(&m), want);
+    }
+
+    #[test]
+    fn diagonal_blocks_of_windowed_documents(lens in prop::collection::vec(0usize..12, 1..7), w in 0usize..5) {
+        prop_assume!(lens.iter().sum::<usize>() > 0);
+        let m = Mask::per_document(&lens, &lens, |q, k| Mask::sliding_window(q, k, Some(w), Some(0))).unwrap();
+        let docs: Vec<usize> = lens.iter().copied().filter(|&l| l > 0).collect();
+        let want = if docs.len() >= 2 { Some(docs) } else { None };
+        let got = m.diagonal_blocks();
+        prop_assert_eq!(&got, &want);
+        if let Some(b) = got {
+            prop_assert!(inside_blocks(&m, &b));
+        }
     }
 
     #[test]

@@ -1,14 +1,13 @@
-//! All-gather: every rank gathers all of K and V once (zig-zag layout, so causal work is
-//! balanced) and computes its queries against every block it needs. Backward gathers K and V
+//! All-gather: every rank gathers all of K and V once (zig-zag layout, document-aware as the
+//! zig-zag ring's, so causal work is balanced) and computes its queries against every block it needs. Backward gathers K and V
 //! again and reduce-scatters the dK/dV partials back to their owners.
 
 use super::builder::{Builder, BwdBufs, FwdBufs, GradBufs, KvBufs, PassBufs};
-use crate::plan::Layout;
 use crate::Result;
 
 pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let p = b.world;
-    let layout = Layout::zigzag(b.shape.q_len, b.shape.k_len, p);
+    let layout = super::zigzag::layout(b);
     let bufs = b.declare_pass(layout);
     b.label(0, "all-gather K,V + compute");
     // held[r]: (owner, K/V as held on rank r) for every rank's K/V, in owner order.

@@ -1,6 +1,8 @@
 //! Zig-zag ring: the sequence is cut into 2P chunks and rank r holds chunks r and 2P−1−r, so
 //! under a causal mask every rank has the same kept area at every ring step. With
-//! `PlanOptions::documents` the cut is made inside every document (document-aware layout).
+//! packed documents (`PlanOptions::documents`, else the mask's diagonal blocks) the cut is made
+//! inside every document (document-aware layout): a plain zig-zag balances the whole causal
+//! triangle, not the documents' small triangles.
 //! Striped ring: token i on rank i mod P; every step is a near-triangular block.
 
 use super::builder::Builder;
@@ -13,11 +15,11 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
     ring::over_layout(b, layout, "zigzag")
 }
 
-/// The zig-zag layout over all ranks, cut inside every document when the options give them.
+/// The zig-zag layout over all ranks, cut inside every document of the options or the mask.
 pub(super) fn layout(b: &Builder) -> Layout {
     let (q, k, p) = (b.shape.q_len, b.shape.k_len, b.world);
-    match &b.opts.documents {
-        Some(lens) if q == k && lens.iter().sum::<usize>() == q => Layout::doc_zigzag(lens, p),
+    match b.opts.documents.clone().or_else(|| b.mask.diagonal_blocks()) {
+        Some(lens) if q == k && lens.iter().sum::<usize>() == q => Layout::doc_zigzag(&lens, p),
         _ => Layout::zigzag(q, k, p),
     }
 }
