@@ -134,6 +134,31 @@ def test_every_strategy_matches_f64(strategy, world):
         assert f64.rel_err(got, ref) < 1e-4
 
 
+def _positions_case(rank, world, strategy, mask, n):
+    import distattn.distributed as dd
+
+    return dd.ContextParallel(strategy=strategy, mask=mask).position_ids(n)
+
+
+@pytest.mark.parametrize("strategy", ["zigzag", "allgather"])
+def test_zigzag_cuts_inside_every_document(strategy):
+    """Over packed documents the zig-zag layout is cut inside each document, found in the mask
+    itself: every rank holds a quarter of each document and the same causal area within 2%. The
+    sequence-wide cut gave the ranks 0.42-1.22x the mean area here."""
+    lens, world = [3000, 200, 1500, 37, 3455], 4
+    n = sum(lens)
+    mask = "docs-causal:" + ",".join(map(str, lens))
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    start = torch.tensor([0] + lens).cumsum(0)[doc]
+    areas = []
+    for ok, pos in _run(world, _positions_case, strategy, mask, n):
+        assert ok, pos
+        held = torch.bincount(doc[pos], minlength=len(lens))
+        assert all(abs(h * world - length) <= 2 * world for h, length in zip(held.tolist(), lens)), held
+        areas.append(int((pos - start[pos] + 1).sum()))
+    assert max(areas) / (sum(areas) / world) < 1.02, areas
+
+
 def _bf16_docs_case(rank, world):
     """bf16 shards, a document mask and unshard: the gathered output equals the one-process call."""
     import distattn
