@@ -273,13 +273,35 @@ class KVCacheGroup:
     ``strategy`` is ``"pass-q"`` (queries travel, partial O and LSE come back), ``"ring"`` (the
     cache travels) or ``"auto"`` (whichever the planner's time model estimates faster). Forward
     only (serving); exact.
+
+    A model keeps one cache per layer: ``KVCacheGroup(share_with=first_layer)`` makes another
+    layer's cache over the same group, placement and timeout that uses ``first_layer``'s
+    communicator (on GPUs one NCCL communicator for every layer, not one each) and its step
+    plans (a step is planned once for all layers).
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, placement: str = "pages:16", *, timeout: float = 300.0):
-        self._cp = ContextParallel(group, strategy="pass-q", timeout=timeout)
-        self.placement = placement
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        placement: Optional[str] = None,
+        *,
+        timeout: Optional[float] = None,
+        share_with: Optional["KVCacheGroup"] = None,
+    ):
+        if share_with is None:
+            self._cp = ContextParallel(group, strategy="pass-q", timeout=300.0 if timeout is None else timeout)
+            self.placement = "pages:16" if placement is None else placement
+            self._steps: Dict[tuple, tuple] = {}
+        else:
+            if not isinstance(share_with, KVCacheGroup):
+                raise TypeError(f"share_with must be a KVCacheGroup, got {type(share_with).__name__}")
+            given = {"group": group, "placement": placement, "timeout": timeout}
+            own = {"group": share_with._cp.group, "placement": share_with.placement, "timeout": share_with._cp.timeout}
+            for name, value in given.items():
+                if value is not None and value != own[name]:
+                    raise ValueError(f"{name} {value!r} differs from the shared cache's {own[name]!r}")
+            self._cp, self.placement, self._steps = share_with._cp, share_with.placement, share_with._steps
         self.rank, self.world = self._cp.rank, self._cp.world
-        self._steps: Dict[tuple, tuple] = {}
         # The cache this rank holds (``add``/``step``): per request its home, its length, the
         # K/V of the positions placed here (ascending, in buffers with room to grow) and how many
         # rows of them are filled.

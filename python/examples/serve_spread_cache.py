@@ -11,7 +11,8 @@ last logits against one process attending over the whole sequences with
     torchrun --nproc-per-node 2 python/examples/serve_spread_cache.py     # CPU (gloo) or GPUs (NCCL)
     torchrun --nproc-per-node 4 python/examples/serve_spread_cache.py --placement zigzag:256
 
-One ``KVCacheGroup`` holds one layer's cache, so the model keeps one per layer.
+One ``KVCacheGroup`` holds one layer's cache, so the model keeps one per layer; the later layers'
+share the first one's communicator and step plans (``share_with``).
 """
 
 import argparse
@@ -62,7 +63,8 @@ class TinyDecoder(torch.nn.Module):
 def generate(model, prompts, homes, new_tokens, placement, device):
     """Every rank runs every step; each passes the rows of the requests homed on it."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    caches = [KVCacheGroup(placement=placement) for _ in range(LAYERS)]
+    first = KVCacheGroup(placement=placement)
+    caches = [first] + [KVCacheGroup(share_with=first) for _ in range(LAYERS - 1)]
     for rid, home in homes.items():
         for c in caches:
             c.add(rid, home)

@@ -358,8 +358,9 @@ def test_kv_cache_over_ranks_matches_f64(placement, prefill, strategy):
 
 def _growing_cache_case(rank, world, placement, homes=None, cuda=False):
     """Requests prefilled, then decoded for 3 steps, their K/V appended where the placement puts
-    them; every step's output rows against f64 on the whole sequences so far. On GPUs (``cuda``)
-    in bf16 at d 64, which the CUDA kernels take."""
+    them, in two layers' caches (the second sharing the first's communicator and plans); every
+    step's output rows of each layer against f64 on the whole sequences so far. On GPUs
+    (``cuda``) in bf16 at d 64, which the CUDA kernels take."""
     import distattn.distributed as dd
 
     h, hkv, d = 4, 2, 64 if cuda else 16
@@ -368,25 +369,35 @@ def _growing_cache_case(rank, world, placement, homes=None, cuda=False):
     prompt = {rid: p for rid, p in {"a": 37, "b": 5, "c": 20}.items() if rid in homes}
     g = torch.Generator().manual_seed(5)
     total = {rid: prompt[rid] + 3 for rid in homes}
-    qs = {rid: torch.randn(1, total[rid], h, d, generator=g).to(dtype) for rid in homes}
-    ks = {rid: torch.randn(1, total[rid], hkv, d, generator=g).to(dtype) for rid in homes}
-    vs = {rid: torch.randn(1, total[rid], hkv, d, generator=g).to(dtype) for rid in homes}
-    cache = dd.KVCacheGroup(placement=placement)
-    for rid, home in homes.items():
-        cache.add(rid, home)
+    layers = []  # per layer: its cache and its q, k, v per request
+    for layer in range(2):
+        qkv = [{rid: torch.randn(1, total[rid], hh, d, generator=g).to(dtype) for rid in homes} for hh in (h, hkv, hkv)]
+        cache = dd.KVCacheGroup(placement=placement) if layer == 0 else dd.KVCacheGroup(share_with=layers[0][0])
+        for rid, home in homes.items():
+            cache.add(rid, home)
+        layers.append((cache, qkv))
+    assert layers[1][0]._cp is layers[0][0]._cp, "the second layer has a communicator of its own"
+    for bad, error in (({"placement": "pages:3", "share_with": layers[0][0]}, ValueError), ({"share_with": "x"}, TypeError)):
+        try:
+            dd.KVCacheGroup(**bad)
+        except error as e:
+            assert "placement" in str(e) or "KVCacheGroup" in str(e), e
+        else:
+            raise AssertionError(f"KVCacheGroup({bad}) was accepted")
     errors, length = [], {rid: 0 for rid in homes}
     steps = [[(rid, prompt[rid]) for rid in homes]] + [[(rid, 1) for rid in homes]] * 3
     for batch in steps:
         mine = [(rid, n) for rid, n in batch if homes[rid] == rank]
         rows = lambda t, hh: (torch.cat([t[rid][:, length[rid] : length[rid] + n] for rid, n in mine], 1) if mine else torch.zeros(1, 0, hh, d, dtype=dtype)).to(dev)  # noqa: E731
-        o = cache.step(batch, rows(qs, h), rows(ks, hkv), rows(vs, hkv)).cpu()
-        at = 0
-        for rid, n in mine:
-            end = length[rid] + n
-            keep = f64.dense_mask("causal", n, end)
-            ref, _, _ = f64.attention(qs[rid][:, length[rid] : end], ks[rid][:, :end], vs[rid][:, :end], keep)
-            errors.append(f64.rel_err(o[:, at : at + n], ref))
-            at += n
+        for cache, (qs, ks, vs) in layers:
+            o = cache.step(batch, rows(qs, h), rows(ks, hkv), rows(vs, hkv)).cpu()
+            at = 0
+            for rid, n in mine:
+                end = length[rid] + n
+                keep = f64.dense_mask("causal", n, end)
+                ref, _, _ = f64.attention(qs[rid][:, length[rid] : end], ks[rid][:, :end], vs[rid][:, :end], keep)
+                errors.append(f64.rel_err(o[:, at : at + n], ref))
+                at += n
         for rid, n in batch:
             length[rid] += n
     return errors
