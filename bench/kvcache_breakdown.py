@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Where a Python decode step's time goes: ``kvcache_py.py`` (same arguments) with
 ``KVCacheGroup.step``, ``.attention`` (the native call) and ``._step`` (planning) each timed
-between two device synchronisations; prints, per rank and context, the medians over the decode
-steps (``[kvcache_breakdown]`` lines). ``step`` minus ``attention`` is the Python side: routing the
-new tokens' K/V to their owners and appending them.
+between two device synchronisations; prints, per rank and context, the medians over the
+decode steps after the first, per call of one layer (``[kvcache_breakdown]`` lines). ``step``
+minus ``attention`` is the Python side: routing the new tokens' K/V to their owners and
+appending them; with ``--layers`` above 1, ``plan`` of the later layers is a table look-up.
 
     kvcache_breakdown.py --world 4 --contexts 262144,1048576 --steps 20 --out FILE"""
 import os
@@ -39,9 +40,10 @@ _worker = K.worker
 
 def worker(rank, args, port, out_q):
     _worker(rank, args, port, out_q)
-    n = args.steps + 1
+    L = args.layers
+    n = (args.steps + 1) * L  # calls per context: the prompt and every decode step, per layer
     for ci, ctx in enumerate(args.contexts.split(",")):
-        med = {k: statistics.median(v[ci * n + 2:(ci + 1) * n]) for k, v in LOG.items()}
+        med = {k: statistics.median(v[ci * n + 2 * L:(ci + 1) * n]) for k, v in LOG.items()}
         print(f"[kvcache_breakdown] rank {rank} ctx {ctx}: " + " ".join(f"{k} {m:.3f} ms" for k, m in med.items()), flush=True)
 
 
