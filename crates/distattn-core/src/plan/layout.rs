@@ -379,6 +379,8 @@ pub enum LayoutKind {
     DocZigzag { lens: Vec<usize> },
     /// Zig-zag over R groups of U ranks, each group's chunks split evenly inside the group.
     GroupedZigzag { groups: usize, group_size: usize },
+    /// The grouped zig-zag inside every document of a packed batch.
+    GroupedDocZigzag { lens: Vec<usize>, groups: usize, group_size: usize },
     /// Arbitrary chunks chosen by a solver (mask-aware dispatch).
     Dispatched,
     /// Given by the caller: where a KV cache's tokens and the requests' queries live.
@@ -394,6 +396,7 @@ impl LayoutKind {
             LayoutKind::Striped => "striped",
             LayoutKind::DocZigzag { .. } => "doc-zigzag",
             LayoutKind::GroupedZigzag { .. } => "grouped-zigzag",
+            LayoutKind::GroupedDocZigzag { .. } => "grouped-doc-zigzag",
             LayoutKind::Dispatched => "dispatched",
             LayoutKind::Placed => "placed",
         }
@@ -413,25 +416,26 @@ fn contiguous_sets(n: usize, p: usize) -> Vec<TokenSet> {
     split_even(n, p).into_iter().map(TokenSet::range).collect()
 }
 
-fn zigzag_sets(n: usize, p: usize) -> Vec<TokenSet> {
-    let c = split_even(n, 2 * p);
-    (0..p).map(|r| TokenSet::from_runs(vec![c[r].clone(), c[2 * p - 1 - r].clone()])).collect()
-}
-
-fn grouped_zigzag_sets(n: usize, groups: usize, size: usize) -> Vec<TokenSet> {
-    let c = split_even(n, 2 * groups);
-    let mut out = Vec::with_capacity(groups * size);
-    for g in 0..groups {
-        let (a, b) = (&c[g], &c[2 * groups - 1 - g]);
-        let (pa, pb) = (split_even(a.len(), size), split_even(b.len(), size));
-        for u in 0..size {
-            out.push(TokenSet::from_runs(vec![
-                a.start + pa[u].start..a.start + pa[u].end,
-                b.start + pb[u].start..b.start + pb[u].end,
-            ]));
+/// The zig-zag family over consecutive documents of lengths `lens`: each document is cut into
+/// 2·`groups` chunks, group g takes chunks g and 2·groups−1−g of every document, and each chunk
+/// is split evenly over the group's `size` adjacent ranks (one document of n tokens and groups of
+/// one rank: the plain zig-zag).
+fn grouped_zigzag_sets(lens: &[usize], groups: usize, size: usize) -> Vec<TokenSet> {
+    let mut runs: Vec<Vec<Range<usize>>> = vec![Vec::new(); groups * size];
+    let mut off = 0;
+    for &len in lens {
+        let c = split_even(len, 2 * groups);
+        for g in 0..groups {
+            for chunk in [&c[g], &c[2 * groups - 1 - g]] {
+                for (u, part) in split_even(chunk.len(), size).into_iter().enumerate() {
+                    let start = off + chunk.start;
+                    runs[g * size + u].push(start + part.start..start + part.end);
+                }
+            }
         }
+        off += len;
     }
-    out
+    runs.into_iter().map(TokenSet::from_runs).collect()
 }
 
 fn striped_sets(n: usize, p: usize) -> Vec<TokenSet> {
@@ -459,7 +463,11 @@ impl Layout {
     }
 
     pub fn zigzag(q_len: usize, k_len: usize, p: usize) -> Layout {
-        Layout { kind: LayoutKind::Zigzag, q: zigzag_sets(q_len, p), k: zigzag_sets(k_len, p) }
+        Layout {
+            kind: LayoutKind::Zigzag,
+            q: grouped_zigzag_sets(&[q_len], p, 1),
+            k: grouped_zigzag_sets(&[k_len], p, 1),
+        }
     }
 
     pub fn striped(q_len: usize, k_len: usize, p: usize) -> Layout {
@@ -470,8 +478,8 @@ impl Layout {
     pub fn grouped_zigzag(q_len: usize, k_len: usize, groups: usize, group_size: usize) -> Layout {
         Layout {
             kind: LayoutKind::GroupedZigzag { groups, group_size },
-            q: grouped_zigzag_sets(q_len, groups, group_size),
-            k: grouped_zigzag_sets(k_len, groups, group_size),
+            q: grouped_zigzag_sets(&[q_len], groups, group_size),
+            k: grouped_zigzag_sets(&[k_len], groups, group_size),
         }
     }
 
@@ -479,18 +487,20 @@ impl Layout {
     /// 2P chunks and rank r holds chunks r and 2P−1−r of each, so every document is balanced
     /// on its own.
     pub fn doc_zigzag(lens: &[usize], p: usize) -> Layout {
-        let mut per_rank: Vec<Vec<Range<usize>>> = vec![Vec::new(); p];
-        let mut off = 0;
-        for &len in lens {
-            let c = split_even(len, 2 * p);
-            for (r, runs) in per_rank.iter_mut().enumerate() {
-                runs.push(off + c[r].start..off + c[r].end);
-                runs.push(off + c[2 * p - 1 - r].start..off + c[2 * p - 1 - r].end);
-            }
-            off += len;
-        }
-        let sets: Vec<TokenSet> = per_rank.into_iter().map(TokenSet::from_runs).collect();
+        let sets = grouped_zigzag_sets(lens, p, 1);
         Layout { kind: LayoutKind::DocZigzag { lens: lens.to_vec() }, q: sets.clone(), k: sets }
+    }
+
+    /// The hybrid layout inside every document of a packed batch: each document cut into
+    /// 2·`groups` chunks as [`Layout::doc_zigzag`] cuts it for ranks, each group's chunks split
+    /// over its `group_size` ranks.
+    pub fn grouped_doc_zigzag(lens: &[usize], groups: usize, group_size: usize) -> Layout {
+        let sets = grouped_zigzag_sets(lens, groups, group_size);
+        Layout {
+            kind: LayoutKind::GroupedDocZigzag { lens: lens.to_vec(), groups, group_size },
+            q: sets.clone(),
+            k: sets,
+        }
     }
 
     /// Checks that `q` and `k` each partition `0..q_len` / `0..k_len`.
@@ -532,7 +542,17 @@ mod tests {
         }
         let l = Layout::doc_zigzag(&[10, 3, 24], 4);
         l.validate(37, 37).unwrap();
+        Layout::grouped_doc_zigzag(&[10, 3, 24], 2, 2).validate(37, 37).unwrap();
         assert_eq!(members(&Layout::zigzag(16, 16, 4).q[1]), vec![2, 3, 12, 13]);
+        // Groups of 2 over 2 groups: group 0 takes chunks 0 and 3 of 4, its ranks half of each.
+        let hybrid = Layout::grouped_zigzag(16, 16, 2, 2);
+        assert_eq!(members(&hybrid.q[0]), vec![0, 1, 12, 13]);
+        assert_eq!(members(&hybrid.q[3]), vec![6, 7, 10, 11]);
+        // Inside documents: every document cut alike; one document is the plain layout.
+        let docs = Layout::grouped_doc_zigzag(&[8, 16], 2, 2);
+        assert_eq!(members(&docs.q[0]), vec![0, 6, 8, 9, 20, 21]);
+        assert_eq!(Layout::grouped_doc_zigzag(&[16], 2, 2).q, hybrid.q);
+        assert_eq!(Layout::grouped_doc_zigzag(&[10, 3, 24], 4, 1).q, l.q);
         assert_eq!(members(&Layout::striped(10, 10, 4).q[1]), vec![1, 5, 9]);
     }
 

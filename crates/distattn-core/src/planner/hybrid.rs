@@ -39,8 +39,11 @@ pub(super) fn plan(b: &mut Builder, degree: usize) -> Result<()> {
     if !p.is_multiple_of(u_deg) {
         return Err(b.unsupported(format!("Ulysses degree {u_deg} does not divide the world size {p}")));
     }
+    // Across groups a ring: zig-zag over the groups, inside every packed document if any.
     let layout = if u_deg == p {
         Layout::contiguous(b.shape.q_len, b.shape.k_len, p)
+    } else if let Some(lens) = super::zigzag::documents(b) {
+        Layout::grouped_doc_zigzag(&lens, p / u_deg, u_deg)
     } else {
         Layout::grouped_zigzag(b.shape.q_len, b.shape.k_len, p / u_deg, u_deg)
     };

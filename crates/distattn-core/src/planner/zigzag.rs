@@ -17,11 +17,18 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
 
 /// The zig-zag layout over all ranks, cut inside every document of the options or the mask.
 pub(super) fn layout(b: &Builder) -> Layout {
-    let (q, k, p) = (b.shape.q_len, b.shape.k_len, b.world);
-    match b.opts.documents.clone().or_else(|| b.mask.diagonal_blocks()) {
-        Some(lens) if q == k && lens.iter().sum::<usize>() == q => Layout::doc_zigzag(&lens, p),
-        _ => Layout::zigzag(q, k, p),
+    match documents(b) {
+        Some(lens) => Layout::doc_zigzag(&lens, b.world),
+        None => Layout::zigzag(b.shape.q_len, b.shape.k_len, b.world),
     }
+}
+
+/// The packed documents a zig-zag cuts inside: the options' lengths, else the mask's diagonal
+/// blocks; `None` unless they cover a self-attention sequence.
+pub(super) fn documents(b: &Builder) -> Option<Vec<usize>> {
+    let (q, k) = (b.shape.q_len, b.shape.k_len);
+    let lens = b.opts.documents.clone().or_else(|| b.mask.diagonal_blocks())?;
+    (q == k && lens.iter().sum::<usize>() == q).then_some(lens)
 }
 
 pub(super) fn plan_striped(b: &mut Builder) -> Result<()> {
