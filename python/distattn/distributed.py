@@ -12,8 +12,10 @@ Strategies: ``ring``, ``zigzag``, ``striped``, ``balanced`` (DistFlashAttn), ``u
 ``hybrid[:U]`` (USP), ``allgather``, ``dispatch`` (mask-aware). Masks: any spec of
 ``distattn.attention`` over the whole sequence. Each rank holds the rows ``cp.position_ids(n)``
 of the whole tensors, in that order (a zig-zag rank holds two chunks, a striped rank every P-th
-token); ``cp.attention`` returns this rank's rows of the whole sequence's attention, equal to
-``distattn.attention`` on the gathered tensors, and is differentiable.
+token; under a packed-documents mask zig-zag, all-gather and hybrid cut every document into
+those chunks, so a rank holds two chunks of each document); ``cp.attention`` returns this rank's
+rows of the whole sequence's attention, equal to ``distattn.attention`` on the gathered tensors,
+and is differentiable.
 
 Transport: CUDA tensors go through distattn's own NCCL communicator, bootstrapped from the
 group (rank 0 makes the NCCL unique id and broadcasts it over the group), on its own stream,
