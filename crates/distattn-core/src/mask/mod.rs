@@ -467,7 +467,8 @@ impl Mask {
     /// Lengths of the consecutive diagonal blocks that no slice crosses, when the mask is square
     /// and has at least two (packed documents, however they were built); `None` otherwise.
     /// Every kept pair lies inside one block, so a planner may balance each block on its own.
-    /// Rows and keys that no slice touches join the block before them.
+    /// Rows and keys that no slice touches join the block before them (the first block, before
+    /// any).
     pub fn diagonal_blocks(&self) -> Option<Vec<usize>> {
         if self.q_len != self.k_len {
             return None;

@@ -229,8 +229,8 @@ pub struct PlanOptions {
     pub ring_backward: RingBackward,
     /// Chunk size in tokens of the dispatch solver (default: about 16 chunks per rank).
     pub chunk_tokens: Option<usize>,
-    /// Document lengths of a packed batch: zigzag (and all-gather) then use the per-document
-    /// zig-zag layout. Default: the mask's diagonal blocks ([`crate::Mask::diagonal_blocks`]).
+    /// Document lengths of a packed batch: zigzag, all-gather and hybrid's ring then cut every
+    /// document alike. Default: the mask's diagonal blocks ([`crate::Mask::diagonal_blocks`]).
     pub documents: Option<Vec<usize>>,
     /// Balanced: run the published last step (owners only, half the ranks idle for even P)
     /// instead of splitting its blocks between owner and idle rank.
