@@ -13,7 +13,7 @@
 use crate::problem::{cached_mask, dtype_of, expect, gpu, host, where_is, TensorDesc};
 use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::plan::TokenSet;
-use distattn::planner::fastest;
+use distattn::planner::{fastest, fastest_training, TRAINING_CANDIDATES};
 use distattn::{
     AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, PlanOptions, RankAttention, Result, Strategy,
 };
@@ -230,6 +230,27 @@ pub fn kv_positions(
 #[pyfunction]
 pub fn strategy_name(name: &str) -> PyResult<String> {
     name.parse::<Strategy>().map(|s| s.to_string()).map_err(crate::to_py)
+}
+
+/// The strategy a training step of the problem `(batch, seq, heads, kv_heads, head_dim)` under
+/// the mask `spec` on `world` ranks runs fastest by the planner's time model (forward plus
+/// backward; `planner::fastest_training` over its usual candidates), as distattn prints it.
+#[pyfunction]
+#[pyo3(signature = (world, shape, mask, ranks_per_node=None))]
+pub fn cp_auto_strategy(
+    world: usize,
+    shape: (usize, usize, usize, usize, usize),
+    mask: &str,
+    ranks_per_node: Option<usize>,
+) -> PyResult<String> {
+    let (b, n, h, hkv, d) = shape;
+    let pick = || -> Result<Strategy> {
+        let shape = AttnShape::new(b, n, n, h, hkv, d)?;
+        let mask = cached_mask(mask, n, n, None, b)?;
+        let opts = PlanOptions { ranks_per_node, narrow_outputs: true, ..PlanOptions::default() };
+        fastest_training(&TRAINING_CANDIDATES, world, &shape, &mask, DType::BF16, &opts, &Default::default())
+    };
+    pick().map(|s| s.to_string()).map_err(crate::to_py)
 }
 
 /// Every rank's tokens (runs of global positions) for `strategy` on `world` ranks over the

@@ -257,6 +257,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(context_parallel::nccl_unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::cp_layout, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::strategy_name, m)?)?;
+    m.add_function(wrap_pyfunction!(context_parallel::cp_auto_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::kv_owners, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::kv_positions, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::launcher_ranks_per_node, m)?)?;

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import f64  # noqa: E402
 
 # (double-ring:1: an outer ring only, so every block crosses between the inner rings of one rank)
-STRATEGIES = ["ring", "zigzag", "striped", "balanced", "ulysses", "hybrid", "double-ring:1", "allgather", "dispatch"]
+STRATEGIES = ["ring", "zigzag", "striped", "balanced", "ulysses", "hybrid", "double-ring:1", "allgather", "dispatch", "auto"]
 
 
 def _free_port():
@@ -157,6 +157,28 @@ def test_zigzag_cuts_inside_every_document(strategy):
         assert all(abs(h * world - length) <= 2 * world for h, length in zip(held.tolist(), lens)), held
         areas.append(int((pos - start[pos] + 1).sum()))
     assert max(areas) / (sum(areas) / world) < 1.02, areas
+
+
+def _auto_case(rank, world):
+    import distattn.distributed as dd
+
+    picks = {}
+    for mask in ("causal", "docs-causal:" + ",".join(["300", "40"] * 20)):
+        cp = dd.ContextParallel(strategy="auto", mask=mask, num_heads=32, num_kv_heads=8)
+        picks[mask.split(":")[0]] = cp.strategy_for(32768 if mask == "causal" else 6800)
+    try:
+        dd.ContextParallel(strategy="auto")
+    except ValueError as e:
+        picks["no heads"] = str(e)
+    return picks
+
+
+def test_auto_picks_by_the_planners_model_and_needs_the_heads():
+    for ok, picks in _run(2, _auto_case):
+        assert ok, picks
+        assert picks["causal"] in ("zigzag", "ulysses", "hybrid", "dispatch", "allgather"), picks
+        assert picks["docs-causal"] == "dispatch", picks
+        assert "num_heads" in picks["no heads"], picks
 
 
 def _bf16_docs_case(rank, world):

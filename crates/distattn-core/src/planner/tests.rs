@@ -448,3 +448,22 @@ fn kept_head_sharded_inputs_leave_the_backward_only_do_and_d_to_send() {
     let q_kv_lse = 4 * 3 * per_rank_tokens / 4 * ((h + 2 * kv) * d * 2 + h * 4);
     assert_eq!(all.summary().bytes_moved - kept.summary().bytes_moved, q_kv_lse);
 }
+
+#[test]
+fn fastest_training_takes_dispatch_for_documents_and_passes_over_what_cannot_plan() {
+    let n = 32768;
+    let shape = AttnShape::new(1, n, n, 32, 8, 128).unwrap();
+    let pick = |shape: &AttnShape, mask: &Mask, candidates: &[Strategy]| {
+        fastest_training(candidates, 4, shape, mask, DType::BF16, &PlanOptions::default(), &Rates::default())
+    };
+    let docs = Mask::documents(&long_tailed_doc_lens(n, 1), DocKind::Causal).unwrap();
+    assert_eq!(pick(&shape, &docs, &TRAINING_CANDIDATES).unwrap(), Strategy::Dispatch);
+    let causal = Mask::causal(n, n).unwrap();
+    assert_eq!(pick(&shape, &causal, &TRAINING_CANDIDATES).unwrap(), Strategy::Zigzag);
+    // 2 KV heads do not split over 4 ranks: Ulysses is passed over, alone it is the error.
+    let few = AttnShape::new(1, n, n, 8, 2, 128).unwrap();
+    assert!(pick(&few, &causal, &TRAINING_CANDIDATES).is_ok());
+    let e = pick(&few, &causal, &[Strategy::Ulysses]).unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    assert!(pick(&shape, &causal, &[]).is_err());
+}
