@@ -678,6 +678,23 @@ fn plan_table_reads_in_a_terminal() {
 }
 
 #[test]
+fn plan_choose_estimates_every_candidate_and_names_autos_pick() {
+    let args = ["plan", "--seq", "32768", "--world", "4", "--heads", "8", "--choose"];
+    let docs = distattn(&[&args[..], &["--kv-heads", "8", "--mask", "docs-random-causal:1"]].concat());
+    let text = String::from_utf8(docs.stdout).unwrap();
+    assert!(docs.status.success() && text.contains("auto takes dispatch"), "{text}");
+    let picked: Vec<&str> = text.lines().filter(|l| l.ends_with("<- auto")).collect();
+    assert!(picked.len() == 1 && picked[0].starts_with("dispatch"), "{text}");
+    // 2 KV heads do not split over 4 ranks: Ulysses says so, the others are estimated.
+    let few = distattn(&[&args[..], &["--kv-heads", "2"]].concat());
+    let text = String::from_utf8(few.stdout).unwrap();
+    assert!(text.contains("ulysses    cannot plan this problem") && text.contains("auto takes "), "{text}");
+    assert_eq!(text.lines().filter(|l| l.ends_with("<- auto")).count(), 1, "{text}");
+    let refused = distattn(&[&args[..], &["--json"]].concat());
+    assert!(!refused.status.success());
+}
+
+#[test]
 fn launch_help_example_runs_with_an_installed_distattn() {
     let help = String::from_utf8(distattn(&["launch", "--help"]).stdout).unwrap();
     assert!(!help.contains("distattn-multigpu-bench"), "{help}");

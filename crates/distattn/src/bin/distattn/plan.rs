@@ -5,7 +5,7 @@ use anyhow::Result;
 use clap::Args;
 use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::plan::Pass;
-use distattn::planner::{build, fastest};
+use distattn::planner::{build, fastest, fastest_training, TRAINING_CANDIDATES};
 use distattn::{AttnShape, DType, MaskSpec, PlanOptions, Strategy};
 
 use crate::run::StrategyArgs;
@@ -45,6 +45,10 @@ pub struct PlanArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// Estimate the forward and backward of every strategy `auto` chooses among (the Python
+    /// package's ContextParallel(strategy="auto")) and name its pick, instead of one plan.
+    #[arg(long, conflicts_with_all = ["json", "backward", "serve"])]
+    choose: bool,
     /// Ranks (GPUs or processes) the sequence is split across.
     #[arg(long, alias = "gpus", default_value_t = 1)]
     world: usize,
@@ -74,6 +78,10 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     if args.world == 0 {
         anyhow::bail!("--world must be at least 1");
     }
+    if args.choose {
+        let seq = args.seq.ok_or_else(|| anyhow::anyhow!("--choose needs --seq"))?;
+        return choose(&args, seq);
+    }
     let plan = match (&args.serve, args.seq) {
         (Some(requests), _) => serving_plan(&args, requests)?,
         (None, Some(seq)) => {
@@ -98,6 +106,34 @@ pub fn plan(args: PlanArgs) -> Result<()> {
             rates.link_bytes_per_s / 1e9
         );
     }
+    Ok(())
+}
+
+/// Every training candidate's estimated forward and backward time, and the one `auto` takes.
+fn choose(args: &PlanArgs, seq: usize) -> Result<()> {
+    let shape = AttnShape::new(args.batch, seq, seq, args.heads, args.kv_heads.unwrap_or(args.heads), args.head_dim)?;
+    let mask = args.mask.build(seq, seq)?;
+    let opts = args.strategy.plan_options(&args.mask, seq);
+    let rates = distattn::plan::Rates::default();
+    let pick = fastest_training(&TRAINING_CANDIDATES, args.world, &shape, &mask, args.dtype, &opts, &rates)?;
+    println!("{:<10} {:>10} {:>10} {:>10} {:>10}", "strategy", "fwd ms", "bwd ms", "total ms", "imbalance");
+    for s in TRAINING_CANDIDATES {
+        let plan = |pass| build(s, args.world, &shape, &mask, args.dtype, &opts.with_pass(pass));
+        match (plan(Pass::Forward), plan(Pass::Backward)) {
+            (Ok(f), Ok(b)) => {
+                let (ef, eb) = (f.estimate(&rates).ms, b.estimate(&rates).ms);
+                let mark = if s == pick { "  <- auto" } else { "" };
+                let imbalance = f.summary().imbalance.max(b.summary().imbalance);
+                println!("{:<10} {ef:>10.3} {eb:>10.3} {:>10.3} {imbalance:>10.3}{mark}", s.to_string(), ef + eb);
+            }
+            (Err(e), _) | (_, Err(e)) => println!("{:<10} cannot plan this problem: {e}", s.to_string()),
+        }
+    }
+    println!(
+        "auto takes {pick} (estimates at {:.0} TFLOP/s and {:.0} GB/s links per device)",
+        rates.flops_per_s / 1e12,
+        rates.link_bytes_per_s / 1e9
+    );
     Ok(())
 }
 
