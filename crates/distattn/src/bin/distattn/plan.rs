@@ -113,7 +113,8 @@ pub fn plan(args: PlanArgs) -> Result<()> {
 fn choose(args: &PlanArgs, seq: usize) -> Result<()> {
     let shape = AttnShape::new(args.batch, seq, seq, args.heads, args.kv_heads.unwrap_or(args.heads), args.head_dim)?;
     let mask = args.mask.build(seq, seq)?;
-    let opts = args.strategy.plan_options(&args.mask, seq);
+    // As the Python package plans: O and the gradients travel in the inputs' dtype.
+    let opts = PlanOptions { narrow_outputs: true, ..args.strategy.plan_options(&args.mask, seq) };
     let rates = distattn::plan::Rates::default();
     let pick = fastest_training(&TRAINING_CANDIDATES, args.world, &shape, &mask, args.dtype, &opts, &rates)?;
     println!("{:<10} {:>10} {:>10} {:>10} {:>10}", "strategy", "fwd ms", "bwd ms", "total ms", "imbalance");
