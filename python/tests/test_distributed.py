@@ -326,7 +326,7 @@ def _cuda_case(rank, world, strategy):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("strategy", ["zigzag", "balanced", "ulysses"])
+@pytest.mark.parametrize("strategy", ["zigzag", "balanced", "ulysses", "auto"])
 def test_cuda_shards_through_nccl_match_one_gpu(strategy):
     world = min(torch.cuda.device_count(), 4)
     for ok, value in _run(world, _cuda_case, strategy, backend="nccl", timeout=300):
