@@ -162,6 +162,9 @@ class ContextParallel:
             return self.strategy
         s = self._chosen.get(seq_len)
         if s is None:
+            # Chosen at head dim 128 whatever the tensors' is: position_ids, which does not know
+            # it, and the ranks' plans must agree, and the estimates' FLOPs and bytes both scale
+            # with it.
             s = _native.cp_auto_strategy(self.world, (1, seq_len, *self._heads, 128), self.mask, self.ranks_per_node)
             self._chosen[seq_len] = s
         return s

@@ -15,7 +15,8 @@ use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
 use distattn::plan::TokenSet;
 use distattn::planner::{fastest, fastest_training, TRAINING_CANDIDATES};
 use distattn::{
-    AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, PlanOptions, RankAttention, Result, Strategy,
+    AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, Mask, PlanOptions, RankAttention, Result,
+    Strategy,
 };
 use distattn_cuda::{CudaBackend, GpuBuf};
 use distattn_nccl::comm::UniqueId;
@@ -243,14 +244,25 @@ pub fn cp_auto_strategy(
     mask: &str,
     ranks_per_node: Option<usize>,
 ) -> PyResult<String> {
-    let (b, n, h, hkv, d) = shape;
     let pick = || -> Result<Strategy> {
-        let shape = AttnShape::new(b, n, n, h, hkv, d)?;
-        let mask = cached_mask(mask, n, n, None, b)?;
-        let opts = PlanOptions { ranks_per_node, narrow_outputs: true, ..PlanOptions::default() };
+        let (shape, mask, opts) = problem(shape, mask, ranks_per_node)?;
         fastest_training(&TRAINING_CANDIDATES, world, &shape, &mask, DType::BF16, &opts, &Default::default())
     };
     pick().map(|s| s.to_string()).map_err(crate::to_py)
+}
+
+/// The whole problem `(batch, seq, heads, kv_heads, head_dim)` under the mask spec, and the
+/// options every context-parallel plan of the package is built with.
+fn problem(
+    (b, n, h, hkv, d): (usize, usize, usize, usize, usize),
+    mask: &str,
+    ranks_per_node: Option<usize>,
+) -> Result<(AttnShape, Arc<Mask>, PlanOptions)> {
+    let shape = AttnShape::new(b, n, n, h, hkv, d)?;
+    let mask = cached_mask(mask, n, n, None, b)?;
+    // The Python side returns O, dQ, dK, dV in the input dtype, so outputs may travel in it.
+    let opts = PlanOptions { ranks_per_node, narrow_outputs: true, ..PlanOptions::default() };
+    Ok((shape, mask, opts))
 }
 
 /// Every rank's tokens (runs of global positions) for `strategy` on `world` ranks over the
@@ -276,17 +288,15 @@ fn rank_attention(
     strategy: &str,
     world: usize,
     rank: usize,
-    (b, n, h, hkv, d): (usize, usize, usize, usize, usize),
+    shape: (usize, usize, usize, usize, usize),
     mask: &str,
     softmax_scale: Option<f64>,
     ranks_per_node: Option<usize>,
 ) -> Result<RankAttention> {
     let strategy: Strategy = strategy.parse()?;
-    let shape = AttnShape::new(b, n, n, h, hkv, d)?;
-    let mask = (*cached_mask(mask, n, n, None, b)?).clone();
-    // The Python side returns O, dQ, dK, dV in the input dtype, so outputs may travel in it.
-    let opts = PlanOptions { ranks_per_node, narrow_outputs: true, ..PlanOptions::default() };
-    RankAttention::with_options(shape, mask, strategy, world, rank, opts)?.scale(softmax_scale.map(|s| s as f32))
+    let (shape, mask, opts) = problem(shape, mask, ranks_per_node)?;
+    RankAttention::with_options(shape, (*mask).clone(), strategy, world, rank, opts)?
+        .scale(softmax_scale.map(|s| s as f32))
 }
 
 #[pymethods]
