@@ -5,7 +5,7 @@
 use crate::merge::merge_row;
 use distattn_core::schedule::Lane;
 use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, HostData, Result};
-use distattn_exec::{Backend, Block, BwdInputs, FwdInputs, MergeSpec, Piece};
+use distattn_exec::{Backend, Block, BwdInputs, FwdInputs, GradAccs, MergeSpec, Piece};
 use half::{bf16, f16};
 use std::time::Instant;
 
@@ -220,19 +220,21 @@ impl Backend for CpuBackend {
         block: &Block,
         inputs: BwdInputs<'_, HostData>,
         opts: &AttnOptions,
-        dq: &mut HostData,
-    ) -> Result<(HostData, HostData)> {
+        grads: GradAccs<'_, HostData>,
+    ) -> Result<()> {
         let g = match inputs.q.dtype() {
             DType::F32 => block_backward::<f32>(block, &inputs, opts)?,
             DType::BF16 => block_backward::<bf16>(block, &inputs, opts)?,
             DType::F16 => block_backward::<f16>(block, &inputs, opts)?,
         };
-        let acc = dq.as_mut_slice::<f32>()?;
-        block.shape.check_len("dq", acc.len(), g.dq.len())?;
-        for (a, x) in acc.iter_mut().zip(&g.dq) {
-            *a += x;
+        for (name, acc, part) in [("dq", grads.dq, &g.dq), ("dk", grads.dk, &g.dk), ("dv", grads.dv, &g.dv)] {
+            let acc = acc.as_mut_slice::<f32>()?;
+            block.shape.check_len(name, acc.len(), part.len())?;
+            for (a, x) in acc.iter_mut().zip(part) {
+                *a += x;
+            }
         }
-        Ok((HostData::F32(g.dk), HostData::F32(g.dv)))
+        Ok(())
     }
 
     fn row_delta(&self, o: &HostData, d_o: &HostData, rows: &AttnShape) -> Result<HostData> {

@@ -189,9 +189,10 @@ impl CudaBackend {
     }
 
     /// Backward of one block from Q, K, V, dO, the global LSE and D (`[b, h, nq]`, f32): adds
-    /// scale·dS·K into `dq_acc` (f32, `[b, nq, h, d]`, accumulated, not overwritten) and writes
-    /// dK and dV (dtype `T`, overwritten) for this block's keys. What a rank of a distributed
-    /// backward computes, and the core of [`CudaBackend::backward`].
+    /// scale·dS·K into `dq_acc` (f32, `[b, nq, h, d]`) and this block's dK and dV into `dk_acc`
+    /// and `dv_acc` (f32, `[b, nk, h_kv, d]`), all accumulated, not overwritten. What a rank of a
+    /// distributed backward computes; the kernel's epilogue adds, so a rank's partials need no
+    /// buffer of their own and no separate add.
     pub fn backward_block<T: CudaElement>(
         &self,
         q: &impl DevicePtr<T>,
@@ -204,8 +205,8 @@ impl CudaBackend {
         mask: &Mask,
         opts: &AttnOptions,
         dq_acc: &mut impl DevicePtrMut<f32>,
-        dk: &mut impl DevicePtrMut<T>,
-        dv: &mut impl DevicePtrMut<T>,
+        dk_acc: &mut impl DevicePtrMut<f32>,
+        dv_acc: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         let cfg = self.backward_config(T::DTYPE, shape, mask)?;
         let t = DkDvPtrs {
@@ -216,8 +217,9 @@ impl CudaBackend {
             lse: self.checked_ptr("lse", lse, shape.lse_elems(), shape)?,
             delta: self.checked_ptr("delta", delta, shape.lse_elems(), shape)?,
             dq_acc: self.checked_mut_ptr("dq_acc", dq_acc, shape.q_elems(), shape)?,
-            dk: self.checked_mut_ptr("dk", dk, shape.kv_elems(), shape)?,
-            dv: self.checked_mut_ptr("dv", dv, shape.kv_elems(), shape)?,
+            dk: self.checked_mut_ptr("dk_acc", dk_acc, shape.kv_elems(), shape)?,
+            dv: self.checked_mut_ptr("dv_acc", dv_acc, shape.kv_elems(), shape)?,
+            dkdv_acc: true,
         };
         // SAFETY: cfg comes from backward_config; every address was checked above to hold what
         // `shape` says, 16-byte aligned, in buffers of this context used on the compute stream.
@@ -229,8 +231,9 @@ impl CudaBackend {
     /// # Safety
     /// `cfg` is what [`CudaBackend::backward_config`] returned for `dtype`, `shape` and `mask`.
     /// The addresses of `t` are, in this context, 16-byte aligned buffers holding what `shape`
-    /// says (q, d_o: q_elems() of `dtype`; dq_acc: q_elems() f32; k, v, dk, dv: kv_elems() of
-    /// `dtype`; lse, delta: lse_elems() f32), not used by another stream while the kernel runs.
+    /// says (q, d_o: q_elems() of `dtype`; dq_acc: q_elems() f32; k, v: kv_elems() of `dtype`;
+    /// dk, dv: kv_elems() f32 where `t.dkdv_acc`, else of `dtype`; lse, delta: lse_elems() f32),
+    /// not used by another stream while the kernel runs.
     pub(crate) unsafe fn launch_dkdv(
         &self,
         s: &CudaStream,
@@ -266,7 +269,7 @@ impl CudaBackend {
             scale_log2: scale * LOG2E,
             scale,
             group: launch_group(&tiles, cfg.bwd_parts(), shape, self.sm_count()),
-            pad_: 0,
+            dkdv_acc: t.dkdv_acc.into(),
         };
         let dkdv = kern.dkdv.as_ref().ok_or_else(|| Error::Internal("the dK/dV kernel was not loaded".into()))?;
         let mut blocks = tiles.n_major * cfg.bwd_parts() * shape.kv_heads * shape.batch;
@@ -370,6 +373,7 @@ impl CudaBackend {
                 dq_acc: dq_acc.device_ptr(s).0,
                 dk: self.checked_mut_ptr("dk", dk, shape.kv_elems(), shape)?,
                 dv: self.checked_mut_ptr("dv", dv, shape.kv_elems(), shape)?,
+                dkdv_acc: false,
             },
         };
         // SAFETY: the caller's addresses were checked above; delta and dq_acc were allocated
@@ -562,6 +566,9 @@ pub(crate) struct DkDvPtrs {
     pub dq_acc: u64,
     pub dk: u64,
     pub dv: u64,
+    /// `dk` and `dv` are f32 accumulators the kernel adds into (a context-parallel block's);
+    /// otherwise they are of the input dtype and written.
+    pub dkdv_acc: bool,
 }
 
 /// Device addresses of a whole backward's tensors: the dK/dV launch's, O and dQ.

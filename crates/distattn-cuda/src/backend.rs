@@ -10,7 +10,7 @@ use crate::{driver_err, CudaElement};
 use cudarc::driver::{sys, CudaEvent};
 use distattn_core::schedule::Lane;
 use distattn_core::{AttnOptions, AttnShape, DType, Element, Error, Result};
-use distattn_exec::{Backend, Block, BwdInputs, FwdInputs, MergeSpec, Piece};
+use distattn_exec::{Backend, Block, BwdInputs, FwdInputs, GradAccs, MergeSpec, Piece};
 use half::{bf16, f16};
 
 fn f32_only(what: &str, bufs: &[&GpuBuf]) -> Result<()> {
@@ -172,11 +172,8 @@ impl CudaBackend {
         block: &Block,
         i: &BwdInputs<'_, GpuBuf>,
         opts: &AttnOptions,
-        dq: &mut GpuBuf,
-    ) -> Result<(GpuBuf, GpuBuf)> {
-        let s = self.stream();
-        let mut dk = GpuBuf::filled(s, T::DTYPE, block.shape.kv_elems(), 0.0)?;
-        let mut dv = GpuBuf::filled(s, T::DTYPE, block.shape.kv_elems(), 0.0)?;
+        g: GradAccs<'_, GpuBuf>,
+    ) -> Result<()> {
         self.backward_block::<T>(
             &i.q.view::<T>()?,
             &i.k.view::<T>()?,
@@ -187,11 +184,10 @@ impl CudaBackend {
             &block.shape,
             &block.mask,
             opts,
-            &mut dq.view_mut::<f32>()?,
-            &mut dk.view_mut::<T>()?,
-            &mut dv.view_mut::<T>()?,
-        )?;
-        Ok((dk, dv))
+            &mut g.dq.view_mut::<f32>()?,
+            &mut g.dk.view_mut::<f32>()?,
+            &mut g.dv.view_mut::<f32>()?,
+        )
     }
 }
 
@@ -333,11 +329,11 @@ impl Backend for CudaBackend {
         block: &Block,
         inputs: BwdInputs<'_, GpuBuf>,
         opts: &AttnOptions,
-        dq: &mut GpuBuf,
-    ) -> Result<(GpuBuf, GpuBuf)> {
+        grads: GradAccs<'_, GpuBuf>,
+    ) -> Result<()> {
         match inputs.q.dtype() {
-            DType::BF16 => self.block_backward::<bf16>(block, &inputs, opts, dq),
-            DType::F16 => self.block_backward::<f16>(block, &inputs, opts, dq),
+            DType::BF16 => self.block_backward::<bf16>(block, &inputs, opts, grads),
+            DType::F16 => self.block_backward::<f16>(block, &inputs, opts, grads),
             d => Err(cuda_dtype(d)),
         }
     }

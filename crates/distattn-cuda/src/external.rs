@@ -131,6 +131,7 @@ impl CudaBackend {
                 dq_acc: aligned("dq_acc", t.dq_acc)?,
                 dk: aligned("dk", t.dk)?,
                 dv: aligned("dv", t.dv)?,
+                dkdv_acc: false,
             },
             o: aligned("o", t.o)?,
             dq: aligned("dq", t.dq)?,

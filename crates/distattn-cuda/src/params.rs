@@ -110,7 +110,8 @@ kernel_params! {
         scale: f32,
         // (batch, KV head) pairs per group of the launch order (launch_group)
         group: i32,
-        pad_: i32,
+        // 1: dk and dv are f32 accumulators the kernel adds into; 0: the input dtype, written
+        dkdv_acc: i32,
     }
 
     /// The row delta's (`delta_o_elem`, `delta_o_f32`).

@@ -49,6 +49,14 @@ pub struct BwdInputs<'a, B> {
     pub delta: &'a B,
 }
 
+/// The f32 accumulators a block's backward adds its gradients into: dQ over the block's query
+/// rows `[b, q rows, h, d]`, dK and dV over its keys `[b, keys, h_kv, d]`.
+pub struct GradAccs<'a, B> {
+    pub dq: &'a mut B,
+    pub dk: &'a mut B,
+    pub dv: &'a mut B,
+}
+
 /// What the interpreter needs from a compute device.
 pub trait Backend: Sync {
     /// A buffer on the device, with its dtype.
@@ -121,16 +129,15 @@ pub trait Backend: Sync {
     ) -> Result<bool> {
         Ok(false)
     }
-    /// Exact partial gradients of one block given the global LSE and D: adds dQ into `dq`
-    /// (f32, the block's query rows) and returns the block's dK and dV (f32 or the input
-    /// dtype), on the compute lane.
+    /// Exact partial gradients of one block given the global LSE and D, added into `grads`,
+    /// on the compute lane.
     fn backward(
         &self,
         block: &Block,
         inputs: BwdInputs<'_, Self::Buf>,
         opts: &AttnOptions,
-        dq: &mut Self::Buf,
-    ) -> Result<(Self::Buf, Self::Buf)>;
+        grads: GradAccs<'_, Self::Buf>,
+    ) -> Result<()>;
     /// D = rowsum(dO ∘ O) of `rows.q_len` tokens (`rows` gives batch, tokens, heads and head
     /// dim): `o` f32 or in the input dtype and `d_o` in the input dtype, `[b, tokens, h, d]`;
     /// returns f32 `[b, h, tokens]`.

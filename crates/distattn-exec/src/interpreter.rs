@@ -7,9 +7,9 @@
 //! strategies (everything comes from the prepared program) or devices (everything goes through
 //! the backend).
 
-use crate::backend::{Backend, BwdInputs, FwdInputs};
+use crate::backend::{Backend, BwdInputs, FwdInputs, GradAccs};
 use crate::comm::Communicator;
-use crate::prepare::{DqOutput, FwdOutput, PreparedOp, PreparedRank};
+use crate::prepare::{FwdOutput, GradOutput, PreparedOp, PreparedRank};
 use distattn_core::plan::{BufId, Tensor};
 use distattn_core::schedule::Lane;
 use distattn_core::timeline::{StepTimes, Timeline};
@@ -421,33 +421,56 @@ where
                 }
             }
         }
-        PreparedOp::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, block, dq_output, dk_pieces, dv_pieces } => {
+        PreparedOp::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, block, dq_output, dk_output, dv_output } => {
             let block = &prog.blocks[*block];
-            let bwd = |s: &Store<B::Buf>, acc: &mut B::Buf| {
-                let inputs = BwdInputs {
-                    q: s.get(*q)?,
-                    k: s.get(*k)?,
-                    v: s.get(*v)?,
-                    d_o: s.get(*d_o)?,
-                    lse: s.get(*lse)?,
-                    delta: s.get(*delta)?,
+            let s = &block.shape;
+            let outs = [(*dq, dq_output, s.q_elems()), (*dk, dk_output, s.kv_elems()), (*dv, dv_output, s.kv_elems())];
+            // The kernel adds into the accumulators that cover exactly the block's rows or keys,
+            // taken out of the store for the call; the others get a fresh zeroed partial, added
+            // into them by pieces afterwards.
+            let mut targets = Vec::with_capacity(3);
+            let mut r = Ok(());
+            for &(id, out, elems) in &outs {
+                let t = match out {
+                    GradOutput::Direct => store.take(id),
+                    GradOutput::Add(_) => backend.alloc(Lane::Compute, DType::F32, elems, Some(0.0)),
                 };
-                backend.backward(block, inputs, opts, acc)
-            };
-            let (gk, gv) = match dq_output {
-                DqOutput::Direct => store.with_mut(*dq, bwd)?,
-                DqOutput::Add(pieces) => {
-                    let mut part = backend.alloc(Lane::Compute, DType::F32, block.shape.q_elems(), Some(0.0))?;
-                    let grads = bwd(store, &mut part)?;
-                    store.with_mut(*dq, |_, acc| backend.add(Lane::Compute, &part, acc, pieces))?;
-                    backend.free(Lane::Compute, part);
-                    grads
+                match t {
+                    Ok(t) => targets.push(t),
+                    Err(e) => {
+                        r = Err(e);
+                        break;
+                    }
                 }
-            };
-            store.with_mut(*dk, |_, acc| backend.add(Lane::Compute, &gk, acc, dk_pieces))?;
-            store.with_mut(*dv, |_, acc| backend.add(Lane::Compute, &gv, acc, dv_pieces))?;
-            backend.free(Lane::Compute, gk);
-            backend.free(Lane::Compute, gv);
+            }
+            if let (Ok(()), [gq, gk, gv]) = (&r, targets.as_mut_slice()) {
+                let st = &*store;
+                r = (|| {
+                    let inputs = BwdInputs {
+                        q: st.get(*q)?,
+                        k: st.get(*k)?,
+                        v: st.get(*v)?,
+                        d_o: st.get(*d_o)?,
+                        lse: st.get(*lse)?,
+                        delta: st.get(*delta)?,
+                    };
+                    backend.backward(block, inputs, opts, GradAccs { dq: gq, dk: gk, dv: gv })
+                })();
+            }
+            // Accumulators go back into the store whatever happened; partials are added once
+            // the block has run, then released.
+            for (&(id, out, _), t) in outs.iter().zip(targets) {
+                match out {
+                    GradOutput::Direct => store.put(id, t),
+                    GradOutput::Add(pieces) => {
+                        if r.is_ok() {
+                            r = store.with_mut(id, |_, acc| backend.add(Lane::Compute, &t, acc, pieces));
+                        }
+                        backend.free(Lane::Compute, t);
+                    }
+                }
+            }
+            r?;
         }
     }
     Ok(())

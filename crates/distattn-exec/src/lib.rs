@@ -28,7 +28,7 @@ pub mod run;
 pub mod shard;
 pub mod threads;
 
-pub use backend::{Backend, Block, BwdInputs, FwdInputs};
+pub use backend::{Backend, Block, BwdInputs, FwdInputs, GradAccs};
 pub use comm::Communicator;
 pub use interpreter::{execute, ExecOptions, FailureKind, InjectedFailure, RankRun};
 pub use pieces::{MergeSpec, Piece};

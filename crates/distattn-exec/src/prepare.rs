@@ -21,13 +21,24 @@ pub enum FwdOutput {
     MergeInKernel(MergeSpec),
 }
 
-/// Where a backward block's dQ goes.
+/// Where a backward block's dQ, dK or dV goes.
 #[derive(Debug, Clone, PartialEq)]
-pub enum DqOutput {
-    /// Added straight into the accumulator (it covers exactly the block's rows).
+pub enum GradOutput {
+    /// Added straight into the accumulator (it covers exactly the block's rows or keys).
     Direct,
     /// Into a fresh zeroed buffer, then added into the accumulator by these pieces.
     Add(Vec<Piece>),
+}
+
+impl GradOutput {
+    /// Where the gradient `part` (laid out as the block's own rows or keys) goes in `acc`.
+    fn of(part: &BufDesc, acc: &BufDesc, shape: &AttnShape) -> GradOutput {
+        if part.tokens == acc.tokens && part.heads == acc.heads {
+            GradOutput::Direct
+        } else {
+            GradOutput::Add(pieces(part, acc, shape))
+        }
+    }
 }
 
 /// One op of the program with everything it needs computed.
@@ -70,7 +81,7 @@ pub enum PreparedOp {
         block: usize,
         output: FwdOutput,
     },
-    /// A backward block; dK and dV are added into their accumulators by the pieces.
+    /// A backward block; each gradient goes into its accumulator as its output says.
     Bwd {
         q: BufId,
         k: BufId,
@@ -82,9 +93,9 @@ pub enum PreparedOp {
         dk: BufId,
         dv: BufId,
         block: usize,
-        dq_output: DqOutput,
-        dk_pieces: Vec<Piece>,
-        dv_pieces: Vec<Piece>,
+        dq_output: GradOutput,
+        dk_output: GradOutput,
+        dv_output: GradOutput,
     },
     Free {
         buf: BufId,
@@ -192,15 +203,11 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
             }
             Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, .. } => {
                 let (qd, kd) = (desc(*q)?, desc(*k)?);
-                let dqd = desc(*dq)?;
-                let dq_output = if dqd.tokens == qd.tokens && dqd.heads == qd.heads {
-                    DqOutput::Direct
-                } else {
-                    DqOutput::Add(pieces(&BufDesc::new(Tensor::DQ, qd.tokens.clone(), qd.heads.clone()), dqd, &shape))
-                };
-                let part = |t: Tensor| BufDesc::new(t, kd.tokens.clone(), kd.heads.clone());
-                let (dk_pieces, dv_pieces) =
-                    (pieces(&part(Tensor::DK), desc(*dk)?, &shape), pieces(&part(Tensor::DV), desc(*dv)?, &shape));
+                let dq_part = BufDesc::new(Tensor::DQ, qd.tokens.clone(), qd.heads.clone());
+                let kv_part = |t: Tensor| BufDesc::new(t, kd.tokens.clone(), kd.heads.clone());
+                let dq_output = GradOutput::of(&dq_part, desc(*dq)?, &shape);
+                let dk_output = GradOutput::of(&kv_part(Tensor::DK), desc(*dk)?, &shape);
+                let dv_output = GradOutput::of(&kv_part(Tensor::DV), desc(*dv)?, &shape);
                 let block = block_of(qd, kd)?;
                 PreparedOp::Bwd {
                     q: *q,
@@ -214,8 +221,8 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
                     dv: *dv,
                     block,
                     dq_output,
-                    dk_pieces,
-                    dv_pieces,
+                    dk_output,
+                    dv_output,
                 }
             }
             Op::Free { buf } => PreparedOp::Free { buf: *buf },

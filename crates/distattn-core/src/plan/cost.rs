@@ -104,9 +104,18 @@ impl Plan {
                             let rows = (self.shape.batch * d.tokens.len() * d.heads.len()) as u64;
                             peak = peak.max(live + rows * (self.shape.head_dim as u64 + 1) * 4);
                         }
-                        Op::Bwd { q, k, .. } => {
-                            let (dq, dk) = (&p.bufs[*q], &p.bufs[*k]);
-                            let e = dq.elems(&self.shape) + 2 * dk.elems(&self.shape);
+                        Op::Bwd { q, k, dq, dk, dv, .. } => {
+                            // A fresh f32 partial for each gradient whose accumulator is not
+                            // exactly the block's rows or keys (the others are added in place).
+                            let (qd, kd) = (&p.bufs[*q], &p.bufs[*k]);
+                            let covers = |acc: usize, d: &BufDesc| {
+                                p.bufs[acc].tokens == d.tokens && p.bufs[acc].heads == d.heads
+                            };
+                            let mut e = 0;
+                            if !covers(*dq, qd) {
+                                e += qd.elems(&self.shape);
+                            }
+                            e += [*dk, *dv].iter().filter(|&&g| !covers(g, kd)).count() * kd.elems(&self.shape);
                             peak = peak.max(live + e as u64 * 4);
                         }
                         _ => {}

@@ -64,6 +64,21 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return r;
 }
 
+// Writes a pair of dK or dV values at element `off` of `dst`: packed into the input type, or,
+// where `dst` is an f32 accumulator (a context-parallel block's, BwdParams::dkdv_acc), added
+// into it, which spares the separate add kernel and its zeroed buffer.
+__device__ __forceinline__ void put_grad_pair(elem_t* dst, int acc, size_t off, float x, float y) {
+    if (acc) {
+        float2* a = reinterpret_cast<float2*>(reinterpret_cast<float*>(dst) + off);
+        float2 v = *a;
+        v.x += x;
+        v.y += y;
+        *a = v;
+    } else {
+        *(u32*)(dst + off) = pack2(x, y);
+    }
+}
+
 __device__ __forceinline__ float to_f32(elem_t x) {
 #if DA_BF16
     return __uint_as_float(((u32)x) << 16);

@@ -94,7 +94,7 @@ struct BwdParams {
     int batch, q_len, k_len, heads, kv_heads, n_tiles;
     float scale_log2, scale;
     int group; // (batch, KV head) pairs per group of the launch order (grid_slot)
-    int pad_;
+    int dkdv_acc; // dk and dv are f32 accumulators to add into (else the input type, written)
 };
 
 // A tensor map (CUtensorMap, encoded on the host) describes a [batch][rows][heads][D] tensor

@@ -234,8 +234,8 @@ extern "C" __global__ void __launch_bounds__(BWD_NT) flash_bwd_dkdv(const BwdPar
             const size_t off = (((size_t)b * p.k_len + key) * p.kv_heads + kvh) * D + dc0 + 2 * t;
 #pragma unroll
             for (int i = 0; i < BWD_DC / 8; ++i) {
-                *(u32*)(p.dk + off + i * 8) = pack2(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
-                *(u32*)(p.dv + off + i * 8) = pack2(dv[i][2 * r], dv[i][2 * r + 1]);
+                put_grad_pair(p.dk, p.dkdv_acc, off + i * 8, dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
+                put_grad_pair(p.dv, p.dkdv_acc, off + i * 8, dv[i][2 * r], dv[i][2 * r + 1]);
             }
         }
     }
@@ -492,8 +492,8 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkdv2(const BwdParam
                 const size_t off = (((size_t)b * p.k_len + key) * p.kv_heads + kvh) * D + V2_DKC * wn + 2 * t;
 #pragma unroll
                 for (int i = 0; i < V2_DKC / 8; ++i) {
-                    *(u32*)(p.dk + off + i * 8) = pack2(dk[mi][i][2 * r] * p.scale, dk[mi][i][2 * r + 1] * p.scale);
-                    *(u32*)(p.dv + off + i * 8) = pack2(dv[mi][i][2 * r], dv[mi][i][2 * r + 1]);
+                    put_grad_pair(p.dk, p.dkdv_acc, off + i * 8, dk[mi][i][2 * r] * p.scale, dk[mi][i][2 * r + 1] * p.scale);
+                    put_grad_pair(p.dv, p.dkdv_acc, off + i * 8, dv[mi][i][2 * r], dv[mi][i][2 * r + 1]);
                 }
             }
         }

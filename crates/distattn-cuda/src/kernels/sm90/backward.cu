@@ -254,8 +254,8 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
             const size_t off = (((size_t)b * p.k_len + key) * p.kv_heads + kvh) * D + 2 * t;
 #pragma unroll
             for (int i = 0; i < D / 8; ++i) {
-                *(u32*)(p.dk + off + i * 8) = pack2(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
-                *(u32*)(p.dv + off + i * 8) = pack2(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+                put_grad_pair(p.dk, p.dkdv_acc, off + i * 8, dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
+                put_grad_pair(p.dv, p.dkdv_acc, off + i * 8, dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
             }
         }
     }

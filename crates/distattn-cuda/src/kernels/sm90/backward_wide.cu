@@ -187,8 +187,8 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
             if (128 * cw + 8 * i >= D) break;
-            *(u32*)(p.dk + off + i * 8) = pack2(dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
-            *(u32*)(p.dv + off + i * 8) = pack2(dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
+            put_grad_pair(p.dk, p.dkdv_acc, off + i * 8, dk[4 * i + 2 * r] * p.scale, dk[4 * i + 2 * r + 1] * p.scale);
+            put_grad_pair(p.dv, p.dkdv_acc, off + i * 8, dv[4 * i + 2 * r], dv[4 * i + 2 * r + 1]);
         }
     }
 }
