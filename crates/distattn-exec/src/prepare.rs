@@ -158,8 +158,13 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
     let desc =
         |b: BufId| prog.bufs.get(b).ok_or_else(|| Error::InvalidPlan(format!("rank {rank} uses undefined buffer {b}")));
     let mut blocks = Vec::new();
-    let mut block_of = |q: &BufDesc, k: &BufDesc| -> Result<usize> {
-        blocks.push(Block::new(BufDesc::block_shape(q, k, &shape), sub_mask(mask, &q.tokens, &k.tokens)?));
+    // A block's mask: the plan mask's part over its tokens, with only `rows` kept where given.
+    let mut block_of = |q: &BufDesc, k: &BufDesc, rows: &Option<std::ops::Range<usize>>| -> Result<usize> {
+        let mut m = sub_mask(mask, &q.tokens, &k.tokens)?;
+        if let Some(r) = rows {
+            m = m.keep_rows(r.clone())?;
+        }
+        blocks.push(Block::new(BufDesc::block_shape(q, k, &shape), m));
         Ok(blocks.len() - 1)
     };
     // Buffers that hold only their fill: allocated, not yet used by anything else.
@@ -198,17 +203,17 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
                     (false, true) => FwdOutput::MergeInKernel(spec()?),
                     _ => FwdOutput::Merge(spec()?),
                 };
-                let block = block_of(qd, kd)?;
+                let block = block_of(qd, kd, &None)?;
                 PreparedOp::Fwd { q: *q, k: *k, v: *v, o: *o, lse: *lse, block, output }
             }
-            Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, .. } => {
+            Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, rows, .. } => {
                 let (qd, kd) = (desc(*q)?, desc(*k)?);
                 let dq_part = BufDesc::new(Tensor::DQ, qd.tokens.clone(), qd.heads.clone());
                 let kv_part = |t: Tensor| BufDesc::new(t, kd.tokens.clone(), kd.heads.clone());
                 let dq_output = GradOutput::of(&dq_part, desc(*dq)?, &shape);
                 let dk_output = GradOutput::of(&kv_part(Tensor::DK), desc(*dk)?, &shape);
                 let dv_output = GradOutput::of(&kv_part(Tensor::DV), desc(*dv)?, &shape);
-                let block = block_of(qd, kd)?;
+                let block = block_of(qd, kd, rows)?;
                 PreparedOp::Bwd {
                     q: *q,
                     k: *k,

@@ -464,6 +464,18 @@ impl Mask {
         Ok(Mask::new_unchecked(q.len(), k.len(), merge_adjacent(slices)))
     }
 
+    /// This mask with only the query rows `rows` kept, the others emptied (same shape): the
+    /// part of a block that one of two launches over the same buffers computes.
+    pub fn keep_rows(&self, rows: Range<usize>) -> Result<Mask> {
+        let part = self.restrict(rows.clone(), 0..self.k_len)?;
+        let slices = part
+            .slices
+            .into_iter()
+            .map(|s| MaskSlice { q: s.q.start + rows.start..s.q.end + rows.start, ..s })
+            .collect();
+        Ok(Mask::new_unchecked(self.q_len, self.k_len, slices))
+    }
+
     /// Lengths of the consecutive diagonal blocks that no slice crosses, when the mask is square
     /// and has at least two (packed documents, however they were built); `None` otherwise.
     /// Every kept pair lies inside one block, so a planner may balance each block on its own.

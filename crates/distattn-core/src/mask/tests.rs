@@ -485,3 +485,28 @@ proptest! {
         prop_assert_eq!(Mask::from_slices(20, 20, dup).is_err(), nonempty);
     }
 }
+
+#[test]
+fn keep_rows_keeps_exactly_those_rows() {
+    let masks = [
+        Mask::causal(130, 130).unwrap(),
+        Mask::sliding_window(97, 140, Some(20), Some(3)).unwrap(),
+        Mask::documents(&[40, 7, 60], DocKind::Causal).unwrap(),
+    ];
+    for m in &masks {
+        let d = dense(m);
+        let n = m.q_len();
+        for rows in [0..1, 3..50, 50..n, 0..n, n - 1..n] {
+            let part = m.keep_rows(rows.clone()).unwrap();
+            assert_eq!((part.q_len(), part.k_len()), (n, m.k_len()));
+            let k = m.k_len();
+            let want = from_fn(n, k, |i, j| rows.contains(&i) && d[i * k + j]);
+            check(&part, want);
+        }
+        // Two complementary parts keep every pair once.
+        let (a, b) = (m.keep_rows(0..n / 3).unwrap(), m.keep_rows(n / 3..n).unwrap());
+        assert_eq!(a.area() + b.area(), m.area());
+    }
+    assert!(masks[0].keep_rows(5..5).is_err());
+    assert!(masks[0].keep_rows(100..131).is_err());
+}

@@ -152,7 +152,9 @@ pub enum Op {
     /// Attention of the query buffer against the key/value buffers, merged into (o, lse).
     /// `area` is the number of kept (query, key) pairs per head and batch entry.
     Fwd { q: BufId, k: BufId, v: BufId, o: BufId, lse: BufId, area: u64 },
-    /// Exact partial gradients of the block, added into dq, dk, dv.
+    /// Exact partial gradients of the block, added into dq, dk, dv. With `rows`, only those
+    /// query rows of the block (positions in `q`'s tokens) count, the rest left to another op
+    /// over the same buffers (a block split in two launches).
     Bwd {
         q: BufId,
         k: BufId,
@@ -164,6 +166,8 @@ pub enum Op {
         dk: BufId,
         dv: BufId,
         area: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rows: Option<Range<usize>>,
     },
     /// The buffer is no longer needed.
     Free { buf: BufId },

@@ -36,6 +36,14 @@ impl Plan {
                         {
                             return Err(bad(format!("rank {r}: inconsistent block {q:?} × {k:?}")));
                         }
+                        if let Op::Bwd { rows: Some(rows), .. } = op {
+                            if rows.start >= rows.end || rows.end > q.tokens.len() {
+                                return Err(bad(format!(
+                                    "rank {r}: query rows {rows:?} of a block of {} rows",
+                                    q.tokens.len()
+                                )));
+                            }
+                        }
                     }
                     Op::Comm { phase, sends, .. } => {
                         for &(to, buf) in sends {

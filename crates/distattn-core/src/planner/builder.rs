@@ -514,13 +514,52 @@ impl<'a> Builder<'a> {
 
     /// Pushes a backward block if it keeps any pair.
     pub fn bwd(&mut self, rank: usize, step: usize, bufs: BwdBufs) {
+        self.bwd_rows(rank, step, bufs, None);
+    }
+
+    /// Pushes the part of a backward block over its query rows `rows` (all with `None`), if it
+    /// keeps any pair.
+    pub fn bwd_rows(&mut self, rank: usize, step: usize, bufs: BwdBufs, rows: Option<Range<usize>>) {
         let BwdBufs { query: QueryBufs { q, d_o, lse, delta }, kv: KvBufs { k, v }, grads } = bufs;
         let GradBufs { dq, dkv: KvGradBufs { dk, dv } } = grads;
-        let area = self.area(rank, q, k);
+        let area = match &rows {
+            Some(r) => self.rows_area(rank, q, k, r.clone()),
+            None => self.area(rank, q, k),
+        };
         if area > 0 {
-            self.push(rank, step, Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, area });
+            self.push(rank, step, Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, area, rows });
         }
     }
+
+    /// Kept pairs between query rows `rows` (positions in buffer `q`) and buffer `k` of `rank`.
+    fn rows_area(&self, rank: usize, q: BufId, k: BufId, rows: Range<usize>) -> u64 {
+        area(self.mask, &self.desc(rank, q).tokens.local_slice(rows), &self.desc(rank, k).tokens)
+    }
+
+    /// Where to cut the query rows of block `q` × `k` of `rank` so that each side keeps about
+    /// half its pairs: a multiple of [`Self::SPLIT_ROWS`] strictly inside the block, or `None`
+    /// where no such cut leaves work on both sides.
+    pub fn half_area_rows(&self, rank: usize, q: BufId, k: BufId) -> Option<usize> {
+        let n = self.desc(rank, q).tokens.len();
+        let total = self.area(rank, q, k);
+        // The smallest cut (in units of SPLIT_ROWS) whose first side keeps at least half.
+        let (mut lo, mut hi) = (1, n.div_ceil(Self::SPLIT_ROWS));
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if 2 * self.rows_area(rank, q, k, 0..mid * Self::SPLIT_ROWS) >= total {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        let cut = lo * Self::SPLIT_ROWS;
+        let both = cut < n && self.rows_area(rank, q, k, 0..cut) > 0 && self.rows_area(rank, q, k, cut..n) > 0;
+        both.then_some(cut)
+    }
+
+    /// Row granularity of a split block: the kernels' query tiles (64 and 128 rows) then never
+    /// straddle the cut.
+    pub const SPLIT_ROWS: usize = 128;
 
     /// Drops empty steps, inserts frees after each buffer's last use, and assembles the plan.
     pub(super) fn finish(mut self) -> Result<Plan> {

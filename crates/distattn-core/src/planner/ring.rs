@@ -9,6 +9,7 @@
 use super::builder::{BufSet, Builder, BwdBufs, FwdBufs, GradBufs, KvBufs, PassBufs};
 use crate::plan::{BufId, Fill, Layout, Op, RingBackward};
 use crate::Result;
+use std::ops::Range;
 
 pub(super) fn plan(b: &mut Builder) -> Result<()> {
     // A caller's placement (a KV cache spread over the ranks: pass-KV), else contiguous.
@@ -81,8 +82,11 @@ impl BwdRing {
 /// block adds into its own accumulators; with another's it computes into a fresh buffer that
 /// goes straight back to the block's owner (phase 1), which adds it after its next step's
 /// compute. So no step waits for a neighbour's previous compute, only for inputs sent a step
-/// ahead; just the last step's partials are waited for, at the end. Every ring's compute of a
-/// step is emitted before any partial of it is sent (an owner may be in another ring).
+/// ahead. A member's own block is cut by query rows into halves of equal work: the first runs
+/// at the first step, beside the first transfer, the second at the last step after the visiting
+/// block, beside the return of its partial, which would otherwise follow all compute. Every
+/// ring's compute of a step is emitted before any partial of it is sent (an owner may be in
+/// another ring).
 pub(super) fn backward(
     b: &mut Builder,
     step0: usize,
@@ -102,6 +106,8 @@ pub(super) fn backward(
     let mut held: Vec<Vec<BwdBufs>> = rings.iter().map(|g| g.members.iter().map(|&r| start[r]).collect()).collect();
     // Partials received in the previous step: (rank, received buffer, its accumulator there).
     let mut pending: Vec<(usize, BufId, BufId)> = Vec::new();
+    // Second halves of own blocks, for the last step: (rank, block, its query rows).
+    let mut own_rest: Vec<(usize, BwdBufs, Range<usize>)> = Vec::new();
     for t in 0..n {
         let step = step0 + t;
         b.label(step, step_label(name, t, what));
@@ -145,8 +151,20 @@ pub(super) fn backward(
                         RingBackward::KvCirculate => GradBufs { dkv: owner_grads.dkv.map(&mut partial), ..block.grads },
                         RingBackward::QCirculate => GradBufs { dq: partial(owner_grads.dq), ..block.grads },
                     };
+                } else if n > 1 {
+                    if let Some(cut) = b.half_area_rows(rank, block.query.q, block.kv.k) {
+                        b.bwd_rows(rank, step, block, Some(0..cut));
+                        let rows = b.desc(rank, block.query.q).tokens.len();
+                        own_rest.push((rank, block, cut..rows));
+                        continue;
+                    }
                 }
                 b.bwd(rank, step, block);
+            }
+        }
+        if t + 1 == n {
+            for (rank, block, rows) in own_rest.drain(..) {
+                b.bwd_rows(rank, step, block, Some(rows));
             }
         }
         // The previous step's partials, added after this step's compute (they had it to arrive).

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::mask::{long_tailed_doc_lens, DocKind};
-use crate::plan::{Pass, PlanSummary, RingBackward, Tensor};
+use crate::plan::{area, Op, Pass, PlanSummary, RingBackward, Tensor};
 use std::time::Instant;
 
 fn shape_128k() -> AttnShape {
@@ -466,4 +466,66 @@ fn fastest_training_takes_dispatch_for_documents_and_passes_over_what_cannot_pla
     let e = pick(&few, &causal, &[Strategy::Ulysses]).unwrap_err();
     assert!(matches!(e, Error::Unsupported { .. }), "{e}");
     assert!(pick(&shape, &causal, &[]).is_err());
+}
+
+#[test]
+fn ring_backward_cuts_each_own_block_between_the_first_and_last_steps() {
+    let shape = AttnShape::new(1, 32768, 32768, 32, 8, 128).unwrap();
+    let mask = Mask::causal(32768, 32768).unwrap();
+    for (strategy, rb) in [
+        (Strategy::Zigzag, RingBackward::KvCirculate),
+        (Strategy::Zigzag, RingBackward::QCirculate),
+        (Strategy::Ring, RingBackward::KvCirculate),
+    ] {
+        let plan = build(strategy, 4, &shape, &mask, DType::BF16, &PlanOptions::backward(rb)).unwrap();
+        plan.validate().unwrap();
+        let last = plan.steps() - 1;
+        for (r, prog) in plan.ranks.iter().enumerate() {
+            let parts = |t: usize| -> Vec<(usize, std::ops::Range<usize>, u64)> {
+                prog.steps[t]
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, op)| match op {
+                        Op::Bwd { rows: Some(rows), area, .. } => Some((i, rows.clone(), *area)),
+                        _ => None,
+                    })
+                    .collect()
+            };
+            let (first, rest) = (parts(0), parts(last));
+            assert_eq!((first.len(), rest.len()), (1, 1), "{strategy} {rb:?} rank {r}");
+            let (a, b) = (&first[0], &rest[0]);
+            let n = plan.layout.tokens(Tensor::Q, r).len();
+            assert_eq!((a.1.start, a.1.end, b.1.start, b.1.end), (0, b.1.start, a.1.end, n));
+            assert_eq!(a.1.end % builder::Builder::SPLIT_ROWS, 0);
+            // Halves of the own block's work, to the cut's granularity.
+            let own = area(&mask, plan.layout.tokens(Tensor::Q, r), plan.layout.tokens(Tensor::K, r));
+            assert_eq!(a.2 + b.2, own);
+            assert!(a.2.abs_diff(b.2) as f64 <= 0.05 * own as f64, "{strategy} rank {r}: {} vs {}", a.2, b.2);
+            // At the last step the visiting block runs first, so its partial travels beside
+            // the own block's second half.
+            let visiting = prog.steps[last].iter().position(|op| matches!(op, Op::Bwd { rows: None, .. }));
+            if let Some(v) = visiting {
+                assert!(v < b.0, "{strategy} rank {r}");
+            }
+        }
+    }
+    // One rank: nothing to overlap, no cut.
+    let one = build(Strategy::Zigzag, 1, &shape, &mask, DType::BF16, &PlanOptions::backward(RingBackward::KvCirculate))
+        .unwrap();
+    assert!(one.ranks[0].steps.iter().flatten().all(|op| !matches!(op, Op::Bwd { rows: Some(_), .. })));
+}
+
+#[test]
+fn validation_refuses_block_rows_outside_the_block() {
+    let shape = AttnShape::new(1, 4096, 4096, 8, 8, 64).unwrap();
+    let mask = Mask::causal(4096, 4096).unwrap();
+    let mut plan =
+        build(Strategy::Zigzag, 2, &shape, &mask, DType::BF16, &PlanOptions::backward(RingBackward::KvCirculate))
+            .unwrap();
+    let op = plan.ranks[0].steps[0].iter_mut().find(|op| matches!(op, Op::Bwd { .. })).unwrap();
+    if let Op::Bwd { rows, .. } = op {
+        *rows = Some(0..4096);
+    }
+    let err = plan.validate().unwrap_err().to_string();
+    assert!(err.contains("query rows 0..4096 of a block of 2048 rows"), "{err}");
 }
