@@ -29,6 +29,7 @@ kv_heads, tflops_per_gpu, ms, mem_gb_per_gpu, gqa (native / expanded K,V heads).
 """
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -65,7 +66,16 @@ def set_load_balance(on):
     _cp_options.enable_load_balance = on
 
 
-WARM = 1  # warm-up iterations (0 for the longest-sequence probe)
+WARM = 1  # warm-up iterations of the job at hand (0 for the longest-sequence probe)
+# Warm-up: about WARM_S seconds of the job's work at a nominal WARM_RATE_PER_GPU, at least one
+# run: the rule of distattn-multigpu-bench, so both sides are timed after the same warm-up (the
+# first tens of milliseconds of load run at clocks the power cap then takes back).
+WARM_S, WARM_RATE_PER_GPU = 0.3, 500e12
+
+
+def warm_runs(job_flops, gpus):
+    return min(max(math.ceil(WARM_S * WARM_RATE_PER_GPU * gpus / job_flops), 1), 1000)
+
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -419,6 +429,9 @@ def peer_rows(args, rank, P):
         probe = ji >= n_main
         if probe:  # one cold iteration
             WARM, args.iters = 0, 1
+        else:
+            job_causal = docs[mask][0] if lens is not None else causal
+            WARM = warm_runs(flops(seq, args.heads, 128, fwdbwd, job_causal, lens), P)
         torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
         rot, be = c.split("-", 1)

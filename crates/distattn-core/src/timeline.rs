@@ -58,6 +58,12 @@ pub struct TimelineRun {
     pub pass: String,
     pub mask: String,
     pub ranks: Vec<Timeline>,
+    /// Where a bench records every timed iteration: this run's index among them, and its wall
+    /// time (the slowest rank's), to set slow iterations beside fast ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iteration: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wall_ms: Option<f64>,
 }
 
 impl TimelineRun {
@@ -242,6 +248,7 @@ mod tests {
             pass: "fwd+bwd".into(),
             mask: "causal".into(),
             ranks: vec![tl(0, 1.0), tl(0, 3.0), tl(1, 1.5), tl(1, 3.5)],
+            ..Default::default()
         };
         let phases = run.phases();
         let totals: Vec<Vec<f64>> = phases.iter().map(|p| p.iter().map(|t| t.total_ms).collect()).collect();

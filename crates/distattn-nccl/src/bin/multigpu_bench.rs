@@ -72,6 +72,11 @@ struct BenchArgs {
     /// Write every run's per-step timelines (JSON) here.
     #[arg(long)]
     timelines: Option<PathBuf>,
+    /// Record a timeline in every timed iteration too (written with --timelines, each with its
+    /// iteration and wall time), to compare slow iterations with fast ones; the events add a
+    /// little to the times.
+    #[arg(long)]
+    timeline_every_iter: bool,
     /// Skip the single-GPU reference rows.
     #[arg(long)]
     no_single: bool,
@@ -222,6 +227,20 @@ fn flops_fwd(mask: &Mask, shape: &AttnShape) -> f64 {
     4.0 * mask.area() as f64 * shape.batch as f64 * shape.head_dim as f64 * shape.heads as f64
 }
 
+/// Seconds of a case's work run before it is timed.
+const WARM_S: f64 = 0.3;
+/// The rate per GPU that turns [`WARM_S`] into a number of runs (a round figure: the count
+/// only has to be the same on every rank and in `bench/torch_cp.py`, which uses this rule).
+const WARM_RATE_PER_GPU: f64 = 500e12;
+
+/// Warm-up runs of a case of `flops` on `gpus` GPUs: about [`WARM_S`] of its work, at least
+/// one. The first tens of milliseconds of load run at clocks the power cap then takes back (on
+/// 4 H200s the first two 32k iterations ran 8-10% faster than the rest), so every case, ours
+/// and the peers', is timed after the same warm-up.
+fn warm_runs(flops: f64, gpus: usize) -> usize {
+    ((WARM_S * WARM_RATE_PER_GPU * gpus as f64 / flops).ceil() as usize).clamp(1, 1000)
+}
+
 /// Times single-GPU kernels (forward, backward) on GPU 0, ms (median).
 fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)> {
     let be = CudaBackend::new(0)?;
@@ -235,8 +254,10 @@ fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)
     let mut dq = GpuBuf::alloc(&s, DType::BF16, shape.q_elems())?;
     let mut dk = GpuBuf::alloc(&s, DType::BF16, shape.kv_elems())?;
     let mut dv = GpuBuf::alloc(&s, DType::BF16, shape.kv_elems())?;
-    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
-        f()?;
+    let time = |f: &mut dyn FnMut() -> Result<()>, flops: f64| -> Result<f64> {
+        for _ in 0..warm_runs(flops, 1) {
+            f()?;
+        }
         be.synchronize()?;
         let mut ts = Vec::new();
         for _ in 0..iters {
@@ -249,25 +270,30 @@ fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)
         Ok(ts[ts.len() / 2])
     };
     let (qv, kv, vv, dov) = (q.view::<bf16>()?, k.view::<bf16>()?, v.view::<bf16>()?, dout.view::<bf16>()?);
-    let fwd = time(&mut || {
-        be.forward::<bf16>(&qv, &kv, &vv, shape, mask, &opts, &mut o.view_mut()?, &mut lse.view_mut()?, None)
-    })?;
-    let bwd = time(&mut || {
-        be.backward::<bf16>(
-            &qv,
-            &kv,
-            &vv,
-            &o.view()?,
-            &lse.view()?,
-            &dov,
-            shape,
-            mask,
-            &opts,
-            &mut dq.view_mut()?,
-            &mut dk.view_mut()?,
-            &mut dv.view_mut()?,
-        )
-    })?;
+    let fl = flops_fwd(mask, shape);
+    let fwd = time(
+        &mut || be.forward::<bf16>(&qv, &kv, &vv, shape, mask, &opts, &mut o.view_mut()?, &mut lse.view_mut()?, None),
+        fl,
+    )?;
+    let bwd = time(
+        &mut || {
+            be.backward::<bf16>(
+                &qv,
+                &kv,
+                &vv,
+                &o.view()?,
+                &lse.view()?,
+                &dov,
+                shape,
+                mask,
+                &opts,
+                &mut dq.view_mut()?,
+                &mut dk.view_mut()?,
+                &mut dv.view_mut()?,
+            )
+        },
+        2.5 * fl,
+    )?;
     Ok((fwd, bwd))
 }
 
@@ -372,18 +398,26 @@ fn bench(a: &BenchArgs) -> Res<()> {
             Ok((t0.elapsed().as_secs_f64() * 1e3, tls))
         };
         g.backend().pool_peak_bytes(true)?;
-        run(false)?; // warm-up (uploads index lists and tile plans, opens NCCL connections)
-        let mut times = Vec::new();
+        // Warm-up: the first run uploads index lists and tile plans and opens NCCL connections.
+        let fl = flops_fwd(mask, &pf.shape) * if c.fwdbwd { 3.5 } else { 1.0 };
+        for _ in 0..warm_runs(fl, world) {
+            run(false)?;
+        }
+        let (mut times, mut iter_tls) = (Vec::new(), Vec::new());
         for _ in 0..iters {
-            times.push(run(false)?.0);
+            let (t, tls) = run(a.timeline_every_iter)?;
+            times.push(t);
+            iter_tls.push(tls);
         }
         let peak = g.backend().pool_peak_bytes(true)?;
         let (_, tls) = run(true)?;
-        Ok(Some((times, peak, tls)))
+        Ok(Some((times, peak, tls, iter_tls)))
     });
     println!("distattn cases on {world} GPUs in {:.1} s", t0.elapsed().as_secs_f64());
     let mut timelines = Vec::new();
-    let mut agg: HashMap<usize, (Vec<f64>, u64, Vec<Timeline>)> = HashMap::new();
+    // Per case: each iteration's slowest rank, peak bytes, the last run's timelines, and each
+    // iteration's timelines (with --timeline-every-iter).
+    let mut agg: HashMap<usize, (Vec<f64>, u64, Vec<Timeline>, Vec<Vec<Timeline>>)> = HashMap::new();
     let mut errors: HashMap<usize, String> = HashMap::new();
     for (ci, r) in results.into_iter().enumerate() {
         match r {
@@ -391,13 +425,17 @@ fn bench(a: &BenchArgs) -> Res<()> {
                 errors.insert(ci, e);
             }
             Ok(v) => {
-                for (times, peak, tls) in v.into_iter().flatten() {
-                    let e = agg.entry(ci).or_insert_with(|| (vec![0.0; times.len()], 0, Vec::new()));
+                for (times, peak, tls, iter_tls) in v.into_iter().flatten() {
+                    let n = times.len();
+                    let e = agg.entry(ci).or_insert_with(|| (vec![0.0; n], 0, Vec::new(), vec![Vec::new(); n]));
                     for (a, t) in e.0.iter_mut().zip(&times) {
                         *a = a.max(*t);
                     }
                     e.1 = e.1.max(peak);
                     e.2.extend(tls);
+                    for (all, it) in e.3.iter_mut().zip(iter_tls) {
+                        all.extend(it);
+                    }
                 }
             }
         }
@@ -408,7 +446,7 @@ fn bench(a: &BenchArgs) -> Res<()> {
     );
     for (ci, c) in cases.iter().enumerate() {
         let pass = if c.fwdbwd { "fwd+bwd" } else { "fwd" };
-        let Some((times, peak, tls)) = agg.get_mut(&ci) else {
+        let Some((times, peak, tls, iter_tls)) = agg.get_mut(&ci) else {
             let why = plans
                 .get(&(c.seq, c.strategy))
                 .and_then(|p| p.as_ref().err().cloned())
@@ -417,6 +455,20 @@ fn bench(a: &BenchArgs) -> Res<()> {
             println!("{:<10} {:>8} {:<8} skipped: {why}", c.strategy.to_string(), c.seq, pass);
             continue;
         };
+        for (i, (wall, its)) in times.iter().zip(iter_tls.iter_mut()).enumerate() {
+            if !its.is_empty() {
+                its.sort_by_key(|t| t.rank);
+                timelines.push(TimelineRun {
+                    strategy: c.strategy.to_string(),
+                    seq: c.seq,
+                    pass: pass.to_string(),
+                    mask: spec.to_string(),
+                    ranks: std::mem::take(its),
+                    iteration: Some(i),
+                    wall_ms: Some(*wall),
+                });
+            }
+        }
         times.sort_by(|a, b| a.partial_cmp(b).unwrap());
         let ms = times[times.len() / 2];
         let shape = AttnShape::new(1, c.seq, c.seq, h, kvh, d)?;
@@ -458,6 +510,7 @@ fn bench(a: &BenchArgs) -> Res<()> {
             pass: pass.to_string(),
             mask: spec.to_string(),
             ranks: std::mem::take(tls),
+            ..Default::default()
         });
     }
     // Show one timeline so overlap is seen (`distattn timeline FILE --svg DIR` draws them all).

@@ -652,7 +652,14 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
             };
             if !ranks.is_empty() {
                 let pass = if args.forward_only { "fwd" } else { "fwd+bwd" }.to_string();
-                timelines.push(TimelineRun { strategy: strategy.clone(), seq, pass, mask: spec.to_string(), ranks });
+                timelines.push(TimelineRun {
+                    strategy: strategy.clone(),
+                    seq,
+                    pass,
+                    mask: spec.to_string(),
+                    ranks,
+                    ..Default::default()
+                });
             }
             let row = Row {
                 implementation: "distattn".into(),

@@ -408,6 +408,7 @@ pub fn run(a: DecodeBench) -> Result<()> {
                             pass: format!("decode b{}", a.batch),
                             mask: s.placement.clone(),
                             ranks,
+                            ..Default::default()
                         });
                     }
                     let eff = single.map(|t| t / (s.ranks as f64 * ms));
