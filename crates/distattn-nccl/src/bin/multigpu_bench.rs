@@ -297,6 +297,10 @@ fn single_gpu(shape: &AttnShape, mask: &Mask, iters: usize) -> Result<(f64, f64)
     Ok((fwd, bwd))
 }
 
+/// A case's runs over every rank: each iteration's slowest rank (ms), the peak bytes, the last
+/// run's timelines, and each iteration's timelines (with --timeline-every-iter).
+type CaseRuns = (Vec<f64>, u64, Vec<Timeline>, Vec<Vec<Timeline>>);
+
 struct BenchCase {
     seq: usize,
     strategy: Strategy,
@@ -415,9 +419,7 @@ fn bench(a: &BenchArgs) -> Res<()> {
     });
     println!("distattn cases on {world} GPUs in {:.1} s", t0.elapsed().as_secs_f64());
     let mut timelines = Vec::new();
-    // Per case: each iteration's slowest rank, peak bytes, the last run's timelines, and each
-    // iteration's timelines (with --timeline-every-iter).
-    let mut agg: HashMap<usize, (Vec<f64>, u64, Vec<Timeline>, Vec<Vec<Timeline>>)> = HashMap::new();
+    let mut agg: HashMap<usize, CaseRuns> = HashMap::new();
     let mut errors: HashMap<usize, String> = HashMap::new();
     for (ci, r) in results.into_iter().enumerate() {
         match r {
