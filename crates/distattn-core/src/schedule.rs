@@ -23,7 +23,7 @@
 //! Lanes keep program order and every wait names an op issued before it, so the streams get
 //! the same work and the same dependencies.
 
-use crate::plan::{BufId, Op, RankProgram};
+use crate::plan::{BufDesc, BufId, Op, RankProgram};
 
 /// An execution lane (one CUDA stream each on a GPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
@@ -70,10 +70,15 @@ pub struct Schedule {
     pub home: Vec<Lane>,
 }
 
-/// Buffers an op reads and buffers it writes.
-pub fn reads_writes(op: &Op) -> (Vec<BufId>, Vec<BufId>) {
+/// Buffers an op reads and buffers it writes; a receive into a buffer stored inside another
+/// ([`BufDesc::within`]) writes that one too.
+pub fn reads_writes(op: &Op, bufs: &[BufDesc]) -> (Vec<BufId>, Vec<BufId>) {
     match op {
-        Op::Comm { sends, recvs, .. } => (sends.iter().map(|x| x.1).collect(), recvs.iter().map(|x| x.1).collect()),
+        Op::Comm { sends, recvs, .. } => {
+            let within = |b: BufId| bufs.get(b).and_then(|d| d.within);
+            let writes = recvs.iter().flat_map(|&(_, b)| std::iter::once(b).chain(within(b))).collect();
+            (sends.iter().map(|x| x.1).collect(), writes)
+        }
         Op::Alloc { buf, .. } => (vec![], vec![*buf]),
         Op::Copy { src, dst } => (vec![*src], vec![*dst]),
         Op::Add { src, dst } => (vec![*src, *dst], vec![*dst]),
@@ -122,7 +127,7 @@ pub fn schedule(prog: &RankProgram) -> Schedule {
         };
         let lane = lane.unwrap();
         lanes[id] = Some(lane);
-        let (r, w) = reads_writes(op);
+        let (r, w) = reads_writes(op, &prog.bufs);
         for b in r.iter().chain(&w) {
             if let Some(a) = pending_alloc[*b].take() {
                 lanes[a] = Some(lane);
@@ -159,7 +164,7 @@ pub fn schedule(prog: &RankProgram) -> Schedule {
     for (id, &(step, index, op)) in flat.iter().enumerate() {
         let lane = lanes[id];
         let o = lane.other().index();
-        let (r, w) = reads_writes(op);
+        let (r, w) = reads_writes(op, &prog.bufs);
         let mut need: Option<usize> = None;
         let mut want = |x: Option<usize>| {
             if let Some(x) = x {
@@ -284,9 +289,9 @@ mod tests {
         let flat: Vec<&Op> = prog.steps.iter().flatten().collect();
         let known = s.known_done();
         for (b_id, b) in flat.iter().enumerate() {
-            let (rb, wb) = reads_writes(b);
+            let (rb, wb) = reads_writes(b, &prog.bufs);
             for (a_id, a) in flat[..b_id].iter().enumerate() {
-                let (ra, wa) = reads_writes(a);
+                let (ra, wa) = reads_writes(a, &prog.bufs);
                 let conflict = wa.iter().any(|x| rb.contains(x) || wb.contains(x)) || ra.iter().any(|x| wb.contains(x));
                 let (la, lb) = (s.ops[a_id].lane, s.ops[b_id].lane);
                 if !conflict || la == lb {

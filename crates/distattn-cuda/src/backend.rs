@@ -224,6 +224,21 @@ impl Backend for CudaBackend {
         buf.download_f32(self.stream())
     }
 
+    fn view(&self, parent: &mut GpuBuf, offset: usize, elems: usize) -> Result<Option<GpuBuf>> {
+        if offset.checked_add(elems).is_none_or(|end| end > parent.len()) {
+            return Err(Error::Internal(format!(
+                "a view of elements {offset}..+{elems} of a buffer of {}",
+                parent.len()
+            )));
+        }
+        let s = self.lane(Lane::Comm);
+        let at = parent.ptr(s) + (offset * parent.dtype().size()) as u64;
+        // SAFETY: elements offset..offset + elems lie inside `parent` (checked above), a live
+        // allocation of this context; the view is lent (dropping it frees nothing), and only a
+        // receive writes it before the plan frees it (Plan::validate), while `parent` lives.
+        unsafe { GpuBuf::lent(s, parent.dtype(), at, elems) }.map(Some)
+    }
+
     fn comm_view<'a>(&self, buf: &'a GpuBuf) -> &'a GpuBuf {
         buf
     }

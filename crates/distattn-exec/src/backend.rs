@@ -77,6 +77,13 @@ pub trait Backend: Sync {
     fn upload<T: Element>(&self, data: &[T]) -> Result<Self::Buf>;
     /// The buffer's values as f32, after the work issued on the compute lane.
     fn download_f32(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
+    /// A buffer over elements `offset .. offset + elems` of `parent`, sharing its memory (a
+    /// receive lands there), where the backend can lend one; `Ok(None)` where it cannot (the
+    /// interpreter then receives apart and copies in). Freeing the view leaves the memory to
+    /// `parent`.
+    fn view(&self, _parent: &mut Self::Buf, _offset: usize, _elems: usize) -> Result<Option<Self::Buf>> {
+        Ok(None)
+    }
     /// The buffer as the communicator sees it.
     fn comm_view<'a>(&self, buf: &'a Self::Buf) -> &'a Self::CommBuf;
     fn comm_view_mut<'a>(&self, buf: &'a mut Self::Buf) -> &'a mut Self::CommBuf;

@@ -9,6 +9,7 @@
 
 use crate::backend::{Backend, BwdInputs, FwdInputs, GradAccs};
 use crate::comm::Communicator;
+use crate::pieces::Piece;
 use crate::prepare::{FwdOutput, GradOutput, PreparedOp, PreparedRank};
 use distattn_core::plan::{BufId, Tensor};
 use distattn_core::schedule::Lane;
@@ -372,21 +373,38 @@ where
             }
         }
         PreparedOp::Comm { sends, recvs } => {
-            let mut got = recvs
-                .iter()
-                .map(|&(_, b)| backend.alloc(lane, prog.dtype_of(b), prog.elems_of(b), None))
-                .collect::<Result<Vec<_>>>()?;
+            // Each receive's buffer: a view of the buffer gathering it where the backend lends
+            // one, else a new one (copied into that buffer after the group, where it has one).
+            let mut got = Vec::with_capacity(recvs.len());
+            for r in recvs {
+                let elems = prog.elems_of(r.buf);
+                let view = match r.into {
+                    Some((p, at)) => store.with_mut(p, |_, parent| backend.view(parent, at, elems))?,
+                    None => None,
+                };
+                got.push(match view {
+                    Some(v) => (v, None),
+                    None => (backend.alloc(lane, prog.dtype_of(r.buf), elems, None)?, r.into),
+                });
+            }
             {
                 let send_views = sends
                     .iter()
                     .map(|&(to, b)| Ok((to, backend.comm_view(store.get(b)?))))
                     .collect::<Result<Vec<_>>>()?;
                 let mut recv_views: Vec<(usize, &mut B::CommBuf)> =
-                    recvs.iter().zip(got.iter_mut()).map(|(&(from, _), g)| (from, backend.comm_view_mut(g))).collect();
+                    recvs.iter().zip(got.iter_mut()).map(|(r, g)| (r.from, backend.comm_view_mut(&mut g.0))).collect();
                 comm.group(&send_views, &mut recv_views)?;
             }
-            for (&(_, b), g) in recvs.iter().zip(got) {
-                store.put(b, g);
+            for (r, (g, copy_into)) in recvs.iter().zip(got) {
+                match copy_into {
+                    Some((p, at)) => {
+                        let piece = [Piece::run(0, at, prog.elems_of(r.buf))];
+                        store.with_mut(p, |_, parent| backend.copy(lane, &g, parent, &piece))?;
+                        backend.free(lane, g);
+                    }
+                    None => store.put(r.buf, g),
+                }
             }
         }
         PreparedOp::Copy { src, dst, pieces } => {

@@ -41,13 +41,24 @@ impl GradOutput {
     }
 }
 
+/// One receive of a transfer group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recv {
+    pub from: usize,
+    pub buf: BufId,
+    /// Where the buffer is stored inside another ([`BufDesc::within`]): that buffer and the
+    /// element offset there.
+    pub into: Option<(BufId, usize)>,
+}
+
 /// One op of the program with everything it needs computed.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PreparedOp {
-    /// A transfer group: sends, and receives into new buffers.
+    /// A transfer group: sends, and receives into new buffers, or straight into a part of a
+    /// buffer that gathers them.
     Comm {
         sends: Vec<(usize, BufId)>,
-        recvs: Vec<(usize, BufId)>,
+        recvs: Vec<Recv>,
     },
     Alloc {
         buf: BufId,
@@ -176,7 +187,22 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
             return Err(Error::InvalidPlan(format!("rank {rank} uses undefined buffer {b}")));
         }
         ops.push(match op {
-            Op::Comm { sends, recvs, .. } => PreparedOp::Comm { sends: sends.clone(), recvs: recvs.clone() },
+            Op::Comm { sends, recvs, .. } => {
+                let recv = |&(from, buf): &(usize, BufId)| -> Result<Recv> {
+                    let d = desc(buf)?;
+                    let into = match d.within {
+                        Some(p) => {
+                            let at = d.offset_in(desc(p)?, &shape).ok_or_else(|| {
+                                Error::InvalidPlan(format!("rank {rank}: buffer {buf} is not a contiguous part of {p}"))
+                            })?;
+                            Some((p, at))
+                        }
+                        None => None,
+                    };
+                    Ok(Recv { from, buf, into })
+                };
+                PreparedOp::Comm { sends: sends.clone(), recvs: recvs.iter().map(recv).collect::<Result<_>>()? }
+            }
             Op::Alloc { buf, fill } => PreparedOp::Alloc { buf: *buf, fill: fill.value() },
             Op::Copy { src, dst } => {
                 PreparedOp::Copy { src: *src, dst: *dst, pieces: pieces(desc(*src)?, desc(*dst)?, &shape) }

@@ -87,7 +87,8 @@ impl Plan {
 
     /// Peak live bytes of each rank.
     pub fn peak_bytes(&self) -> Vec<u64> {
-        let size = |d: &BufDesc| d.bytes(&self.shape, self.dtype);
+        // A buffer stored inside another takes no memory of its own.
+        let size = |d: &BufDesc| if d.within.is_some() { 0 } else { d.bytes(&self.shape, self.dtype) };
         self.ranks
             .iter()
             .map(|p| {

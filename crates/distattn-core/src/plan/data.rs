@@ -64,11 +64,49 @@ pub struct BufDesc {
     /// ([`PlanOptions::narrow_outputs`]); copies widen it back into the output.
     #[serde(default)]
     pub narrow: bool,
+    /// Stored inside buffer `within` of the same rank (the part of it [`BufDesc::offset_in`]
+    /// finds) rather than on its own: a piece received straight into the buffer that gathers
+    /// it, with no copy. Only a receive writes it; the data is read through the parent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub within: Option<BufId>,
 }
 
 impl BufDesc {
     pub fn new(tensor: Tensor, tokens: TokenSet, heads: Range<usize>) -> Self {
-        BufDesc { tensor, tokens, heads, narrow: false }
+        BufDesc { tensor, tokens, heads, narrow: false, within: None }
+    }
+
+    /// This descriptor stored inside buffer `parent`.
+    pub fn inside(self, parent: BufId) -> Self {
+        BufDesc { within: Some(parent), ..self }
+    }
+
+    /// Whether both describe the same part of a tensor in the same dtype, wherever each is
+    /// stored (what a send and its receive must agree on).
+    pub fn same_part(&self, other: &BufDesc) -> bool {
+        self.tensor == other.tensor
+            && self.tokens == other.tokens
+            && self.heads == other.heads
+            && self.narrow == other.narrow
+    }
+
+    /// The element offset of this part inside `parent`, where it is one contiguous run there:
+    /// the same tensor and dtype, all of the parent's heads, tokens that are one run of the
+    /// parent's, one batch entry, and rows of `[tokens, heads, d]` (not LSE or D). `None`
+    /// otherwise.
+    pub fn offset_in(&self, parent: &BufDesc, shape: &AttnShape) -> Option<usize> {
+        if shape.batch != 1
+            || self.tensor.is_stats()
+            || self.tensor != parent.tensor
+            || self.heads != parent.heads
+            || self.narrow != parent.narrow
+        {
+            return None;
+        }
+        match self.tokens.pieces_into(&parent.tokens).as_slice() {
+            &[(0, at, n)] if n == self.tokens.len() => Some(at * self.heads.len() * shape.head_dim),
+            _ => None,
+        }
     }
 
     /// This descriptor held in the input dtype.

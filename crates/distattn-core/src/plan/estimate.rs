@@ -86,7 +86,7 @@ impl Plan {
                 .map(|&(r, i)| {
                     self.replay_until(&mut ranks[r], r, i, rates);
                     let (op, lane) = ranks[r].ops[i];
-                    let (reads, _) = reads_writes(op);
+                    let (reads, _) = reads_writes(op, &self.ranks[r].bufs);
                     reads.iter().map(|&b| ranks[r].ready[b]).fold(ranks[r].lane_free[lane.index()], f64::max)
                 })
                 .collect();
@@ -125,7 +125,7 @@ impl Plan {
         while rep.next < end {
             let (op, lane) = rep.ops[rep.next];
             rep.next += 1;
-            let (reads, writes) = reads_writes(op);
+            let (reads, writes) = reads_writes(op, &prog.bufs);
             let cost = match op {
                 Op::Fwd { .. } | Op::Bwd { .. } => {
                     let bytes: f64 = reads.iter().map(|&b| mem_bytes(b)).sum();

@@ -7,7 +7,7 @@ use std::ops::Range;
 
 impl Plan {
     /// Checks structural invariants: one program per rank, every buffer an op uses is in its
-    /// rank's table, sends match receives with equal descriptors, compute blocks are consistent
+    /// rank's table, sends match receives of the same tensor part, compute blocks are consistent
     /// with the shapes. A plan may come from a file, so a broken one is an
     /// [`Error::InvalidPlan`], never a panic.
     pub fn validate(&self) -> Result<()> {
@@ -51,9 +51,9 @@ impl Plan {
                             let ok = peer.steps.iter().flatten().any(|o| match o {
                                 Op::Comm { phase: p, recvs, .. } => {
                                     p == phase
-                                        && recvs
-                                            .iter()
-                                            .any(|&(from, rb)| from == r && peer.bufs.get(rb) == Some(&prog.bufs[buf]))
+                                        && recvs.iter().any(|&(from, rb)| {
+                                            from == r && peer.bufs.get(rb).is_some_and(|d| d.same_part(&prog.bufs[buf]))
+                                        })
                                 }
                                 _ => false,
                             });
@@ -67,6 +67,7 @@ impl Plan {
                     _ => {}
                 }
             }
+            self.check_stored_inside(r, prog).map_err(bad)?;
             self.check_liveness(r, prog).map_err(bad)?;
             check_overwritten(r, prog).map_err(bad)?;
             check_inputs_only_read(r, prog).map_err(bad)?;
@@ -74,8 +75,38 @@ impl Plan {
         Ok(())
     }
 
+    /// A buffer stored inside another ([`BufDesc::within`]) is a contiguous part of a buffer
+    /// stored on its own, and only a receive writes it (or a free releases it).
+    fn check_stored_inside(&self, r: usize, prog: &RankProgram) -> std::result::Result<(), String> {
+        for (b, d) in prog.bufs.iter().enumerate() {
+            let Some(p) = d.within else { continue };
+            let parent =
+                prog.bufs.get(p).ok_or_else(|| format!("rank {r}: buffer {b} lies in undefined buffer {p}"))?;
+            if parent.within.is_some() || d.offset_in(parent, &self.shape).is_none() {
+                return Err(format!(
+                    "rank {r}: buffer {b} ({d:?}) is not a contiguous part of buffer {p} ({parent:?})"
+                ));
+            }
+        }
+        for op in prog.steps.iter().flatten() {
+            let received = |b: &BufId| matches!(op, Op::Comm { recvs, .. } if recvs.iter().any(|x| x.1 == *b));
+            let stray = match op {
+                Op::Free { .. } => None,
+                op => op
+                    .uses()
+                    .into_iter()
+                    .find(|b| prog.bufs.get(*b).is_some_and(|d| d.within.is_some()) && !received(b)),
+            };
+            if let Some(b) = stray {
+                return Err(format!("rank {r}: buffer {b}, stored inside another, is used other than by a receive"));
+            }
+        }
+        Ok(())
+    }
+
     /// In program order, every buffer an op reads or sends is live: an input, allocated or
-    /// received, and not yet freed; and every output is live at the end.
+    /// received, and not yet freed; and every output is live at the end. A receive into a buffer
+    /// stored inside another needs that one live.
     fn check_liveness(&self, r: usize, prog: &RankProgram) -> std::result::Result<(), String> {
         let mut live = vec![false; prog.bufs.len()];
         for &(_, b) in &prog.inputs {
@@ -92,6 +123,9 @@ impl Plan {
                             return Err(dead(b));
                         }
                         for &(_, b) in recvs {
+                            if let Some(p) = prog.bufs[b].within.filter(|&p| !live[p]) {
+                                return Err(dead(p));
+                            }
                             live[b] = true;
                         }
                     }
@@ -116,14 +150,17 @@ impl Plan {
     }
 }
 
-/// Every buffer allocated [`Fill::Overwritten`] is written whole by copies into it, in the
-/// step of its allocation, before any other op uses it.
+/// Every buffer allocated [`Fill::Overwritten`] is written whole by copies into it and
+/// receives into buffers stored inside it, in the step of its allocation, before any other op
+/// uses it.
 fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), String> {
     // Overwritten buffers not yet used, with the (tokens, heads) regions copied into them so far.
     let mut pending: HashMap<BufId, Vec<(TokenSet, Range<usize>)>> = HashMap::new();
     for (t, ops) in prog.steps.iter().enumerate() {
         for op in ops {
-            let mut written = None;
+            // (buffer, region) this op writes into a pending buffer: a copy's, or a receive's
+            // into a buffer stored inside it.
+            let mut written = Vec::new();
             match op {
                 Op::Alloc { buf, fill: Fill::Overwritten } => {
                     pending.insert(*buf, Vec::new());
@@ -132,12 +169,20 @@ fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), St
                 Op::Copy { src, dst } if pending.contains_key(dst) => {
                     let (s, d) = (&prog.bufs[*src], &prog.bufs[*dst]);
                     let heads = s.heads.start.max(d.heads.start)..s.heads.end.min(d.heads.end);
-                    written = Some((*dst, (s.tokens.intersect(&d.tokens), heads)));
+                    written.push((*dst, (s.tokens.intersect(&d.tokens), heads)));
+                }
+                Op::Comm { recvs, .. } => {
+                    for &(_, b) in recvs {
+                        let d = &prog.bufs[b];
+                        if let Some(p) = d.within.filter(|p| pending.contains_key(p)) {
+                            written.push((p, (d.tokens.clone(), d.heads.clone())));
+                        }
+                    }
                 }
                 _ => {}
             }
             for b in op.uses() {
-                if written.as_ref().is_some_and(|w| w.0 == b) {
+                if written.iter().any(|w| w.0 == b) {
                     continue;
                 }
                 if let Some(regions) = pending.remove(&b) {
@@ -146,7 +191,7 @@ fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), St
                     }
                 }
             }
-            if let Some((b, region)) = written {
+            for (b, region) in written {
                 pending.entry(b).or_default().push(region);
             }
         }
@@ -166,7 +211,7 @@ fn check_inputs_only_read(r: usize, prog: &RankProgram) -> std::result::Result<(
     for (t, op) in prog.steps.iter().enumerate() {
         for op in op.iter().filter(|op| !matches!(op, Op::Free { .. })) {
             if let Some((b, tensor)) =
-                crate::schedule::reads_writes(op).1.into_iter().find_map(|b| Some((b, input(b)?)))
+                crate::schedule::reads_writes(op, &prog.bufs).1.into_iter().find_map(|b| Some((b, input(b)?)))
             {
                 return Err(format!("rank {r}, step {t}: writes buffer {b}, its input {tensor:?}"));
             }

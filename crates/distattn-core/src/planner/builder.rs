@@ -463,17 +463,36 @@ impl<'a> Builder<'a> {
     /// id of the received buffer on `to`. Every rank must post its groups in increasing
     /// (step, phase) order, so planners emit phase-0 transfers of a step before its compute.
     pub fn transfer(&mut self, step: usize, phase: usize, from: usize, to: usize, src: BufId) -> BufId {
-        assert_ne!(from, to, "transfer to self");
-        let global_phase = step * 16 + phase;
         let desc = self.desc(from, src).clone();
         let dst = self.buf(to, desc);
+        self.post(step, phase, from, to, src, dst);
+        dst
+    }
+
+    /// Sends buffer `src` of rank `from` to rank `to`, for `to`'s buffer `into` (allocated
+    /// already) to gather: received straight into it where the part is contiguous there
+    /// ([`BufDesc::offset_in`]), else received apart and copied in.
+    pub fn transfer_gathered(&mut self, step: usize, phase: usize, from: usize, to: usize, src: BufId, into: BufId) {
+        let desc = self.desc(from, src).clone();
+        if desc.offset_in(self.desc(to, into), &self.shape).is_some() {
+            let dst = self.buf(to, desc.inside(into));
+            self.post(step, phase, from, to, src, dst);
+        } else {
+            let got = self.transfer(step, phase, from, to, src);
+            self.push(to, step, Op::Copy { src: got, dst: into });
+        }
+    }
+
+    /// Adds the send of `src` on `from` and the receive into `dst` on `to` to their groups.
+    fn post(&mut self, step: usize, phase: usize, from: usize, to: usize, src: BufId, dst: BufId) {
+        assert_ne!(from, to, "transfer to self");
+        let global_phase = step * 16 + phase;
         if let Op::Comm { sends, .. } = self.comm_op(from, step, global_phase) {
             sends.push((to, src));
         }
         if let Op::Comm { recvs, .. } = self.comm_op(to, step, global_phase) {
             recvs.push((from, dst));
         }
-        dst
     }
 
     /// Sends every buffer of `set` from rank `from` to rank `to` in the group (step, phase);

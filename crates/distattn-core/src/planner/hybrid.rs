@@ -7,7 +7,7 @@
 
 use super::builder::{accumulator_fill, Builder, PassBufs};
 use super::ring;
-use crate::plan::{BufDesc, BufId, Fill, Layout, Op, Pass, Tensor, TokenSet};
+use crate::plan::{BufDesc, Fill, Layout, Op, Pass, Tensor, TokenSet};
 use crate::{AttnShape, Result};
 use std::ops::Range;
 
@@ -200,23 +200,18 @@ impl Groups {
 
     /// All-to-all inside each group (sequence → heads) of head chunk `c` at `step`: every rank
     /// ends with its group's tokens of its slice's chunk, and accumulators of that shape. Inputs
-    /// kept head-sharded by the forward stay where they are.
+    /// kept head-sharded by the forward stay where they are. The gathered buffers are allocated
+    /// first, so pieces that are contiguous in them (Q, K, V, dO of one batch entry: a run of
+    /// tokens with all the slice's heads) are received in place instead of copied.
     fn scatter(&self, b: &mut Builder, step: usize, bufs: &PassBufs, c: usize) -> PassBufs {
         let p = b.world;
-        // pieces[r]: (tensor, buffer on rank r holding part of it for r's chunk), own parts first.
-        let mut pieces: Vec<Vec<(Tensor, BufId)>> = vec![Vec::new(); p];
         let mut sends = Vec::new();
-        for (a, on_a) in pieces.iter_mut().enumerate() {
+        for a in 0..p {
             let (g, _) = self.group(a);
-            for dst in self.members(g) {
+            for dst in self.members(g).filter(|&dst| dst != a) {
                 let (_, ub) = self.group(dst);
                 for (t, src) in bufs.inputs(a) {
-                    if self.is_kept(t) {
-                        continue;
-                    }
-                    if dst == a {
-                        on_a.push((t, src));
-                    } else {
+                    if !self.is_kept(t) {
                         let tokens = b.desc(a, src).tokens.clone();
                         let x = b.extract(a, step, src, tokens, self.heads(t, ub, c));
                         sends.push((a, dst, t, x));
@@ -224,21 +219,20 @@ impl Groups {
                 }
             }
         }
-        for (a, dst, t, x) in sends {
-            let got = b.transfer(step, 0, a, dst, x);
-            pieces[dst].push((t, got));
-        }
+        // Each rank's own part goes in first; the pieces cover the group's tokens of the slice.
         let gathered = bufs.map_inputs(|r, t, src| {
             if self.is_kept(t) {
                 return src;
             }
-            // The pieces cover the group's tokens of the slice: rank order unions them.
             let dst = b.alloc(r, step, self.slice_desc(r, t, c), Fill::Overwritten);
-            for &(_, src) in pieces[r].iter().filter(|piece| piece.0 == t) {
-                b.push(r, step, Op::Copy { src, dst });
-            }
+            b.push(r, step, Op::Copy { src, dst });
             dst
         });
+        for (a, dst, t, x) in sends {
+            for (_, into) in gathered.inputs(dst).into_iter().filter(|&(u, _)| u == t) {
+                b.transfer_gathered(step, 0, a, dst, x, into);
+            }
+        }
         gathered.map_outputs(|r, t, _| {
             let (g, u) = self.group(r);
             b.alloc(r, step, BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c)), accumulator_fill(t))

@@ -529,3 +529,65 @@ fn validation_refuses_block_rows_outside_the_block() {
     let err = plan.validate().unwrap_err().to_string();
     assert!(err.contains("query rows 0..4096 of a block of 2048 rows"), "{err}");
 }
+
+#[test]
+fn ulysses_receives_contiguous_pieces_straight_into_the_gathered_buffers() {
+    let mask = Mask::causal(4096, 4096).unwrap();
+    for batch in [1, 2] {
+        let shape = AttnShape::new(batch, 4096, 4096, 8, 4, 64).unwrap();
+        for (opts, tensors) in [
+            (PlanOptions::forward(), vec![Tensor::Q, Tensor::K, Tensor::V]),
+            (PlanOptions::backward(RingBackward::KvCirculate), vec![Tensor::Q, Tensor::K, Tensor::V, Tensor::DO]),
+        ] {
+            let plan = build(Strategy::Ulysses, 4, &shape, &mask, DType::BF16, &opts).unwrap();
+            plan.validate().unwrap();
+            for prog in &plan.ranks {
+                let ops: Vec<&Op> = prog.steps.iter().flatten().collect();
+                let in_place: Vec<Tensor> = ops
+                    .iter()
+                    .flat_map(|op| match op {
+                        Op::Comm { recvs, .. } => recvs.clone(),
+                        _ => Vec::new(),
+                    })
+                    .filter(|&(_, b)| prog.bufs[b].within.is_some())
+                    .map(|(_, b)| prog.bufs[b].tensor)
+                    .collect();
+                if batch == 1 {
+                    // From each of the 3 peers, every tensor whose piece is a run of the gathered
+                    // rows; LSE and D (rows per head) are still copied.
+                    let mut want: Vec<Tensor> = tensors.iter().flat_map(|&t| [t; 3]).collect();
+                    let mut got = in_place.clone();
+                    want.sort_by_key(|t| *t as usize);
+                    got.sort_by_key(|t| *t as usize);
+                    assert_eq!(got, want);
+                    // Nothing copies out of a piece received in place.
+                    assert!(ops
+                        .iter()
+                        .all(|op| !matches!(op, Op::Copy { src, .. } if prog.bufs[*src].within.is_some())));
+                } else {
+                    // Two batch entries: a run of tokens is two runs of memory, so it is copied.
+                    assert!(in_place.is_empty());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn validation_refuses_a_buffer_inside_another_that_is_not_a_contiguous_part() {
+    let shape = AttnShape::new(1, 4096, 4096, 8, 4, 64).unwrap();
+    let mask = Mask::causal(4096, 4096).unwrap();
+    let plan = build(Strategy::Ulysses, 2, &shape, &mask, DType::BF16, &PlanOptions::forward()).unwrap();
+    let view = plan.ranks[0].bufs.iter().position(|d| d.within.is_some()).unwrap();
+    // Heads the parent does not have.
+    let mut bad = plan.clone();
+    bad.ranks[0].bufs[view].heads = 0..1;
+    let err = bad.validate().unwrap_err().to_string();
+    assert!(err.contains("is not a contiguous part of buffer"), "{err}");
+    // Read by something other than its receive.
+    let mut bad = plan.clone();
+    let parent = bad.ranks[0].bufs[view].within.unwrap();
+    bad.ranks[0].steps[0].push(Op::Copy { src: view, dst: parent });
+    let err = bad.validate().unwrap_err().to_string();
+    assert!(err.contains("is used other than by a receive"), "{err}");
+}
