@@ -253,7 +253,12 @@ class ContextParallel:
         ``[b, h, n_local]`` in natural log. Differentiable in q, k and v, and traced by
         ``torch.compile(fullgraph=True)`` (pass ``seq_len`` there). ``seq_len`` (the whole
         sequence) defaults to the sum of the ranks' shard lengths, summed over the group at
-        each call (one small collective): pass it to save that."""
+        each call (one small collective): pass it to save that.
+
+        On GPUs the call (forward or backward) returns once its work is queued, as a torch
+        kernel does; torch's stream waits for it. A failure on the way (a peer that died, a
+        stall past ``timeout``) ends the transfers, so nothing waiting on the device hangs, and
+        is raised by the group's next call or by :meth:`synchronize`."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dim() != 4:
                 raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got {tuple(t.shape)}")
@@ -263,6 +268,12 @@ class ContextParallel:
             softmax_scale = float(softmax_scale)
         o, lse = _cp_call(q.contiguous(), k.contiguous(), v.contiguous(), self._id, seq_len, softmax_scale)
         return (o, lse) if return_lse else o
+
+    def synchronize(self) -> None:
+        """Waits for the device work of this group's last GPU attention call and raises the
+        failure it met, if any (say, before saving a checkpoint)."""
+        for t in self._transports.values():
+            t.synchronize()
 
     def _seq_len(self, local: int, device) -> int:
         # Every rank asks the group at every such call: a rank answering from a cache while

@@ -169,6 +169,15 @@ impl CpTransport {
         let t = joined.ok_or_else(|| crate::to_py(Error::Internal("NCCL communicator missing".into())))?;
         Ok(CpTransport(Arc::new(t)))
     }
+
+    /// Waits for the last attention call's device work and raises the failure it met, if any.
+    /// (GPU calls return once their work is queued; the next call, or this, reports its end.)
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        crate::guarded(py, || match &*self.0 {
+            Transport::Host(_) => Ok(()),
+            Transport::Nccl { comm, .. } => comm.settle(),
+        })
+    }
 }
 
 /// One rank of a context-parallel strategy over a process group, for one problem.
@@ -408,9 +417,12 @@ impl CpRank {
                     host_out(&cpu, &lb, DType::F32, &lse)
                 }
                 Transport::Nccl { gpu, comm } => {
+                    // The call returns once its work is queued (torch's stream waits for it), so
+                    // the host prepares the next op meanwhile; the communicator watches the run.
                     let [qb, kb, vb] = gpu_inputs(gpu, stream, io.dtype, [&q, &k, &v])?;
-                    let res = self.attn.forward(&**gpu, comm, io.dtype, qb, kb, vb)?;
-                    gpu_outputs(gpu, stream, &res, [(&o, io.dtype), (&lse, DType::F32)])
+                    let run = self.attn.forward_deferred(&**gpu, comm, io.dtype, qb, kb, vb)?;
+                    gpu_outputs(gpu, stream, &run.outputs, [(&o, io.dtype), (&lse, DType::F32)])?;
+                    comm.watch(run.completion)
                 }
             }
         };
@@ -462,9 +474,10 @@ impl CpRank {
                     // D = rowsum(dO ∘ O) from torch's O, in the inputs' dtype, as the kernels'
                     // own backward computes it.
                     let delta = gpu.row_delta(&ob, &gb, &rows)?;
-                    let grads = self.attn.backward(&**gpu, comm, io.dtype, qb, kb, vb, gb, lb, delta)?;
+                    let run = self.attn.backward_deferred(&**gpu, comm, io.dtype, qb, kb, vb, gb, lb, delta)?;
                     let [gq, gk, gv] = [&dq, &dk, &dv].map(|t| (t, io.dtype));
-                    gpu_outputs(gpu, stream, &grads, [gq, gk, gv])
+                    gpu_outputs(gpu, stream, &run.outputs, [gq, gk, gv])?;
+                    comm.watch(run.completion)
                 }
             }
         };
@@ -578,9 +591,10 @@ fn gpu_inputs<const N: usize>(
     for t in ts {
         let len = t.1.iter().product();
         // SAFETY: `t` is a contiguous CUDA tensor of `dtype` on this device with `len`
-        // elements (checked); torch keeps it alive and does not write it during the call, and
-        // the run returns once the device is done with it. Plans never write their inputs
-        // (`Plan::validate`), so a lent tensor is only read.
+        // elements (checked). The call returns before the run ends, but torch's stream waits
+        // for that end (`gpu_outputs`) before its next work, so the tensor's memory is neither
+        // written nor reused by torch before the run has read it. Plans never write their
+        // inputs (`Plan::validate`), so a lent tensor is only read.
         let buf = unsafe {
             if t.0.is_multiple_of(16) {
                 GpuBuf::lent(gpu.stream(), dtype, t.0, len)

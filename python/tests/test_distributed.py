@@ -85,7 +85,7 @@ def _entry(rank, world, port, queue, fn, args, backend="gloo"):
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        if fn is not _dies:
+        if fn not in (_dies, _cuda_dies):
             dist.destroy_process_group()
 
 
@@ -105,6 +105,7 @@ def _attention_case(rank, world, strategy, mask, n, dtype):
     ql, kl, vl = (cp.shard(t, dim=1).requires_grad_() for t in (q, k, v))
     o, lse = cp.attention(ql, kl, vl, return_lse=True)
     o.backward(cp.shard(d_o, dim=1))
+    cp.synchronize()  # CPU calls complete before they return: nothing to wait for
     pos = cp.position_ids(n)
     return pos, o.detach(), lse.detach(), ql.grad, kl.grad, vl.grad
 
@@ -314,6 +315,7 @@ def _cuda_case(rank, world, strategy):
     dd.release_cached_memory()
     assert torch.cuda.mem_get_info()[0] >= free
     again = cp.attention(cp.shard(q, 1), cp.shard(k, 1), cp.shard(v, 1))
+    cp.synchronize()  # the calls return once queued; nothing failed
     assert torch.equal(again, o.detach())
     return [
         err(o, of[:, pos]),
@@ -332,6 +334,42 @@ def test_cuda_shards_through_nccl_match_one_gpu(strategy):
     for ok, value in _run(world, _cuda_case, strategy, backend="nccl", timeout=300):
         assert ok, value
         assert max(value) < 1e-2, value
+
+
+def _cuda_dies(rank, world):
+    """Rank 1 dies after a first call. Rank 0's calls return once queued while their transfers
+    wait for it; the stall past the timeout aborts the communicator, which ends those transfers
+    (so torch's wait on them ends too), and the group's next call raises: never a hang."""
+    import time
+
+    import distattn.distributed as dd
+
+    torch.cuda.set_device(rank)
+    n, h, d = 512, 4, 64
+    q = torch.randn(1, n // world, h, d, device="cuda", dtype=torch.bfloat16)
+    cp = dd.ContextParallel(strategy="zigzag", mask="causal", timeout=5.0)
+    cp.attention(q, q, q, seq_len=n)
+    cp.synchronize()
+    dist.barrier()
+    if rank == 1:
+        os._exit(3)
+    t0 = time.time()
+    try:
+        for _ in range(5):
+            cp.attention(q, q, q, seq_len=n).float().sum().item()
+        cp.synchronize()
+    except RuntimeError as e:
+        return [time.time() - t0, str(e)]
+    return [time.time() - t0, "no error"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_dead_peer_on_gpus_is_an_error_not_a_hang():
+    got = _run_allow_missing(2, _cuda_dies)[0]
+    assert got is not None and got[0], got
+    secs, msg = got[1]
+    assert msg != "no error" and secs < 60, got
+    assert "rank 1" in msg or "stalled" in msg or "NCCL" in msg, msg
 
 
 def _serving_case(rank, world, placement, prefill, strategy, requests):

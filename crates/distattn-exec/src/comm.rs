@@ -68,4 +68,11 @@ pub trait Communicator: Send {
 
     /// Stops the stall clock.
     fn stall_watch_end(&self) {}
+
+    /// Completes a run handed to this transport to watch ([`crate::execute_deferred`]): waits
+    /// for it, or returns the failure it met. Runs call it first; a transport that takes no
+    /// runs to watch has nothing to do.
+    fn settle(&self) -> Result<()> {
+        Ok(())
+    }
 }

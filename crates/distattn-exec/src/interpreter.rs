@@ -137,24 +137,7 @@ where
     B: Backend,
     C: Communicator<Buf = B::CommBuf>,
 {
-    if comm.rank() != prog.rank || comm.world() != prog.world {
-        return Err(Error::InvalidPlan(format!(
-            "the program of rank {} of {} run as rank {} of {}",
-            prog.rank,
-            prog.world,
-            comm.rank(),
-            comm.world()
-        )));
-    }
-    if inputs.len() != prog.inputs.len() {
-        return Err(Error::invalid(
-            "inputs",
-            format!("rank {}: {} given, the program takes {}", prog.rank, inputs.len(), prog.inputs.len()),
-        ));
-    }
-    // The whole run is under the stall clock, restarted by every block completed: a rank
-    // stuck anywhere is aborted, a long healthy run is not.
-    let watching = comm.stall_watch_begin();
+    let watching = begin_run(prog, comm, inputs.len())?;
     let r = (|| {
         // Blocks issued, in issue order, and how many of them have completed.
         let (mut progress, mut done) = (Vec::new(), 0);
@@ -183,6 +166,96 @@ where
         comm.stall_watch_end();
     }
     r
+}
+
+/// A run issued onto the lanes whose completion the caller takes over ([`execute_deferred`]):
+/// its end, its blocks' completion events and whether it started the stall clock.
+pub struct Completion<Event> {
+    pub end: Event,
+    pub progress: Vec<Event>,
+    /// Blocks of `progress` already seen complete.
+    pub done: usize,
+    /// The run started the communicator's stall clock (its completion stops it).
+    pub watching: bool,
+}
+
+impl<Event> Completion<Event> {
+    /// Waits until the run has completed on the device, polling the transport for failures as
+    /// [`execute`] does.
+    pub fn wait<B, C>(self, backend: &B, comm: &C) -> Result<()>
+    where
+        B: Backend<Event = Event>,
+        C: Communicator,
+    {
+        let r = wait_done(backend, comm, &self.end, &self.progress, self.done);
+        if self.watching {
+            comm.stall_watch_end();
+        }
+        r
+    }
+}
+
+/// What [`execute_deferred`] returns: the run's outputs, and its completion to take over.
+pub type Deferred<B> = (RankRun<<B as Backend>::Buf>, Completion<<B as Backend>::Event>);
+
+/// Like [`execute`] with one run and no timeline, but returns once the run is issued: the
+/// outputs are valid in the compute lane's order, and the caller owns the [`Completion`] (wait
+/// for it, or hand it to a transport that watches it, before the next run reports this one's
+/// failures). Buffers the run frees are released in stream order.
+pub fn execute_deferred<B, C>(
+    prog: &PreparedRank,
+    backend: &B,
+    comm: &C,
+    opts: &AttnOptions,
+    inputs: Vec<B::Buf>,
+) -> Result<Deferred<B>>
+where
+    B: Backend,
+    C: Communicator<Buf = B::CommBuf>,
+{
+    let watching = begin_run(prog, comm, inputs.len())?;
+    let r = (|| {
+        let (mut progress, mut done) = (Vec::new(), 0);
+        let mut issued = issue(prog, backend, comm, opts, inputs, &ExecOptions::default(), &mut progress, &mut done)?;
+        let mut take =
+            |list: &[(Tensor, BufId)]| list.iter().map(|&(_, b)| issued.store.take(b)).collect::<Result<Vec<_>>>();
+        let (outputs, saved) = (take(&prog.outputs)?, take(&prog.saved)?);
+        Ok((RankRun { outputs, saved, timeline: None }, Completion { end: issued.end, progress, done, watching }))
+    })();
+    if r.is_err() && watching {
+        comm.stall_watch_end();
+    }
+    r
+}
+
+/// Checks the program against the transport and its inputs, completes a run handed back
+/// earlier (its failures are reported here) and starts the stall clock: the whole run is under
+/// it, restarted by every block completed, so a rank stuck anywhere is aborted and a long
+/// healthy run is not. Whether this run started the clock (and so stops it).
+fn begin_run<C: Communicator>(prog: &PreparedRank, comm: &C, inputs: usize) -> Result<bool> {
+    check_program(prog, comm, inputs)?;
+    comm.settle()?;
+    Ok(comm.stall_watch_begin())
+}
+
+/// The program is this rank's and gets as many inputs as it takes.
+fn check_program<C: Communicator>(prog: &PreparedRank, comm: &C, inputs: usize) -> Result<()> {
+    if comm.rank() != prog.rank || comm.world() != prog.world {
+        return Err(Error::InvalidPlan(format!(
+            "the program of rank {} of {} run as rank {} of {}",
+            prog.rank,
+            prog.world,
+            comm.rank(),
+            comm.world()
+        )));
+    }
+    if inputs != prog.inputs.len() {
+        return Err(Error::invalid(
+            "inputs",
+            format!("rank {}: {} given, the program takes {}", prog.rank, inputs, prog.inputs.len()),
+        ));
+    }
+    Ok(())
 }
 
 /// One run of a program issued onto the lanes, not yet waited for.

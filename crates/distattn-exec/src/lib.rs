@@ -30,7 +30,9 @@ pub mod threads;
 
 pub use backend::{Backend, Block, BwdInputs, FwdInputs, GradAccs};
 pub use comm::Communicator;
-pub use interpreter::{execute, ExecOptions, FailureKind, InjectedFailure, RankRun};
+pub use interpreter::{
+    execute, execute_deferred, Completion, Deferred, ExecOptions, FailureKind, InjectedFailure, RankRun,
+};
 pub use pieces::{MergeSpec, Piece};
 pub use prepare::{prepare, prepare_all, PreparedRank};
 pub use run::{run_rank, BackwardTensors, HostTensors, RankResult};

@@ -19,7 +19,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::sys as nsys;
 use distattn_core::{Error, Result};
 use distattn_cuda::{driver_err, CudaBackend, GpuBuf};
-use distattn_exec::Communicator;
+use distattn_exec::{Communicator, Completion};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -98,6 +98,8 @@ struct Inner {
     timeout: Duration,
     /// Start of the wait in progress (stall detection).
     busy_since: Mutex<Option<Instant>>,
+    /// A run the host no longer waits for ([`NcclComm::watch`]), polled by the watchdog.
+    watched: Mutex<Option<Completion<CudaEvent>>>,
     failure: Mutex<Option<Error>>,
     stop: AtomicBool,
 }
@@ -167,6 +169,29 @@ impl Inner {
         } else {
             Error::Comm(format!("rank {}: {what}", self.rank))
         }
+    }
+
+    /// Advances the watched run: each block seen complete restarts the stall clock, and its
+    /// end stops it and drops the run. Whether no run is left to watch.
+    fn poll_watched(&self) -> Result<bool> {
+        let mut w = self.watched.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(c) = w.as_mut() else { return Ok(true) };
+        let query = |e: &CudaEvent| e.try_is_complete().map_err(driver_err("waiting for the GPU"));
+        if query(&c.end)? {
+            if c.watching {
+                *self.busy_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            }
+            *w = None;
+            return Ok(true);
+        }
+        while c.done < c.progress.len() && query(&c.progress[c.done])? {
+            c.done += 1;
+            let mut b = self.busy_since.lock().unwrap_or_else(|e| e.into_inner());
+            if b.is_some() {
+                *b = Some(Instant::now());
+            }
+        }
+        Ok(false)
     }
 
     /// Checks every failure source; aborts on the first found.
@@ -395,6 +420,7 @@ impl NcclComm {
             pids: Mutex::new(vec![0; world]),
             timeout,
             busy_since: Mutex::new(None),
+            watched: Mutex::new(None),
             failure: Mutex::new(None),
             stop: AtomicBool::new(false),
         });
@@ -433,16 +459,52 @@ impl NcclComm {
     }
 
     fn start_watchdog(&mut self) {
-        let inner = self.inner.clone();
+        let (inner, ctx) = (self.inner.clone(), self.ctx.clone());
         self.watchdog = Some(std::thread::spawn(move || {
+            // Event queries of the watched run, on this GPU's context.
+            let _ = ctx.bind_to_thread();
             while !inner.stop.load(Ordering::Relaxed) {
                 if inner.failure().is_some() {
+                    break;
+                }
+                if let Err(e) = inner.poll_watched() {
+                    inner.abort_with(e);
                     break;
                 }
                 let _ = inner.check();
                 std::thread::sleep(Duration::from_millis(20));
             }
         }));
+    }
+
+    /// Takes over the completion of a run issued with [`distattn_exec::execute_deferred`]:
+    /// the watchdog follows its blocks under the stall clock (a stuck run aborts the
+    /// communicator, which ends its NCCL kernels, so nothing waiting on the device hangs), and
+    /// the next run on this communicator, or [`Communicator::settle`], waits for it and reports
+    /// its failure. One run at a time: an earlier one is settled first.
+    pub fn watch(&self, run: Completion<CudaEvent>) -> Result<()> {
+        self.settle_watched()?;
+        *self.inner.watched.lock().unwrap_or_else(|e| e.into_inner()) = Some(run);
+        Ok(())
+    }
+
+    /// Waits for the watched run, if any, polling for failures and stalls.
+    fn settle_watched(&self) -> Result<()> {
+        loop {
+            // A failure seen meanwhile (the watchdog's abort of a stuck run) comes first.
+            let r = self.inner.check().and_then(|_| self.inner.poll_watched());
+            match r {
+                Ok(true) => return Ok(()),
+                Ok(false) => std::thread::sleep(Duration::from_micros(20)),
+                Err(e) => {
+                    // The run will not complete as planned; the abort ended its transfers.
+                    if self.inner.watched.lock().unwrap_or_else(|e| e.into_inner()).take().is_some_and(|c| c.watching) {
+                        self.busy_end();
+                    }
+                    return Err(e);
+                }
+            }
+        }
     }
 
     /// The stream NCCL operations are enqueued on.
@@ -817,5 +879,9 @@ impl Communicator for NcclComm {
 
     fn stall_watch_end(&self) {
         self.busy_end()
+    }
+
+    fn settle(&self) -> Result<()> {
+        self.settle_watched()
     }
 }

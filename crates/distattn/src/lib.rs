@@ -37,5 +37,5 @@ pub use attention::{Attention, Execution, Ranks};
 pub use distattn_core::*;
 pub use distattn_cpu::CpuBackend;
 pub use distattn_exec::{run_ranks, Backend, Communicator, FailureKind, InjectedFailure, ThreadComm};
-pub use rank::RankAttention;
+pub use rank::{Deferred, RankAttention};
 pub use tensor::HostTensor;

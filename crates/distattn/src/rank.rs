@@ -11,7 +11,7 @@ use distattn_core::plan::{Layout, Pass, Plan, Tensor, TokenSet};
 use distattn_core::planner::build;
 use distattn_core::schedule::Lane;
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, PlanOptions, Result, Strategy};
-use distattn_exec::{execute, Backend, Communicator, ExecOptions, PreparedRank};
+use distattn_exec::{execute, execute_deferred, Backend, Communicator, Completion, ExecOptions, PreparedRank};
 use std::sync::{Arc, Mutex};
 
 /// The whole problem of a context-parallel call, seen from rank `rank` of `world`.
@@ -236,9 +236,51 @@ impl RankAttention {
         B: Backend,
         C: Communicator<Buf = B::CommBuf>,
     {
+        let (outs, _) = self.forward_as(backend, comm, dtype, q, k, v, Wait::Now)?;
+        Ok(outs)
+    }
+
+    /// [`RankAttention::forward`] that returns once the run is issued: O and LSE are valid in
+    /// the backend's compute order, and the caller owns the run's [`Completion`] (waits for it,
+    /// or hands it to the transport to watch).
+    pub fn forward_deferred<B, C>(
+        &self,
+        backend: &B,
+        comm: &C,
+        dtype: DType,
+        q: B::Buf,
+        k: B::Buf,
+        v: B::Buf,
+    ) -> Result<Deferred<B, 2>>
+    where
+        B: Backend,
+        C: Communicator<Buf = B::CommBuf>,
+    {
+        let (outputs, c) = self.forward_as(backend, comm, dtype, q, k, v, Wait::Defer)?;
+        Ok(Deferred {
+            outputs,
+            completion: c.ok_or_else(|| Error::Internal("a deferred run without its completion".into()))?,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)] // the forward's buffers and how to wait
+    fn forward_as<B, C>(
+        &self,
+        backend: &B,
+        comm: &C,
+        dtype: DType,
+        q: B::Buf,
+        k: B::Buf,
+        v: B::Buf,
+        wait: Wait,
+    ) -> Result<Outputs<B, 2>>
+    where
+        B: Backend,
+        C: Communicator<Buf = B::CommBuf>,
+    {
         let prog = self.program(Pass::Forward, dtype)?;
-        let outs = self.run(&prog, backend, comm, [(Tensor::Q, q), (Tensor::K, k), (Tensor::V, v)])?;
-        take_outputs(&prog, outs, [Tensor::O, Tensor::Lse])
+        let (outs, c) = self.run(&prog, backend, comm, [(Tensor::Q, q), (Tensor::K, k), (Tensor::V, v)], wait)?;
+        Ok((take_outputs(&prog, outs, [Tensor::O, Tensor::Lse])?, c))
     }
 
     /// dQ, dK, dV (f32, like this rank's shards) from its shards of Q, K, V and dO (of
@@ -261,7 +303,51 @@ impl RankAttention {
         B: Backend,
         C: Communicator<Buf = B::CommBuf>,
     {
+        let (outs, _) = self.backward_as(backend, comm, dtype, [q, k, v, d_o, lse, delta], Wait::Now)?;
+        Ok(outs)
+    }
+
+    /// [`RankAttention::backward`] that returns once the run is issued (as
+    /// [`RankAttention::forward_deferred`]).
+    #[allow(clippy::too_many_arguments)] // one buffer per tensor of a backward pass
+    pub fn backward_deferred<B, C>(
+        &self,
+        backend: &B,
+        comm: &C,
+        dtype: DType,
+        q: B::Buf,
+        k: B::Buf,
+        v: B::Buf,
+        d_o: B::Buf,
+        lse: B::Buf,
+        delta: B::Buf,
+    ) -> Result<Deferred<B, 3>>
+    where
+        B: Backend,
+        C: Communicator<Buf = B::CommBuf>,
+    {
+        let (outputs, c) = self.backward_as(backend, comm, dtype, [q, k, v, d_o, lse, delta], Wait::Defer)?;
+        Ok(Deferred {
+            outputs,
+            completion: c.ok_or_else(|| Error::Internal("a deferred run without its completion".into()))?,
+        })
+    }
+
+    /// The backward of `given` = [Q, K, V, dO, LSE, D].
+    fn backward_as<B, C>(
+        &self,
+        backend: &B,
+        comm: &C,
+        dtype: DType,
+        given: [B::Buf; 6],
+        wait: Wait,
+    ) -> Result<Outputs<B, 3>>
+    where
+        B: Backend,
+        C: Communicator<Buf = B::CommBuf>,
+    {
         let prog = self.program(Pass::Backward, dtype)?;
+        let [q, k, v, d_o, lse, delta] = given;
         let given = [
             (Tensor::Q, q),
             (Tensor::K, k),
@@ -270,8 +356,8 @@ impl RankAttention {
             (Tensor::Lse, lse),
             (Tensor::Delta, delta),
         ];
-        let outs = self.run(&prog, backend, comm, given)?;
-        take_outputs(&prog, outs, [Tensor::DQ, Tensor::DK, Tensor::DV])
+        let (outs, c) = self.run(&prog, backend, comm, given, wait)?;
+        Ok((take_outputs(&prog, outs, [Tensor::DQ, Tensor::DK, Tensor::DV])?, c))
     }
 
     fn run<B, C, const N: usize>(
@@ -280,7 +366,8 @@ impl RankAttention {
         backend: &B,
         comm: &C,
         given: [(Tensor, B::Buf); N],
-    ) -> Result<Vec<B::Buf>>
+        wait: Wait,
+    ) -> Result<Ran<B>>
     where
         B: Backend,
         C: Communicator<Buf = B::CommBuf>,
@@ -301,8 +388,34 @@ impl RankAttention {
         for (_, buf) in given.into_iter().flatten() {
             backend.free(Lane::Compute, buf);
         }
-        Ok(execute(prog, backend, comm, &self.opts, inputs, &ExecOptions::default())?.outputs)
+        Ok(match wait {
+            Wait::Now => (execute(prog, backend, comm, &self.opts, inputs, &ExecOptions::default())?.outputs, None),
+            Wait::Defer => {
+                let (run, c) = execute_deferred(prog, backend, comm, &self.opts, inputs)?;
+                (run.outputs, Some(c))
+            }
+        })
     }
+}
+
+/// A call's outputs, returned once its run is issued (valid in the backend's compute order),
+/// and the run's completion, which the caller waits for or hands to the transport.
+pub struct Deferred<B: Backend, const N: usize> {
+    pub outputs: [B::Buf; N],
+    pub completion: Completion<B::Event>,
+}
+
+/// A run's outputs in program order and, where it did not wait, its completion.
+type Ran<B> = (Vec<<B as Backend>::Buf>, Option<Completion<<B as Backend>::Event>>);
+
+/// A call's outputs and, where it did not wait, its run's completion.
+type Outputs<B, const N: usize> = ([<B as Backend>::Buf; N], Option<Completion<<B as Backend>::Event>>);
+
+/// Whether a call waits for its run to complete or hands the completion back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    Now,
+    Defer,
 }
 
 /// The outputs of `prog` in the order of `want`.
