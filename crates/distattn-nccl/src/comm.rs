@@ -674,6 +674,9 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        // A watched run completes (or fails within the stall timeout) before the teardown, so
+        // dropping the communicator right after a call never cuts that call's transfers short.
+        let _ = self.settle_watched();
         self.inner.stop.store(true, Ordering::Relaxed);
         if let Some(w) = self.watchdog.take() {
             let _ = w.join();
