@@ -315,6 +315,8 @@ def main():
         rows.append({"step": s, "loss": loss, "seconds": dt, "tokens_per_s": a.seq / dt})
         if rank == 0:
             print(f"step {s:3d}  loss {loss:.4f}  {dt:.3f} s  {a.seq / dt:,.0f} tokens/s", flush=True)
+    if cp is not None:
+        cp.synchronize()  # GPU calls return once queued: a failed last call is raised here
     timed = rows[2:] if len(rows) > 3 else rows[1:] or rows  # steps 0-1 warm up (and count ops)
     sec = sorted(r["seconds"] for r in timed)[len(timed) // 2]
     peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
