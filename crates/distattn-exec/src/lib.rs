@@ -10,7 +10,8 @@
 //!   here for ranks as threads, NCCL in `distattn-nccl`;
 //! * [`prepare`](mod@prepare): a rank's program made ready once (schedule, sub-masks, pieces, merge specs);
 //! * [`interpreter`]: [`execute`], the one interpreter, for every backend and transport, with
-//!   per-step timelines;
+//!   per-step timelines; [`execute_deferred`] issues a run and hands its [`Completion`] back
+//!   (the Python package's GPU calls give it to the NCCL communicator to watch);
 //! * [`shard`](mod@shard) and [`run`]: whole host tensors to a rank's shards and back ([`run_rank`]);
 //! * [`rendezvous`]: mailboxes, barrier and failure of ranks in one process, what thread
 //!   transports build on.
