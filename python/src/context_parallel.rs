@@ -421,7 +421,7 @@ impl CpRank {
                     // the host prepares the next op meanwhile; the communicator watches the run.
                     let [qb, kb, vb] = gpu_inputs(gpu, stream, io.dtype, [&q, &k, &v])?;
                     let run = self.attn.forward_deferred(&**gpu, comm, io.dtype, qb, kb, vb)?;
-                    gpu_outputs(gpu, stream, &run.outputs, [(&o, io.dtype), (&lse, DType::F32)])?;
+                    gpu_outputs(gpu, stream, run.outputs, [(&o, io.dtype), (&lse, DType::F32)])?;
                     comm.watch(run.completion)
                 }
             }
@@ -476,7 +476,7 @@ impl CpRank {
                     let delta = gpu.row_delta(&ob, &gb, &rows)?;
                     let run = self.attn.backward_deferred(&**gpu, comm, io.dtype, qb, kb, vb, gb, lb, delta)?;
                     let [gq, gk, gv] = [&dq, &dk, &dv].map(|t| (t, io.dtype));
-                    gpu_outputs(gpu, stream, &run.outputs, [gq, gk, gv])?;
+                    gpu_outputs(gpu, stream, run.outputs, [gq, gk, gv])?;
                     comm.watch(run.completion)
                 }
             }
@@ -608,21 +608,23 @@ fn gpu_inputs<const N: usize>(
 }
 
 /// Writes the f32 outputs into the CUDA tensors `ts` in their dtypes on the backend's compute
-/// stream; torch's `stream` then waits for the writes.
+/// stream, then releases them there (a run may have allocated one on its comm lane, whose own
+/// order would not follow these reads); torch's `stream` then waits for the writes.
 fn gpu_outputs<const N: usize>(
     gpu: &CudaBackend,
     stream: u64,
-    bufs: &[GpuBuf; N],
+    bufs: [GpuBuf; N],
     ts: [(&TensorDesc, DType); N],
 ) -> Result<()> {
-    for (b, (t, dtype)) in bufs.iter().zip(ts) {
+    for (b, (t, dtype)) in bufs.into_iter().zip(ts) {
         if b.len() != t.1.iter().product::<usize>() {
             return Err(Error::Internal(format!("an output of {} values for a tensor of shape {:?}", b.len(), t.1)));
         }
         // SAFETY: `t` is a contiguous CUDA tensor of `dtype` on this device with room for the
         // buffer's values (checked above and by the caller), allocated by the Python caller for
         // this call's output (torch aligns fresh allocations to 512 bytes).
-        unsafe { gpu.store_external(b, t.0, dtype) }?;
+        unsafe { gpu.store_external(&b, t.0, dtype) }?;
+        b.free_on(gpu.stream());
     }
     // SAFETY: as in `gpu_inputs`.
     let torch = unsafe { gpu.borrow_stream(stream) };
