@@ -518,50 +518,30 @@ where
             let outs = [(*dq, dq_output, s.q_elems()), (*dk, dk_output, s.kv_elems()), (*dv, dv_output, s.kv_elems())];
             // The kernel adds into the accumulators that cover exactly the block's rows or keys,
             // taken out of the store for the call; the others get a fresh zeroed partial, added
-            // into them by pieces afterwards.
-            let mut targets = Vec::with_capacity(3);
-            let mut r = Ok(());
-            for &(id, out, elems) in &outs {
-                let t = match out {
-                    GradOutput::Direct => store.take(id),
-                    GradOutput::Add(_) => backend.alloc(Lane::Compute, DType::F32, elems, Some(0.0)),
-                };
-                match t {
-                    Ok(t) => targets.push(t),
-                    Err(e) => {
-                        r = Err(e);
-                        break;
-                    }
-                }
-            }
-            if let (Ok(()), [gq, gk, gv]) = (&r, targets.as_mut_slice()) {
-                let st = &*store;
-                r = (|| {
-                    let inputs = BwdInputs {
-                        q: st.get(*q)?,
-                        k: st.get(*k)?,
-                        v: st.get(*v)?,
-                        d_o: st.get(*d_o)?,
-                        lse: st.get(*lse)?,
-                        delta: st.get(*delta)?,
-                    };
-                    backend.backward(block, inputs, opts, GradAccs { dq: gq, dk: gk, dv: gv })
-                })();
-            }
-            // Accumulators go back into the store whatever happened; partials are added once
-            // the block has run, then released.
-            for (&(id, out, _), t) in outs.iter().zip(targets) {
+            // into them by pieces afterwards. (A failure ends the run, store and all.)
+            let mut target = |&(id, out, elems): &(BufId, &GradOutput, usize)| match out {
+                GradOutput::Direct => store.take(id),
+                GradOutput::Add(_) => backend.alloc(Lane::Compute, DType::F32, elems, Some(0.0)),
+            };
+            let [mut gq, mut gk, mut gv] = [target(&outs[0])?, target(&outs[1])?, target(&outs[2])?];
+            let inputs = BwdInputs {
+                q: store.get(*q)?,
+                k: store.get(*k)?,
+                v: store.get(*v)?,
+                d_o: store.get(*d_o)?,
+                lse: store.get(*lse)?,
+                delta: store.get(*delta)?,
+            };
+            backend.backward(block, inputs, opts, GradAccs { dq: &mut gq, dk: &mut gk, dv: &mut gv })?;
+            for (&(id, out, _), t) in outs.iter().zip([gq, gk, gv]) {
                 match out {
                     GradOutput::Direct => store.put(id, t),
                     GradOutput::Add(pieces) => {
-                        if r.is_ok() {
-                            r = store.with_mut(id, |_, acc| backend.add(Lane::Compute, &t, acc, pieces));
-                        }
+                        store.with_mut(id, |_, acc| backend.add(Lane::Compute, &t, acc, pieces))?;
                         backend.free(Lane::Compute, t);
                     }
                 }
             }
-            r?;
         }
     }
     Ok(())

@@ -33,7 +33,7 @@ pub enum GradOutput {
 impl GradOutput {
     /// Where the gradient `part` (laid out as the block's own rows or keys) goes in `acc`.
     fn of(part: &BufDesc, acc: &BufDesc, shape: &AttnShape) -> GradOutput {
-        if part.tokens == acc.tokens && part.heads == acc.heads {
+        if part.same_region(acc) {
             GradOutput::Direct
         } else {
             GradOutput::Add(pieces(part, acc, shape))
@@ -219,7 +219,7 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
             },
             Op::Fwd { q, k, v, o, lse, .. } => {
                 let (qd, kd) = (desc(*q)?, desc(*k)?);
-                let own_rows = |b: BufId| desc(b).is_ok_and(|d| d.tokens == qd.tokens && d.heads == qd.heads);
+                let own_rows = |b: BufId| desc(b).is_ok_and(|d| d.same_region(qd));
                 let spec = || -> Result<MergeSpec> {
                     let part = BufDesc::new(Tensor::O, qd.tokens.clone(), qd.heads.clone());
                     Ok(MergeSpec::new(&part, desc(*o)?, &shape))

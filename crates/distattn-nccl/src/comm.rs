@@ -171,6 +171,18 @@ impl Inner {
         }
     }
 
+    /// Restarts the stall clock if it runs.
+    fn busy_progress(&self) {
+        let mut b = self.busy_since.lock().unwrap_or_else(|e| e.into_inner());
+        if b.is_some() {
+            *b = Some(Instant::now());
+        }
+    }
+
+    fn busy_end(&self) {
+        *self.busy_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
     /// Advances the watched run: each block seen complete restarts the stall clock, and its
     /// end stops it and drops the run. Whether no run is left to watch.
     fn poll_watched(&self) -> Result<bool> {
@@ -179,17 +191,14 @@ impl Inner {
         let query = |e: &CudaEvent| e.try_is_complete().map_err(driver_err("waiting for the GPU"));
         if query(&c.end)? {
             if c.watching {
-                *self.busy_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                self.busy_end();
             }
             *w = None;
             return Ok(true);
         }
         while c.done < c.progress.len() && query(&c.progress[c.done])? {
             c.done += 1;
-            let mut b = self.busy_since.lock().unwrap_or_else(|e| e.into_inner());
-            if b.is_some() {
-                *b = Some(Instant::now());
-            }
+            self.busy_progress();
         }
         Ok(false)
     }
@@ -639,15 +648,12 @@ impl NcclComm {
 
     /// Restarts the stall clock if it runs (the work it guards has made progress).
     pub fn busy_progress(&self) {
-        let mut b = self.inner.busy_since.lock().unwrap_or_else(|e| e.into_inner());
-        if b.is_some() {
-            *b = Some(Instant::now());
-        }
+        self.inner.busy_progress()
     }
 
     /// Stops the stall clock.
     pub fn busy_end(&self) {
-        *self.inner.busy_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.inner.busy_end()
     }
 
     /// Waits for everything enqueued so far on `s`.

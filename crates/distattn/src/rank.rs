@@ -11,7 +11,7 @@ use distattn_core::plan::{Layout, Pass, Plan, Tensor, TokenSet};
 use distattn_core::planner::build;
 use distattn_core::schedule::Lane;
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, PlanOptions, Result, Strategy};
-use distattn_exec::{execute, execute_deferred, Backend, Communicator, Completion, ExecOptions, PreparedRank};
+use distattn_exec::{execute_deferred, Backend, Communicator, Completion, PreparedRank};
 use std::sync::{Arc, Mutex};
 
 /// The whole problem of a context-parallel call, seen from rank `rank` of `world`.
@@ -236,8 +236,7 @@ impl RankAttention {
         B: Backend,
         C: Communicator<Buf = B::CommBuf>,
     {
-        let (outs, _) = self.forward_as(backend, comm, dtype, q, k, v, Wait::Now)?;
-        Ok(outs)
+        self.forward_deferred(backend, comm, dtype, q, k, v)?.wait(backend, comm)
     }
 
     /// [`RankAttention::forward`] that returns once the run is issued: O and LSE are valid in
@@ -256,31 +255,9 @@ impl RankAttention {
         B: Backend,
         C: Communicator<Buf = B::CommBuf>,
     {
-        let (outputs, c) = self.forward_as(backend, comm, dtype, q, k, v, Wait::Defer)?;
-        Ok(Deferred {
-            outputs,
-            completion: c.ok_or_else(|| Error::Internal("a deferred run without its completion".into()))?,
-        })
-    }
-
-    #[allow(clippy::too_many_arguments)] // the forward's buffers and how to wait
-    fn forward_as<B, C>(
-        &self,
-        backend: &B,
-        comm: &C,
-        dtype: DType,
-        q: B::Buf,
-        k: B::Buf,
-        v: B::Buf,
-        wait: Wait,
-    ) -> Result<Outputs<B, 2>>
-    where
-        B: Backend,
-        C: Communicator<Buf = B::CommBuf>,
-    {
         let prog = self.program(Pass::Forward, dtype)?;
-        let (outs, c) = self.run(&prog, backend, comm, [(Tensor::Q, q), (Tensor::K, k), (Tensor::V, v)], wait)?;
-        Ok((take_outputs(&prog, outs, [Tensor::O, Tensor::Lse])?, c))
+        let (run, completion) = self.run(&prog, backend, comm, [(Tensor::Q, q), (Tensor::K, k), (Tensor::V, v)])?;
+        Ok(Deferred { outputs: take_outputs(&prog, run.outputs, [Tensor::O, Tensor::Lse])?, completion })
     }
 
     /// dQ, dK, dV (f32, like this rank's shards) from its shards of Q, K, V and dO (of
@@ -303,8 +280,7 @@ impl RankAttention {
         B: Backend,
         C: Communicator<Buf = B::CommBuf>,
     {
-        let (outs, _) = self.backward_as(backend, comm, dtype, [q, k, v, d_o, lse, delta], Wait::Now)?;
-        Ok(outs)
+        self.backward_deferred(backend, comm, dtype, q, k, v, d_o, lse, delta)?.wait(backend, comm)
     }
 
     /// [`RankAttention::backward`] that returns once the run is issued (as
@@ -326,28 +302,7 @@ impl RankAttention {
         B: Backend,
         C: Communicator<Buf = B::CommBuf>,
     {
-        let (outputs, c) = self.backward_as(backend, comm, dtype, [q, k, v, d_o, lse, delta], Wait::Defer)?;
-        Ok(Deferred {
-            outputs,
-            completion: c.ok_or_else(|| Error::Internal("a deferred run without its completion".into()))?,
-        })
-    }
-
-    /// The backward of `given` = [Q, K, V, dO, LSE, D].
-    fn backward_as<B, C>(
-        &self,
-        backend: &B,
-        comm: &C,
-        dtype: DType,
-        given: [B::Buf; 6],
-        wait: Wait,
-    ) -> Result<Outputs<B, 3>>
-    where
-        B: Backend,
-        C: Communicator<Buf = B::CommBuf>,
-    {
         let prog = self.program(Pass::Backward, dtype)?;
-        let [q, k, v, d_o, lse, delta] = given;
         let given = [
             (Tensor::Q, q),
             (Tensor::K, k),
@@ -356,18 +311,19 @@ impl RankAttention {
             (Tensor::Lse, lse),
             (Tensor::Delta, delta),
         ];
-        let (outs, c) = self.run(&prog, backend, comm, given, wait)?;
-        Ok((take_outputs(&prog, outs, [Tensor::DQ, Tensor::DK, Tensor::DV])?, c))
+        let (run, completion) = self.run(&prog, backend, comm, given)?;
+        Ok(Deferred { outputs: take_outputs(&prog, run.outputs, [Tensor::DQ, Tensor::DK, Tensor::DV])?, completion })
     }
 
+    /// Issues `prog` on `given` (its inputs, in any order): its outputs in program order and the
+    /// run's completion.
     fn run<B, C, const N: usize>(
         &self,
         prog: &PreparedRank,
         backend: &B,
         comm: &C,
         given: [(Tensor, B::Buf); N],
-        wait: Wait,
-    ) -> Result<Ran<B>>
+    ) -> Result<distattn_exec::Deferred<B>>
     where
         B: Backend,
         C: Communicator<Buf = B::CommBuf>,
@@ -388,13 +344,7 @@ impl RankAttention {
         for (_, buf) in given.into_iter().flatten() {
             backend.free(Lane::Compute, buf);
         }
-        Ok(match wait {
-            Wait::Now => (execute(prog, backend, comm, &self.opts, inputs, &ExecOptions::default())?.outputs, None),
-            Wait::Defer => {
-                let (run, c) = execute_deferred(prog, backend, comm, &self.opts, inputs)?;
-                (run.outputs, Some(c))
-            }
-        })
+        execute_deferred(prog, backend, comm, &self.opts, inputs)
     }
 }
 
@@ -405,17 +355,12 @@ pub struct Deferred<B: Backend, const N: usize> {
     pub completion: Completion<B::Event>,
 }
 
-/// A run's outputs in program order and, where it did not wait, its completion.
-type Ran<B> = (Vec<<B as Backend>::Buf>, Option<Completion<<B as Backend>::Event>>);
-
-/// A call's outputs and, where it did not wait, its run's completion.
-type Outputs<B, const N: usize> = ([<B as Backend>::Buf; N], Option<Completion<<B as Backend>::Event>>);
-
-/// Whether a call waits for its run to complete or hands the completion back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Wait {
-    Now,
-    Defer,
+impl<B: Backend, const N: usize> Deferred<B, N> {
+    /// The outputs once the run has completed on the device (what the waiting calls return).
+    pub fn wait<C: Communicator>(self, backend: &B, comm: &C) -> Result<[B::Buf; N]> {
+        self.completion.wait(backend, comm)?;
+        Ok(self.outputs)
+    }
 }
 
 /// The outputs of `prog` in the order of `want`.

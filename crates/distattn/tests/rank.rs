@@ -7,7 +7,7 @@ use distattn::{
     run_ranks, AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, Mask, RankAttention, Strategy,
     ThreadComm,
 };
-use distattn_testkit::{cast, reference, rel_err, rel_err_f32, seeded_rng, uniform};
+use distattn_testkit::{cast, reference, rel_err, seeded_rng, uniform};
 use std::time::Duration;
 
 /// Rows `tokens` of a `[b, n, heads, d]` tensor, in order.
@@ -214,66 +214,4 @@ fn a_serving_step_runs_the_plan_chosen_by_the_time_model() {
     .unwrap();
     let err = RankAttention::placed_plan(backward, step.mask.clone(), 0).err().unwrap();
     assert!(err.to_string().contains("forward plan"), "{err}");
-}
-
-#[test]
-fn deferred_calls_equal_waiting_ones_once_completed() {
-    let (mut rng, seed) = seeded_rng("rank_deferred");
-    let shape = AttnShape::new(1, 97, 97, 4, 2, 16).unwrap();
-    let mask = Mask::causal(97, 97).unwrap();
-    let [q, k, v, d_o] = [shape.q_elems(), shape.kv_elems(), shape.kv_elems(), shape.q_elems()]
-        .map(|n| cast::<f32>(&uniform(&mut rng, n, -1.0, 1.0)));
-    for strategy in [Strategy::Zigzag, Strategy::Ulysses] {
-        let world = 2;
-        // Per rank: (waiting, deferred) pairs of every output, forward then backward.
-        let pairs = run_ranks(world, Duration::from_secs(30), |comm: &ThreadComm| {
-            let me = RankAttention::new(shape, mask.clone(), strategy, world, comm.rank())?;
-            let t = me.tokens().clone();
-            let (h, hkv) = (shape.heads, shape.kv_heads);
-            let cpu = CpuBackend;
-            let f32s = |b: &HostData| cpu.download_f32(b);
-            let qkv = || -> Result<[HostData; 3], Error> {
-                Ok([
-                    cpu.upload(&rows(&q, &shape, h, &t))?,
-                    cpu.upload(&rows(&k, &shape, hkv, &t))?,
-                    cpu.upload(&rows(&v, &shape, hkv, &t))?,
-                ])
-            };
-            let [a, b, c] = qkv()?;
-            let waited = me.forward(&cpu, comm, DType::F32, a, b, c)?;
-            let [a, b, c] = qkv()?;
-            let run = me.forward_deferred(&cpu, comm, DType::F32, a, b, c)?;
-            run.completion.wait(&cpu, comm)?;
-            let mut pairs = Vec::new();
-            for (w, d) in waited.iter().zip(&run.outputs) {
-                pairs.push((f32s(w)?, f32s(d)?));
-            }
-            // The backward from this rank's rows and the forward's LSE (D = 0: any D gives both
-            // calls the same function).
-            let grads = |deferred: bool| -> Result<Vec<Vec<f32>>, Error> {
-                let [a, b, c] = qkv()?;
-                let d_o = cpu.upload(&rows(&d_o, &shape, h, &t))?;
-                let lse = cpu.upload(&f32s(&waited[1])?)?;
-                let delta = cpu.upload(&vec![0f32; shape.batch * h * t.len()])?;
-                let out = if deferred {
-                    let run = me.backward_deferred(&cpu, comm, DType::F32, a, b, c, d_o, lse, delta)?;
-                    run.completion.wait(&cpu, comm)?;
-                    run.outputs
-                } else {
-                    me.backward(&cpu, comm, DType::F32, a, b, c, d_o, lse, delta)?
-                };
-                out.iter().map(f32s).collect()
-            };
-            pairs.extend(grads(false)?.into_iter().zip(grads(true)?));
-            Ok(pairs)
-        })
-        .unwrap_or_else(|e| panic!("{strategy} (seed {seed}): {e}"));
-        // The CPU backward sums in parallel, so equal only up to rounding.
-        for (r, rank) in pairs.iter().enumerate() {
-            for (i, (w, d)) in rank.iter().enumerate() {
-                let e = rel_err_f32(d, w);
-                assert!(e < 1e-6, "{strategy} rank {r} output {i} (seed {seed}): deferred differs by {e}");
-            }
-        }
-    }
 }

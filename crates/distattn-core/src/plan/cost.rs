@@ -109,14 +109,14 @@ impl Plan {
                             // A fresh f32 partial for each gradient whose accumulator is not
                             // exactly the block's rows or keys (the others are added in place).
                             let (qd, kd) = (&p.bufs[*q], &p.bufs[*k]);
-                            let covers = |acc: usize, d: &BufDesc| {
-                                p.bufs[acc].tokens == d.tokens && p.bufs[acc].heads == d.heads
+                            let partial = |acc: usize, d: &BufDesc| {
+                                if p.bufs[acc].same_region(d) {
+                                    0
+                                } else {
+                                    d.elems(&self.shape)
+                                }
                             };
-                            let mut e = 0;
-                            if !covers(*dq, qd) {
-                                e += qd.elems(&self.shape);
-                            }
-                            e += [*dk, *dv].iter().filter(|&&g| !covers(g, kd)).count() * kd.elems(&self.shape);
+                            let e = partial(*dq, qd) + partial(*dk, kd) + partial(*dv, kd);
                             peak = peak.max(live + e as u64 * 4);
                         }
                         _ => {}

@@ -81,13 +81,15 @@ impl BufDesc {
         BufDesc { within: Some(parent), ..self }
     }
 
+    /// Whether both cover the same tokens and heads (an accumulator a block adds into in place).
+    pub fn same_region(&self, other: &BufDesc) -> bool {
+        self.tokens == other.tokens && self.heads == other.heads
+    }
+
     /// Whether both describe the same part of a tensor in the same dtype, wherever each is
     /// stored (what a send and its receive must agree on).
     pub fn same_part(&self, other: &BufDesc) -> bool {
-        self.tensor == other.tensor
-            && self.tokens == other.tokens
-            && self.heads == other.heads
-            && self.narrow == other.narrow
+        self.tensor == other.tensor && self.same_region(other) && self.narrow == other.narrow
     }
 
     /// The element offset of this part inside `parent`, where it is one contiguous run there:

@@ -1,6 +1,7 @@
 //! All-gather: every rank gathers all of K and V once (zig-zag layout, document-aware as the
-//! zig-zag ring's, so causal work is balanced) and computes its queries against every block it needs. Backward gathers K and V
-//! again and reduce-scatters the dK/dV partials back to their owners.
+//! zig-zag ring's, so causal work is balanced) and computes its queries against every block it
+//! needs. Backward gathers K and V again and reduce-scatters the dK/dV partials back to their
+//! owners.
 
 use super::builder::{Builder, BwdBufs, FwdBufs, GradBufs, KvBufs, PassBufs};
 use crate::Result;
