@@ -607,9 +607,10 @@ fn gpu_inputs<const N: usize>(
     out.try_into().map_err(|_| Error::Internal("input count".into()))
 }
 
-/// Writes the f32 outputs into the CUDA tensors `ts` in their dtypes on the backend's compute
-/// stream, then releases them there (a run may have allocated one on its comm lane, whose own
-/// order would not follow these reads); torch's `stream` then waits for the writes.
+/// Writes the outputs (f32, or already in the tensors' dtypes: the plans narrow them) into the
+/// CUDA tensors `ts` in their dtypes on the backend's compute stream, then releases them there
+/// (a run may have allocated one on its comm lane, whose own order would not follow these
+/// reads); torch's `stream` then waits for the writes.
 fn gpu_outputs<const N: usize>(
     gpu: &CudaBackend,
     stream: u64,

@@ -210,7 +210,11 @@ impl Backend for CpuBackend {
         };
         block.shape.check_len("o", o.len(), bo.len())?;
         block.shape.check_len("lse", lse.len(), bl.len())?;
-        *o = HostData::F32(bo);
+        // O held in the input dtype: a final result, rounded once.
+        *o = match o.dtype() {
+            DType::F32 => HostData::F32(bo),
+            narrow => HostData::from_f32(&bo, narrow),
+        };
         *lse = HostData::F32(bl);
         Ok(())
     }

@@ -101,11 +101,11 @@ impl CudaBackend {
         unsafe { aux.pieces(s, op, src_ptr, dst_ptr, piece_list) }
     }
 
-    /// Forward of one block into f32 (O, LSE) buffers of the block's rows: a decode-shaped block
-    /// (a few rows, a run of keys each) by the split-KV decode kernel, any other by the flash
-    /// kernels. With `merge`, the buffers hold an earlier partial of these rows that the flash
-    /// kernel merges into; `false`: this GPU's kernel does not, or the block is decode-shaped,
-    /// and nothing ran.
+    /// Forward of one block into (O, LSE) buffers of the block's rows (O f32, or in the input
+    /// dtype: a final result): a decode-shaped block (a few rows, a run of keys each) by the
+    /// split-KV decode kernel, any other by the flash kernels. With `merge`, the buffers hold an
+    /// earlier f32 partial of these rows that the flash kernel merges into; `false`: this GPU's
+    /// kernel does not, or the block is decode-shaped, and nothing ran.
     fn block_forward<T: CudaElement>(
         &self,
         block: &Block,
@@ -126,12 +126,20 @@ impl CudaBackend {
         }
         let (q, k, v) = (inputs.q.view::<T>()?, inputs.k.view::<T>()?, inputs.v.view::<T>()?);
         let (shape, mask) = (&block.shape, &block.mask);
+        if o.dtype() == T::DTYPE && !merge {
+            let (mut ot, mut lse) = (o.view_mut::<T>()?, lse.view_mut::<f32>()?);
+            return self.forward::<T>(&q, &k, &v, shape, mask, opts, &mut ot, &mut lse, None).map(|_| true);
+        }
+        let o_f32 = self.checked_mut_ptr("o_f32", &mut o.view_mut::<f32>()?, shape.q_elems(), shape)?;
+        // The warp-specialized kernel writes the f32 O alone (or merges into it); the others also
+        // write O in the input dtype, into a scratch buffer here.
+        if self.forward_into((&q, &k, &v), shape, mask, opts, (0, o_f32), &mut lse.view_mut::<f32>()?, merge)? {
+            return Ok(true);
+        }
         if merge {
-            let o_f32 = self.checked_mut_ptr("o_f32", &mut o.view_mut::<f32>()?, shape.q_elems(), shape)?;
-            return self.forward_into((&q, &k, &v), shape, mask, opts, (0, o_f32), &mut lse.view_mut::<f32>()?, true);
+            return Ok(false);
         }
         let s = self.stream();
-        // The kernel also writes O in the input dtype; the interpreter keeps only the f32 copy.
         let mut o_t = GpuBuf::alloc(s, T::DTYPE, block.shape.q_elems())?;
         let r = self.forward::<T>(
             &q,

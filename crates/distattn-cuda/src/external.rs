@@ -142,16 +142,20 @@ impl CudaBackend {
         unsafe { self.launch_backward(stream, dtype, cfg, &p, shape, mask, opts) }
     }
 
-    /// Writes the f32 buffer `src` to the caller's memory at `dst` as `dtype`, on the backend's
-    /// compute stream: a copy for f32, rounded to nearest even for bf16 and f16 (one pass, where
-    /// a copy and then a conversion by the caller would read and write the f32 values twice).
+    /// Writes the buffer `src` (f32, or already of `dtype`) to the caller's memory at `dst` as
+    /// `dtype`, on the backend's compute stream: a copy where the dtypes match, rounded to
+    /// nearest even from f32 to bf16 and f16 (one pass, where a copy and then a conversion by
+    /// the caller would read and write the f32 values twice).
     ///
     /// # Safety
     /// `dst` is device memory of this GPU's context with room for `src.len()` elements of
     /// `dtype`, 16-byte aligned, not used by other work until the write has run on the stream.
     pub unsafe fn store_external(&self, src: &GpuBuf, dst: u64, dtype: DType) -> Result<()> {
-        if src.dtype() != DType::F32 {
-            return Err(Error::UnsupportedDType(format!("storing a {} buffer; f32 is stored", src.dtype())));
+        if src.dtype() != DType::F32 && src.dtype() != dtype {
+            return Err(Error::UnsupportedDType(format!(
+                "storing a {} buffer as {dtype}; f32 or {dtype} is stored",
+                src.dtype()
+            )));
         }
         if src.is_empty() {
             // Nothing to store, and an empty tensor's address may be null (a serving step's rank
@@ -159,14 +163,15 @@ impl CudaBackend {
             return Ok(());
         }
         let s = self.stream();
-        if dtype == DType::F32 {
-            // SAFETY: the caller's contract covers `dst` for src.len() f32.
+        let dst = aligned("output", dst)?;
+        if src.dtype() == dtype {
+            // SAFETY: the caller's contract covers `dst` for src.len() values of `dtype`.
             return unsafe { src.copy_to(s, dst) };
         }
         let aux = self.aux(attention_dtype(dtype)?)?;
         // SAFETY: `src` holds src.len() f32 on this stream's context and `dst` room for as many
         // values of the module's type, `dtype` (the caller's contract); both 16-byte aligned.
-        unsafe { aux.convert_f32(s, src.ptr(s), aligned("output", dst)?, src.len()) }
+        unsafe { aux.convert_f32(s, src.ptr(s), dst, src.len()) }
     }
 
     pub(crate) fn check_stream(&self, stream: &CudaStream) -> Result<()> {

@@ -231,6 +231,28 @@ fn empty_outputs_store_nothing() {
     s.synchronize().unwrap();
 }
 
+/// An output already in the tensor's dtype (a plan's final results held narrowed) is copied as
+/// is; one of a third dtype is refused, not reinterpreted.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn outputs_in_the_tensors_dtype_are_copied() {
+    let gpu = gpu();
+    let s = gpu.stream();
+    let (mut rng, _) = seeded_rng("outputs_in_the_tensors_dtype_are_copied");
+    let values: Vec<bf16> = cast(&randn(&mut rng, 1000, 1.0));
+    let src = GpuBuf::upload(s, &values).unwrap();
+    let dst = GpuBuf::filled(s, DType::BF16, values.len(), 0.0).unwrap();
+    // SAFETY: `dst` holds as many bf16 as `src`, is a whole allocation (aligned) on this
+    // stream, and nothing else uses it until the synchronize below.
+    unsafe { gpu.store_external(&src, dst.ptr(s), DType::BF16) }.unwrap();
+    let got = dst.download_f32(s).unwrap();
+    assert!(got.iter().zip(&values).all(|(g, v)| *g == v.to_f32()));
+    // SAFETY: refused before any write.
+    let r = unsafe { gpu.store_external(&src, dst.ptr(s), DType::F16) };
+    assert!(matches!(r, Err(Error::UnsupportedDType(_))), "{r:?}");
+    s.synchronize().unwrap();
+}
+
 /// A NaN or infinite query row gives NaN in that row only; a NaN key gives NaN in exactly the
 /// rows that see it (never O = 0, LSE = −inf, which means "sees no key").
 #[test]

@@ -112,8 +112,9 @@ pub trait Backend: Sync {
         lse_acc: &mut Self::Buf,
         spec: &MergeSpec,
     ) -> Result<()>;
-    /// Attention of one block, writing its f32 O `[b, q rows, h, d]` and LSE `[b, h, q rows]`
-    /// (every row; O = 0 and LSE = −inf where no key is kept), on the compute lane.
+    /// Attention of one block, writing its O `[b, q rows, h, d]` (f32, or the input dtype where
+    /// `o` is of it: a final result no merge follows) and f32 LSE `[b, h, q rows]` (every row;
+    /// O = 0 and LSE = −inf where no key is kept), on the compute lane.
     fn forward(
         &self,
         block: &Block,

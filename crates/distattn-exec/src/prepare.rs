@@ -229,6 +229,12 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
                     (false, true) => FwdOutput::MergeInKernel(spec()?),
                     _ => FwdOutput::Merge(spec()?),
                 };
+                // An O held in the input dtype is written whole by one block; merges are in f32.
+                if desc(*o)?.narrow && output != FwdOutput::Direct {
+                    return Err(Error::InvalidPlan(format!(
+                        "rank {rank}: a forward block merges into buffer {o}, which is held in the input dtype"
+                    )));
+                }
                 let block = block_of(qd, kd, &None)?;
                 PreparedOp::Fwd { q: *q, k: *k, v: *v, o: *o, lse: *lse, block, output }
             }

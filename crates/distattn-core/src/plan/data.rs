@@ -60,8 +60,10 @@ pub struct BufDesc {
     pub tensor: Tensor,
     pub tokens: TokenSet,
     pub heads: Range<usize>,
-    /// A final f32 output held in the input dtype on its way over a link
-    /// ([`PlanOptions::narrow_outputs`]); copies widen it back into the output.
+    /// Held in the input dtype rather than f32 ([`PlanOptions::narrow_outputs`]): a final
+    /// output (O, dQ, dK, dV), a piece of one on its way over a link, or an accumulator whose
+    /// one forward block writes it whole (Ulysses' head-sharded O). Copies between it and f32
+    /// convert.
     #[serde(default)]
     pub narrow: bool,
     /// Stored inside buffer `within` of the same rank (the part of it [`BufDesc::offset_in`]
@@ -294,9 +296,10 @@ pub struct PlanOptions {
     /// SMs the attention kernel holds (`bench/results/h200x2-2026-11-26-serving-ulysses`).
     #[serde(default)]
     pub head_chunks: Option<usize>,
-    /// The caller needs the outputs only in the input dtype (it rounds the f32 outputs to it),
-    /// so final outputs may cross links in it: the all-to-all back of Ulysses and hybrid moves
-    /// half the bytes, with the same rounded results. Off by default: the outputs are f32.
+    /// The caller takes the outputs in the input dtype: the program's final O, dQ, dK and dV
+    /// are held in it (rounded once, from the f32 accumulators), and final results cross links
+    /// in it, so the all-to-all back of Ulysses and hybrid moves half the bytes and lands
+    /// without widening. Off by default: the outputs are f32.
     #[serde(default)]
     pub narrow_outputs: bool,
     /// Ulysses and hybrid (one head chunk): the forward also hands back the head-sharded Q, K,

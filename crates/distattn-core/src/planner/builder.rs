@@ -301,10 +301,37 @@ impl<'a> Builder<'a> {
         self.opts.pass()
     }
 
-    /// Whether a final output of `tensor` crosses links in the input dtype
+    /// Whether final results of `tensor` are held in the input dtype
     /// ([`PlanOptions::narrow_outputs`]): it must be f32 and the input narrower.
     pub fn narrows(&self, tensor: Tensor) -> bool {
         self.opts.narrow_outputs && tensor.dtype(self.dtype) != self.dtype && !tensor.is_stats()
+    }
+
+    /// Holds `buf` of `rank` in the input dtype where its tensor [narrows](Self::narrows):
+    /// for a buffer nothing has used yet that copies write (a pass output gathered from
+    /// pieces) or one forward block writes whole (no merge into it follows).
+    pub fn hold_narrowed(&mut self, rank: usize, buf: BufId) {
+        if self.narrows(self.desc(rank, buf).tensor) {
+            self.progs[rank].bufs[buf].narrow = true;
+        }
+    }
+
+    /// Rounds every output that should be narrowed but is still an f32 accumulator into a new
+    /// narrowed buffer, after the last step's ops, and hands that one back instead.
+    fn narrow_final_outputs(&mut self) {
+        let Some(last) = self.labels.len().checked_sub(1) else { return };
+        for rank in 0..self.world {
+            for i in 0..self.progs[rank].outputs.len() {
+                let (tensor, acc) = self.progs[rank].outputs[i];
+                let desc = self.desc(rank, acc).clone();
+                if desc.narrow || !self.narrows(tensor) {
+                    continue;
+                }
+                let out = self.alloc(rank, last, desc.narrowed(), Fill::Overwritten);
+                self.push(rank, last, Op::Copy { src: acc, dst: out });
+                self.progs[rank].outputs[i].1 = out;
+            }
+        }
     }
 
     pub fn unsupported(&self, reason: impl Into<String>) -> Error {
@@ -587,6 +614,7 @@ impl<'a> Builder<'a> {
             .take()
             .ok_or_else(|| Error::Internal(format!("the {} planner declared no layout", self.strategy)))?;
         self.ensure(0);
+        self.narrow_final_outputs();
         // Drop steps in which no rank does anything.
         let keep: Vec<bool> =
             (0..self.labels.len()).map(|t| self.progs.iter().any(|p| !p.steps[t].is_empty())).collect();

@@ -89,6 +89,12 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
     let kept_inputs = keep && b.pass() == Pass::Backward;
     let g = Groups { u_deg, chunks, h, kvh, layout: layout.clone(), kept_inputs };
     let bufs = b.declare_pass_with(layout, &|r, t| g.kept(r, t));
+    // Only the all-to-all back's copies write the pass's outputs.
+    for r in 0..p {
+        for (_, out) in bufs.outputs(r) {
+            b.hold_narrowed(r, out);
+        }
+    }
     let mut sliced = Vec::with_capacity(chunks);
     for step in 0..chunks + r_deg + 1 {
         if step < chunks {
@@ -233,9 +239,17 @@ impl Groups {
                 b.transfer_gathered(step, 0, a, dst, x, into);
             }
         }
+        // Without a ring, one forward block writes each O accumulator whole: it may be held in
+        // the input dtype, so the kernel writes what the all-to-all back sends.
+        let one_block = p == self.u_deg;
         gathered.map_outputs(|r, t, _| {
             let (g, u) = self.group(r);
-            b.alloc(r, step, BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c)), accumulator_fill(t))
+            let acc =
+                b.alloc(r, step, BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c)), accumulator_fill(t));
+            if one_block && t == Tensor::O {
+                b.hold_narrowed(r, acc);
+            }
+            acc
         })
     }
 

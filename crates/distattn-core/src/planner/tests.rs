@@ -413,6 +413,41 @@ fn narrowed_outputs_halve_the_all_to_all_back() {
     }
 }
 
+/// With `narrow_outputs` every strategy hands back O, dQ, dK and dV in the input dtype (LSE in
+/// f32), each written once; Ulysses' forward holds no f32 O at all (its kernel writes the
+/// head-sharded O in bf16, which the all-to-all back sends), and f32 inputs narrow nothing.
+#[test]
+fn narrowed_outputs_are_handed_back_in_the_input_dtype() {
+    let shape = AttnShape::new(1, 1000, 1000, 8, 4, 64).unwrap();
+    let mask = Mask::causal(1000, 1000).unwrap();
+    for s in strategies() {
+        for pass in [Pass::Forward, Pass::Backward] {
+            let opts = PlanOptions { pass: Some(pass), narrow_outputs: true, ..Default::default() };
+            for (dtype, narrowed) in [(DType::BF16, true), (DType::F32, false)] {
+                let plan = build(s, 4, &shape, &mask, dtype, &opts).unwrap();
+                plan.validate().unwrap();
+                for prog in &plan.ranks {
+                    for &(t, b) in &prog.outputs {
+                        assert_eq!(prog.bufs[b].narrow, narrowed && !t.is_stats(), "{s} {pass:?} {dtype:?} {t:?}");
+                        let writes = prog
+                            .steps
+                            .iter()
+                            .flatten()
+                            .filter(|op| matches!(op, Op::Copy { dst, .. } if *dst == b))
+                            .count();
+                        assert!(writes <= plan.world, "{s} {pass:?}: {t:?} copied into {writes} times");
+                    }
+                }
+            }
+        }
+    }
+    let opts = PlanOptions { pass: Some(Pass::Forward), narrow_outputs: true, ..Default::default() };
+    let plan = build(Strategy::Ulysses, 4, &shape, &mask, DType::BF16, &opts).unwrap();
+    for prog in &plan.ranks {
+        assert!(prog.bufs.iter().filter(|d| d.tensor == Tensor::O).all(|d| d.narrow), "{:?}", prog.bufs);
+    }
+}
+
 #[test]
 fn kept_head_sharded_inputs_leave_the_backward_only_do_and_d_to_send() {
     let (n, h, kv, d) = (4096u64, 32u64, 8u64, 128u64);
