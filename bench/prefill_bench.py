@@ -4,6 +4,7 @@ forward against PyTorch SDPA's cuDNN and flash backends, timed both ways in the 
 
   prefill_bench.py OUT_DIR [--quick] [--cases a,b]     CUDA-event timings -> OUT_DIR/prefill_bench.json
       [--impls distattn,distattn-fp8] [--passes fwd]   (of these implementations and passes only)
+      [--heads 8/2,32/8] [--seconds 1.0]               (other head counts; longer sustained loops)
   ncu --clock-control none --csv --metrics gpu__time_duration.sum \\
       python3 prefill_bench.py OUT_DIR --kernel-pass > OUT_DIR/ncu.csv
   prefill_bench.py OUT_DIR --table OUT_DIR/ncu.csv     the tables, from both
@@ -37,11 +38,11 @@ DT = torch.bfloat16
 SEQS = [4096, 8192, 16384, 32768, 65536]
 
 
-def cases(quick, only=None):
+def cases(quick, only=None, heads=((16, 16), (32, 8))):
     """(name, n, mask, h, hkv, d)."""
     out = []
     for d in (128, 64, 256, 192, 96):
-        for h, hkv in ((16, 16), (32, 8)):
+        for h, hkv in heads:
             for mask in ("causal", "full"):
                 for n in SEQS:
                     out.append((f"d{d}-{h}/{hkv}-{mask}-{n // 1024}k", n, mask, h, hkv, d))
@@ -113,13 +114,13 @@ def picked(impl, pss, only_impls, only_passes):
     return (not only_impls or impl in only_impls.split(",")) and (not only_passes or pss in only_passes.split(","))
 
 
-def run_timings(out_dir, quick, only, only_impls=None, only_passes=None):
+def run_timings(out_dir, quick, only, only_impls=None, only_passes=None, heads=None, seconds=None):
     rows = []
-    for name, n, mask, h, hkv, d in cases(quick, only):
+    for name, n, mask, h, hkv, d in cases(quick, only, heads or ((16, 16), (32, 8))):
         for impl, pss, fn in impls(n, mask, h, hkv, d):
             if not picked(impl, pss, only_impls, only_passes):
                 continue
-            ms = timed(fn, 0.2 if quick else 0.3)
+            ms = timed(fn, seconds or (0.2 if quick else 0.3))
             f = flops(n, mask, h, d) * (2.5 if pss == "bwd" else 1)
             rows.append({"case": name, "impl": impl, "pass": pss, "ms": ms, "tflops": f / ms / 1e9})
             print(f"{name:24} {impl:13} {pss} {ms:9.3f} ms {f / ms / 1e9:6.0f} TFLOP/s", file=sys.stderr)
@@ -239,7 +240,10 @@ def main():
     ap.add_argument("--cases", help="comma-separated case names or prefixes, e.g. d128- (default: all)")
     ap.add_argument("--impls", help="timings of these implementations only, e.g. distattn,distattn-fp8")
     ap.add_argument("--passes", help="timings of these passes only: fwd, bwd")
+    ap.add_argument("--heads", help="head counts H/HKV of the timed cases, e.g. 8/2,32/8 (default 16/16,32/8)")
+    ap.add_argument("--seconds", type=float, help="sustained seconds of each timing (default 0.3)")
     a = ap.parse_args()
+    heads = [tuple(int(x) for x in hh.split("/")) for hh in a.heads.split(",")] if a.heads else None
     os.makedirs(a.out_dir, exist_ok=True)
     if a.table:
         table(a.out_dir, a.table)
@@ -248,7 +252,7 @@ def main():
     elif a.accuracy:
         accuracy(a.out_dir)
     else:
-        run_timings(a.out_dir, a.quick, a.cases, a.impls, a.passes)
+        run_timings(a.out_dir, a.quick, a.cases, a.impls, a.passes, heads, a.seconds)
 
 
 if __name__ == "__main__":
