@@ -83,7 +83,9 @@ pub fn reads_writes(op: &Op, bufs: &[BufDesc]) -> (Vec<BufId>, Vec<BufId>) {
         Op::Copy { src, dst } => (vec![*src], vec![*dst]),
         Op::Add { src, dst } => (vec![*src, *dst], vec![*dst]),
         Op::Merge { o, lse, o_acc, lse_acc } => (vec![*o, *lse, *o_acc, *lse_acc], vec![*o_acc, *lse_acc]),
-        Op::Fwd { q, k, v, o, lse, .. } => (vec![*q, *k, *v, *o, *lse], vec![*o, *lse]),
+        Op::Fwd { q, k, v, o, lse, rounded, .. } => {
+            (vec![*q, *k, *v, *o, *lse], [*o, *lse].into_iter().chain(*rounded).collect())
+        }
         Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, .. } => {
             (vec![*q, *k, *v, *d_o, *lse, *delta, *dq, *dk, *dv], vec![*dq, *dk, *dv])
         }

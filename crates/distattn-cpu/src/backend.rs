@@ -202,6 +202,7 @@ impl Backend for CpuBackend {
         opts: &AttnOptions,
         o: &mut HostData,
         lse: &mut HostData,
+        rounded: Option<&mut HostData>,
     ) -> Result<()> {
         let (bo, bl) = match inputs.q.dtype() {
             DType::F32 => block_forward::<f32>(block, &inputs, opts)?,
@@ -210,6 +211,10 @@ impl Backend for CpuBackend {
         };
         block.shape.check_len("o", o.len(), bo.len())?;
         block.shape.check_len("lse", lse.len(), bl.len())?;
+        if let Some(r) = rounded {
+            block.shape.check_len("rounded o", r.len(), bo.len())?;
+            *r = HostData::from_f32(&bo, r.dtype());
+        }
         // O held in the input dtype: a final result, rounded once.
         *o = match o.dtype() {
             DType::F32 => HostData::F32(bo),

@@ -102,10 +102,12 @@ impl CudaBackend {
     }
 
     /// Forward of one block into (O, LSE) buffers of the block's rows (O f32, or in the input
-    /// dtype: a final result): a decode-shaped block (a few rows, a run of keys each) by the
-    /// split-KV decode kernel, any other by the flash kernels. With `merge`, the buffers hold an
-    /// earlier f32 partial of these rows that the flash kernel merges into; `false`: this GPU's
-    /// kernel does not, or the block is decode-shaped, and nothing ran.
+    /// dtype: a final result), and where given O rounded to the input dtype into `rounded` (a
+    /// final output beside an f32 `o`): a decode-shaped block (a few rows, a run of keys each)
+    /// by the split-KV decode kernel, any other by the flash kernels. With `merge`, the buffers
+    /// hold an earlier f32 partial of these rows that the flash kernel merges into; `false`:
+    /// this GPU's kernel does not, or the block is decode-shaped, and nothing ran.
+    #[allow(clippy::too_many_arguments)] // the block, its inputs and its three outputs
     fn block_forward<T: CudaElement>(
         &self,
         block: &Block,
@@ -113,50 +115,64 @@ impl CudaBackend {
         opts: &AttnOptions,
         o: &mut GpuBuf,
         lse: &mut GpuBuf,
+        rounded: Option<&mut GpuBuf>,
         merge: bool,
     ) -> Result<bool> {
-        if let Some(runs) = block.row_runs.as_ref().filter(|r| decode_reads_pay(r, block.shape.k_len)) {
+        let (shape, mask) = (&block.shape, &block.mask);
+        if o.dtype() == T::DTYPE && (merge || rounded.is_some()) {
+            return Err(Error::Internal("an O held in the input dtype is neither merged into nor rounded".into()));
+        }
+        if let Some(runs) = block.row_runs.as_ref().filter(|r| decode_reads_pay(r, shape.k_len)) {
             if merge {
                 return Ok(false);
             }
-            if self.decode_blocks(T::DTYPE, block.shape.head_dim).is_ok() {
+            if self.decode_blocks(T::DTYPE, shape.head_dim).is_ok() {
                 self.block_decode::<T>(block, runs, inputs.q, inputs.k, inputs.v, opts, o, lse)?;
+                if let Some(r) = rounded {
+                    self.copy(Lane::Compute, o, r, &[Piece::run(0, 0, shape.q_elems())])?;
+                }
                 return Ok(true);
             }
         }
         let (q, k, v) = (inputs.q.view::<T>()?, inputs.k.view::<T>()?, inputs.v.view::<T>()?);
-        let (shape, mask) = (&block.shape, &block.mask);
-        if o.dtype() == T::DTYPE && !merge {
-            let (mut ot, mut lse) = (o.view_mut::<T>()?, lse.view_mut::<f32>()?);
-            return self.forward::<T>(&q, &k, &v, shape, mask, opts, &mut ot, &mut lse, None).map(|_| true);
+        let mut lse = lse.view_mut::<f32>()?;
+        if o.dtype() == T::DTYPE {
+            return self
+                .forward::<T>(&q, &k, &v, shape, mask, opts, &mut o.view_mut::<T>()?, &mut lse, None)
+                .map(|_| true);
         }
         let o_f32 = self.checked_mut_ptr("o_f32", &mut o.view_mut::<f32>()?, shape.q_elems(), shape)?;
-        // The warp-specialized kernel writes the f32 O alone (or merges into it); the others also
-        // write O in the input dtype, into a scratch buffer here.
-        if self.forward_into((&q, &k, &v), shape, mask, opts, (0, o_f32), &mut lse.view_mut::<f32>()?, merge)? {
+        let o_t = match rounded {
+            Some(r) => Some(self.checked_mut_ptr("rounded o", &mut r.view_mut::<T>()?, shape.q_elems(), shape)?),
+            None => None,
+        };
+        // The warp-specialized kernel writes the f32 O, and the rounded one where asked, or
+        // merges into the f32 O; the others write O in the input dtype too, into a scratch
+        // buffer where none is asked.
+        if self.forward_into((&q, &k, &v), shape, mask, opts, (o_t.unwrap_or(0), o_f32), &mut lse, merge)? {
             return Ok(true);
         }
         if merge {
             return Ok(false);
         }
         let s = self.stream();
-        let mut o_t = GpuBuf::alloc(s, T::DTYPE, block.shape.q_elems())?;
-        let r = self.forward::<T>(
-            &q,
-            &k,
-            &v,
-            shape,
-            mask,
-            opts,
-            &mut o_t.view_mut::<T>()?,
-            &mut lse.view_mut::<f32>()?,
-            Some(&mut o.view_mut::<f32>()?),
-        );
-        o_t.free_on(s);
+        let scratch = match o_t {
+            Some(_) => None,
+            None => Some(GpuBuf::alloc(s, T::DTYPE, shape.q_elems())?),
+        };
+        let o_t = match &scratch {
+            Some(b) => b.ptr(s),
+            None => o_t.unwrap_or(0),
+        };
+        let r = self.forward_into((&q, &k, &v), shape, mask, opts, (o_t, o_f32), &mut lse, false);
+        if let Some(b) = scratch {
+            b.free_on(s);
+        }
         r.map(|_| true)
     }
 
     /// [`Self::block_forward`] for the inputs' dtype.
+    #[allow(clippy::too_many_arguments)] // as block_forward
     fn block_forward_of_dtype(
         &self,
         block: &Block,
@@ -164,11 +180,12 @@ impl CudaBackend {
         opts: &AttnOptions,
         o: &mut GpuBuf,
         lse: &mut GpuBuf,
+        rounded: Option<&mut GpuBuf>,
         merge: bool,
     ) -> Result<bool> {
         match inputs.q.dtype() {
-            DType::BF16 => self.block_forward::<bf16>(block, inputs, opts, o, lse, merge),
-            DType::F16 => self.block_forward::<f16>(block, inputs, opts, o, lse, merge),
+            DType::BF16 => self.block_forward::<bf16>(block, inputs, opts, o, lse, rounded, merge),
+            DType::F16 => self.block_forward::<f16>(block, inputs, opts, o, lse, rounded, merge),
             d => Err(cuda_dtype(d)),
         }
     }
@@ -332,8 +349,9 @@ impl Backend for CudaBackend {
         opts: &AttnOptions,
         o: &mut GpuBuf,
         lse: &mut GpuBuf,
+        rounded: Option<&mut GpuBuf>,
     ) -> Result<()> {
-        self.block_forward_of_dtype(block, &inputs, opts, o, lse, false).map(|_| ())
+        self.block_forward_of_dtype(block, &inputs, opts, o, lse, rounded, false).map(|_| ())
     }
 
     fn forward_merging(
@@ -343,8 +361,9 @@ impl Backend for CudaBackend {
         opts: &AttnOptions,
         o_acc: &mut GpuBuf,
         lse_acc: &mut GpuBuf,
+        rounded: Option<&mut GpuBuf>,
     ) -> Result<bool> {
-        self.block_forward_of_dtype(block, &inputs, opts, o_acc, lse_acc, true)
+        self.block_forward_of_dtype(block, &inputs, opts, o_acc, lse_acc, rounded, true)
     }
 
     fn backward(

@@ -187,7 +187,8 @@ fn append_then_decode_in_one_step() {
 /// block's keys, or none) go through the decode kernel reading K and V in place: against f64,
 /// with GQA, batch 2, a row without keys, rows whose runs start mid-buffer, a rank's part of
 /// interleaved 16-token pages, and a block of 65 rows (past the route's limit: the flash
-/// kernels) for the same answer.
+/// kernels) for the same answer; O rounded to bf16 beside it, as a plan's last block writes a
+/// final output, is the f32 O rounded.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_shaped_blocks_match_f64() {
@@ -233,8 +234,13 @@ fn decode_shaped_blocks_match_f64() {
         let block = Block::new(shape, mask.clone());
         assert_eq!(block.row_runs.is_some(), requests <= Block::RUN_ROWS, "{requests} rows");
         let opts = AttnOptions::default();
-        Backend::forward(&gpu, &block, FwdInputs { q: &qg, k: &kg, v: &vg }, &opts, &mut o, &mut lse).unwrap();
+        // Also O rounded to bf16, as a plan's last block writes its final output.
+        let mut rounded = GpuBuf::filled(s, DType::BF16, shape.q_elems(), f32::NAN).unwrap();
+        let inputs = FwdInputs { q: &qg, k: &kg, v: &vg };
+        Backend::forward(&gpu, &block, inputs, &opts, &mut o, &mut lse, Some(&mut rounded)).unwrap();
         let (o, lse) = (o.download_f32(s).unwrap(), lse.download_f32(s).unwrap());
+        let rounded = rounded.download_f32(s).unwrap();
+        assert!(o.iter().zip(&rounded).all(|(x, r)| bf16::from_f32(*x).to_f32() == *r), "{requests} rows: rounded O");
         let want = reference::forward(&qb, &kb, &vb, &shape, &mask, &opts).unwrap();
         let (eo, el) = (rel_err(&o, &want.o), lse_err(&lse, &want.lse));
         assert!(

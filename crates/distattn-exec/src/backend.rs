@@ -114,7 +114,8 @@ pub trait Backend: Sync {
     ) -> Result<()>;
     /// Attention of one block, writing its O `[b, q rows, h, d]` (f32, or the input dtype where
     /// `o` is of it: a final result no merge follows) and f32 LSE `[b, h, q rows]` (every row;
-    /// O = 0 and LSE = −inf where no key is kept), on the compute lane.
+    /// O = 0 and LSE = −inf where no key is kept), on the compute lane; with `rounded`, also O
+    /// rounded to the input dtype there (a final output; `o` f32).
     fn forward(
         &self,
         block: &Block,
@@ -122,11 +123,13 @@ pub trait Backend: Sync {
         opts: &AttnOptions,
         o: &mut Self::Buf,
         lse: &mut Self::Buf,
+        rounded: Option<&mut Self::Buf>,
     ) -> Result<()>;
     /// Attention of one block merged into accumulators `o_acc`, `lse_acc` that cover exactly
     /// its rows and hold an earlier partial result, where the backend merges in the kernel
-    /// (what [`Backend::forward`] then [`Backend::merge`] would give). `Ok(false)`: the backend
-    /// does not, nothing ran, and the caller merges.
+    /// (what [`Backend::forward`] then [`Backend::merge`] would give), the merged O also
+    /// written rounded into `rounded` where given. `Ok(false)`: the backend does not, nothing
+    /// ran, and the caller merges.
     fn forward_merging(
         &self,
         _block: &Block,
@@ -134,6 +137,7 @@ pub trait Backend: Sync {
         _opts: &AttnOptions,
         _o_acc: &mut Self::Buf,
         _lse_acc: &mut Self::Buf,
+        _rounded: Option<&mut Self::Buf>,
     ) -> Result<bool> {
         Ok(false)
     }

@@ -489,28 +489,45 @@ where
         PreparedOp::Merge { o, lse, o_acc, lse_acc, spec } => {
             store.with_mut2(*o_acc, *lse_acc, |s, ao, al| backend.merge(s.get(*o)?, s.get(*lse)?, ao, al, spec))?;
         }
-        PreparedOp::Fwd { q, k, v, o, lse, block, output } => {
+        PreparedOp::Fwd { q, k, v, o, lse, block, output, rounded } => {
             let block = &prog.blocks[*block];
-            let fwd = |s: &Store<B::Buf>, ob: &mut B::Buf, lb: &mut B::Buf| {
-                backend.forward(block, s.fwd_inputs(*q, *k, *v)?, opts, ob, lb)
+            // The rounded final O, taken out of the store for the call.
+            let mut rb = match rounded {
+                Some((y, _)) => Some(store.take(*y)?),
+                None => None,
             };
-            let merging = |s: &Store<B::Buf>, ao: &mut B::Buf, al: &mut B::Buf| {
-                backend.forward_merging(block, s.fwd_inputs(*q, *k, *v)?, opts, ao, al)
+            let fwd = |s: &Store<B::Buf>, ob: &mut B::Buf, lb: &mut B::Buf, rd: Option<&mut B::Buf>| {
+                backend.forward(block, s.fwd_inputs(*q, *k, *v)?, opts, ob, lb, rd)
             };
-            match output {
-                FwdOutput::Direct => store.with_mut2(*o, *lse, fwd)?,
+            let merging = |s: &Store<B::Buf>, ao: &mut B::Buf, al: &mut B::Buf, rd: Option<&mut B::Buf>| {
+                backend.forward_merging(block, s.fwd_inputs(*q, *k, *v)?, opts, ao, al, rd)
+            };
+            let r = match output {
+                FwdOutput::Direct => store.with_mut2(*o, *lse, |s, ob, lb| fwd(s, ob, lb, rb.as_mut())),
                 // (The guard runs the merging kernel; where the backend has none, the next arm merges.)
-                FwdOutput::MergeInKernel(_) if store.with_mut2(*o, *lse, merging)? => {}
+                FwdOutput::MergeInKernel(_)
+                    if store.with_mut2(*o, *lse, |s, ao, al| merging(s, ao, al, rb.as_mut()))? =>
+                {
+                    Ok(())
+                }
                 FwdOutput::Merge(spec) | FwdOutput::MergeInKernel(spec) => {
                     let s = &block.shape;
                     let mut po = backend.alloc(Lane::Compute, DType::F32, s.q_elems(), None)?;
                     let mut pl = backend.alloc(Lane::Compute, DType::F32, s.lse_elems(), None)?;
-                    fwd(store, &mut po, &mut pl)?;
+                    fwd(store, &mut po, &mut pl, None)?;
                     store.with_mut2(*o, *lse, |_, ao, al| backend.merge(&po, &pl, ao, al, spec))?;
                     backend.free(Lane::Compute, po);
                     backend.free(Lane::Compute, pl);
+                    match (rounded, rb.as_mut()) {
+                        (Some((_, pieces)), Some(y)) => backend.copy(Lane::Compute, store.get(*o)?, y, pieces),
+                        _ => Ok(()),
+                    }
                 }
+            };
+            if let (Some((y, _)), Some(b)) = (rounded, rb) {
+                store.put(*y, b);
             }
+            r?;
         }
         PreparedOp::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, block, dq_output, dk_output, dv_output } => {
             let block = &prog.blocks[*block];

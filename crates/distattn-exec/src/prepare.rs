@@ -82,7 +82,9 @@ pub enum PreparedOp {
         lse_acc: BufId,
         spec: MergeSpec,
     },
-    /// A forward block (`block` indexes [`PreparedRank::blocks`]).
+    /// A forward block (`block` indexes [`PreparedRank::blocks`]); with `rounded`, the final O
+    /// also goes, rounded to the input dtype, into that buffer (by these pieces of `o` where
+    /// the merge is not the kernel's).
     Fwd {
         q: BufId,
         k: BufId,
@@ -91,6 +93,7 @@ pub enum PreparedOp {
         lse: BufId,
         block: usize,
         output: FwdOutput,
+        rounded: Option<(BufId, Vec<Piece>)>,
     },
     /// A backward block; each gradient goes into its accumulator as its output says.
     Bwd {
@@ -217,7 +220,7 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
                 lse_acc: *lse_acc,
                 spec: MergeSpec::new(desc(*o)?, desc(*o_acc)?, &shape),
             },
-            Op::Fwd { q, k, v, o, lse, .. } => {
+            Op::Fwd { q, k, v, o, lse, rounded, .. } => {
                 let (qd, kd) = (desc(*q)?, desc(*k)?);
                 let own_rows = |b: BufId| desc(b).is_ok_and(|d| d.same_region(qd));
                 let spec = || -> Result<MergeSpec> {
@@ -235,8 +238,12 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
                         "rank {rank}: a forward block merges into buffer {o}, which is held in the input dtype"
                     )));
                 }
+                let rounded = match rounded {
+                    Some(y) => Some((*y, pieces(desc(*o)?, desc(*y)?, &shape))),
+                    None => None,
+                };
                 let block = block_of(qd, kd, &None)?;
-                PreparedOp::Fwd { q: *q, k: *k, v: *v, o: *o, lse: *lse, block, output }
+                PreparedOp::Fwd { q: *q, k: *k, v: *v, o: *o, lse: *lse, block, output, rounded }
             }
             Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, rows, .. } => {
                 let (qd, kd) = (desc(*q)?, desc(*k)?);

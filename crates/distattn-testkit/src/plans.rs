@@ -75,11 +75,14 @@ pub fn check_every_strategy(test: &str, worlds: &[usize], runner: &Runner<'_>) {
                     if strategy.is_ring() {
                         passes.push((Pass::Backward, RingBackward::QCirculate));
                     }
-                    // Ulysses and hybrid also with outputs narrowed on the way back, and with the
-                    // backward given Q, K, V, LSE head-sharded as a forward keeps them.
+                    // Every strategy also with its outputs handed back in bf16; Ulysses and hybrid
+                    // also with the backward given Q, K, V, LSE head-sharded as a forward keeps them.
                     let grouped = matches!(strategy, Strategy::Ulysses | Strategy::Hybrid { .. });
-                    let variants: &[(bool, bool)] =
-                        if grouped { &[(false, false), (true, false), (false, true)] } else { &[(false, false)] };
+                    let variants: &[(bool, bool)] = if grouped {
+                        &[(false, false), (true, false), (false, true)]
+                    } else {
+                        &[(false, false), (true, false)]
+                    };
                     let passes = passes.into_iter().flat_map(|p| variants.iter().map(move |&v| (p, v)));
                     for ((pass, rb), (narrow_outputs, keep_head_sharded)) in passes {
                         let popts = PlanOptions {

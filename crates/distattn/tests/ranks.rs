@@ -399,9 +399,10 @@ fn ulysses_head_chunks_match_single_and_bad_counts_are_errors() {
     assert!(rel_err(&got.o, &want.o) < TOL, "hybrid, one chunk");
 }
 
-/// With `narrow_outputs`, Ulysses and hybrid return outputs through bf16 on the way back: each
-/// output, rounded to bf16 as the caller does, equals the f32 path's rounded, bit for bit, and
-/// the LSE does not change. Some values must come back rounded, or nothing was narrowed.
+/// With `narrow_outputs` the outputs come back in bf16 (Ulysses and hybrid send them so; the
+/// others round their f32 accumulators, a ring's O in its last block): each equals the f32
+/// path's output rounded, bit for bit, and the LSE does not change. Some values must come back
+/// rounded, or nothing was narrowed.
 #[test]
 fn narrowed_outputs_round_to_the_f32_paths_values() {
     let shape = AttnShape::new(1, 37, 37, 8, 4, 16).unwrap();
@@ -409,7 +410,15 @@ fn narrowed_outputs_round_to_the_f32_paths_values() {
     let (q, k, v, d_o) = qkv_do::<bf16>(&shape, 29);
     let rounded = |x: &[f32]| x.iter().map(|&a| bf16::from_f32(a)).collect::<Vec<_>>();
     let is_bf16 = |a: f32| bf16::from_f32(a).to_f32() == a;
-    for (s, p) in [(Strategy::Ulysses, 2), (Strategy::Ulysses, 4), (Strategy::Hybrid { ulysses_degree: 2 }, 4)] {
+    for (s, p) in [
+        (Strategy::Ulysses, 2),
+        (Strategy::Ulysses, 4),
+        (Strategy::Hybrid { ulysses_degree: 2 }, 4),
+        (Strategy::Zigzag, 3),
+        (Strategy::Ring, 2),
+        (Strategy::Dispatch, 4),
+        (Strategy::PassQ, 3),
+    ] {
         let wide = on(s, p, &shape, &mask);
         let narrow = on_ranks(
             &shape,

@@ -192,8 +192,20 @@ pub enum Op {
     /// Merges a partial (O, LSE) into an accumulator covering its tokens and heads.
     Merge { o: BufId, lse: BufId, o_acc: BufId, lse_acc: BufId },
     /// Attention of the query buffer against the key/value buffers, merged into (o, lse).
-    /// `area` is the number of kept (query, key) pairs per head and batch entry.
-    Fwd { q: BufId, k: BufId, v: BufId, o: BufId, lse: BufId, area: u64 },
+    /// `area` is the number of kept (query, key) pairs per head and batch entry. With
+    /// `rounded`, the block also writes the merged O, rounded to the input dtype, into that
+    /// buffer: `o`'s final value, held narrowed ([`PlanOptions::narrow_outputs`]); the block
+    /// covers all of `o`'s rows and no later op writes `o`.
+    Fwd {
+        q: BufId,
+        k: BufId,
+        v: BufId,
+        o: BufId,
+        lse: BufId,
+        area: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rounded: Option<BufId>,
+    },
     /// Exact partial gradients of the block, added into dq, dk, dv. With `rows`, only those
     /// query rows of the block (positions in `q`'s tokens) count, the rest left to another op
     /// over the same buffers (a block split in two launches).
@@ -223,7 +235,7 @@ impl Op {
             Op::Alloc { buf, .. } | Op::Free { buf } => vec![*buf],
             Op::Copy { src, dst } | Op::Add { src, dst } => vec![*src, *dst],
             Op::Merge { o, lse, o_acc, lse_acc } => vec![*o, *lse, *o_acc, *lse_acc],
-            Op::Fwd { q, k, v, o, lse, .. } => vec![*q, *k, *v, *o, *lse],
+            Op::Fwd { q, k, v, o, lse, rounded, .. } => [*q, *k, *v, *o, *lse].into_iter().chain(*rounded).collect(),
             Op::Bwd { q, k, v, d_o, lse, delta, dq, dk, dv, .. } => vec![*q, *k, *v, *d_o, *lse, *delta, *dq, *dk, *dv],
         }
     }

@@ -1,6 +1,6 @@
 //! Structural checks of a plan.
 
-use super::{BufDesc, BufId, Fill, Op, Plan, RankProgram, TokenSet};
+use super::{BufDesc, BufId, Fill, Op, Plan, RankProgram, Tensor, TokenSet};
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -41,6 +41,14 @@ impl Plan {
                                 return Err(bad(format!(
                                     "rank {r}: query rows {rows:?} of a block of {} rows",
                                     q.tokens.len()
+                                )));
+                            }
+                        }
+                        if let Op::Fwd { q, o, rounded: Some(y), .. } = op {
+                            let (q, o, y) = (&prog.bufs[*q], &prog.bufs[*o], &prog.bufs[*y]);
+                            if !q.same_region(o) || !y.same_region(o) || !y.narrow || y.tensor != Tensor::O {
+                                return Err(bad(format!(
+                                    "rank {r}: a block rounds its O into {y:?}, not its rows' O held narrowed"
                                 )));
                             }
                         }
@@ -170,6 +178,12 @@ fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), St
                     let (s, d) = (&prog.bufs[*src], &prog.bufs[*dst]);
                     let heads = s.heads.start.max(d.heads.start)..s.heads.end.min(d.heads.end);
                     written.push((*dst, (s.tokens.intersect(&d.tokens), heads)));
+                }
+                // A block's rounded O covers its query rows.
+                Op::Fwd { q, rounded: Some(y), .. } if pending.contains_key(y) => {
+                    let (s, d) = (&prog.bufs[*q], &prog.bufs[*y]);
+                    let heads = s.heads.start.max(d.heads.start)..s.heads.end.min(d.heads.end);
+                    written.push((*y, (s.tokens.intersect(&d.tokens), heads)));
                 }
                 Op::Comm { recvs, .. } => {
                     for &(_, b) in recvs {

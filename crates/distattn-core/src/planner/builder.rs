@@ -317,7 +317,9 @@ impl<'a> Builder<'a> {
     }
 
     /// Rounds every output that should be narrowed but is still an f32 accumulator into a new
-    /// narrowed buffer, after the last step's ops, and hands that one back instead.
+    /// narrowed buffer, and hands that one back instead: an O that a forward block of all its
+    /// rows writes last is rounded by that block (the kernel's epilogue stores both), any other
+    /// output by a copy after the last step's ops.
     fn narrow_final_outputs(&mut self) {
         let Some(last) = self.labels.len().checked_sub(1) else { return };
         for rank in 0..self.world {
@@ -327,10 +329,38 @@ impl<'a> Builder<'a> {
                 if desc.narrow || !self.narrows(tensor) {
                     continue;
                 }
-                let out = self.alloc(rank, last, desc.narrowed(), Fill::Overwritten);
-                self.push(rank, last, Op::Copy { src: acc, dst: out });
+                let out = self.buf(rank, desc.narrowed());
+                let alloc = Op::Alloc { buf: out, fill: Fill::Overwritten };
+                match self.last_writer(rank, acc) {
+                    Some((t, j)) if self.rounds_in_block(rank, t, j, acc) => {
+                        let ops = &mut self.progs[rank].steps[t];
+                        if let Op::Fwd { rounded, .. } = &mut ops[j] {
+                            *rounded = Some(out);
+                        }
+                        ops.insert(j, alloc);
+                    }
+                    _ => {
+                        self.push(rank, last, alloc);
+                        self.push(rank, last, Op::Copy { src: acc, dst: out });
+                    }
+                }
                 self.progs[rank].outputs[i].1 = out;
             }
+        }
+    }
+
+    /// (step, index) of the last op of `rank` that writes `buf`.
+    fn last_writer(&self, rank: usize, buf: BufId) -> Option<(usize, usize)> {
+        let prog = &self.progs[rank];
+        let at = |t: usize, j: usize| crate::schedule::reads_writes(&prog.steps[t][j], &prog.bufs).1.contains(&buf);
+        (0..prog.steps.len()).rev().find_map(|t| (0..prog.steps[t].len()).rev().find(|&j| at(t, j)).map(|j| (t, j)))
+    }
+
+    /// Whether op `j` of step `t` is a forward block over all of O accumulator `acc`'s rows.
+    fn rounds_in_block(&self, rank: usize, t: usize, j: usize, acc: BufId) -> bool {
+        match self.progs[rank].steps[t][j] {
+            Op::Fwd { q, o, .. } => o == acc && self.desc(rank, q).same_region(self.desc(rank, acc)),
+            _ => false,
         }
     }
 
@@ -554,7 +584,7 @@ impl<'a> Builder<'a> {
         let FwdBufs { q, kv: KvBufs { k, v }, out: OutBufs { o, lse } } = bufs;
         let area = self.area(rank, q, k);
         if area > 0 {
-            self.push(rank, step, Op::Fwd { q, k, v, o, lse, area });
+            self.push(rank, step, Op::Fwd { q, k, v, o, lse, area, rounded: None });
         }
     }
 

@@ -446,6 +446,23 @@ fn narrowed_outputs_are_handed_back_in_the_input_dtype() {
     for prog in &plan.ranks {
         assert!(prog.bufs.iter().filter(|d| d.tensor == Tensor::O).all(|d| d.narrow), "{:?}", prog.bufs);
     }
+    // A zig-zag rank's last block rounds its O itself: no copy writes the output.
+    let mut plan = build(Strategy::Zigzag, 4, &shape, &mask, DType::BF16, &opts).unwrap();
+    for prog in &plan.ranks {
+        let out = prog.outputs.iter().find(|(t, _)| *t == Tensor::O).unwrap().1;
+        let ops: Vec<&Op> = prog.steps.iter().flatten().collect();
+        assert!(ops.iter().any(|op| matches!(op, Op::Fwd { rounded: Some(y), .. } if *y == out)));
+        assert!(!ops.iter().any(|op| matches!(op, Op::Copy { dst, .. } if *dst == out)));
+    }
+    // Rounding into a buffer that is not the block's O held narrowed is an invalid plan.
+    let prog = &mut plan.ranks[0];
+    let lse = prog.outputs.iter().find(|(t, _)| *t == Tensor::Lse).unwrap().1;
+    for op in prog.steps.iter_mut().flatten() {
+        if let Op::Fwd { rounded: Some(y), .. } = op {
+            *y = lse;
+        }
+    }
+    assert!(matches!(plan.validate(), Err(crate::Error::InvalidPlan(_))));
 }
 
 #[test]
