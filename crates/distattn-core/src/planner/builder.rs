@@ -481,6 +481,25 @@ impl<'a> Builder<'a> {
         self.progs[rank].steps[step].push(op);
     }
 
+    /// Moves the allocation of `buf` of `rank` (nothing has used it yet) to the start of `step`,
+    /// with `fill`.
+    pub fn allocate_at(&mut self, rank: usize, buf: BufId, step: usize, fill: Fill) {
+        self.ensure(step);
+        for ops in &mut self.progs[rank].steps {
+            ops.retain(|op| !matches!(op, Op::Alloc { buf: b, .. } if *b == buf));
+        }
+        self.progs[rank].steps[step].insert(0, Op::Alloc { buf, fill });
+        // The rank's transfer groups moved within their steps.
+        let steps = &self.progs[rank].steps;
+        for (&(r, t, phase), at) in self.comm_at.iter_mut() {
+            if r == rank {
+                if let Some(i) = steps[t].iter().position(|op| matches!(op, Op::Comm { phase: p, .. } if *p == phase)) {
+                    *at = i;
+                }
+            }
+        }
+    }
+
     /// A new buffer, allocated with `fill` at `step`.
     pub fn alloc(&mut self, rank: usize, step: usize, desc: BufDesc, fill: Fill) -> BufId {
         let id = self.buf(rank, desc);

@@ -101,6 +101,14 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
             sliced.push(g.scatter(b, step, &bufs, step));
         }
         if let Some(c) = (step > r_deg).then(|| step - r_deg - 1).filter(|&c| c < chunks) {
+            // One chunk's copies write every output whole: allocated then, not held from step 0.
+            if chunks == 1 {
+                for r in 0..p {
+                    for (_, out) in bufs.outputs(r) {
+                        b.allocate_at(r, out, step, Fill::Overwritten);
+                    }
+                }
+            }
             g.gather_back(b, step, &bufs, &sliced[c]);
         }
         if let Some(c) = step.checked_sub(1).filter(|&c| c < chunks) {

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::mask::{long_tailed_doc_lens, DocKind};
-use crate::plan::{area, Op, Pass, PlanSummary, RingBackward, Tensor};
+use crate::plan::{area, Fill, Op, Pass, PlanSummary, RingBackward, Tensor};
 use std::time::Instant;
 
 fn shape_128k() -> AttnShape {
@@ -445,6 +445,10 @@ fn narrowed_outputs_are_handed_back_in_the_input_dtype() {
     let plan = build(Strategy::Ulysses, 4, &shape, &mask, DType::BF16, &opts).unwrap();
     for prog in &plan.ranks {
         assert!(prog.bufs.iter().filter(|d| d.tensor == Tensor::O).all(|d| d.narrow), "{:?}", prog.bufs);
+        // Its output is allocated when the all-to-all back writes it, not held through the kernel.
+        let out = prog.outputs.iter().find(|(t, _)| *t == Tensor::O).unwrap().1;
+        let last = prog.steps.last().unwrap();
+        assert!(last.iter().any(|op| matches!(op, Op::Alloc { buf, fill: Fill::Overwritten } if *buf == out)));
     }
     // A zig-zag rank's last block rounds its O itself: no copy writes the output.
     let mut plan = build(Strategy::Zigzag, 4, &shape, &mask, DType::BF16, &opts).unwrap();
