@@ -40,8 +40,9 @@ fn masks(n: usize) -> Vec<(&'static str, Mask, Option<Vec<usize>>)> {
     ]
 }
 
-/// Every strategy × mask × pass (and both ring backwards; Ulysses and hybrid also with narrowed
-/// outputs and with kept head-sharded inputs) at head dims 64 and 128 on each of `worlds`, bf16, 1000 tokens (not divisible by 2P), 8 query and 4 KV heads, against the f64
+/// Every strategy × mask × pass (and both ring backwards), also with outputs narrowed to bf16
+/// (Ulysses and hybrid also with kept head-sharded inputs), at head dims 64 and 128 on each of
+/// `worlds`, bf16, 1000 tokens (not divisible by 2P), 8 query and 4 KV heads, against the f64
 /// reference. Panics with every failing case, naming the seed.
 pub fn check_every_strategy(test: &str, worlds: &[usize], runner: &Runner<'_>) {
     let (mut rng, seed) = seeded_rng(test);
