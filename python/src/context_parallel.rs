@@ -269,7 +269,7 @@ fn problem(
 ) -> Result<(AttnShape, Arc<Mask>, PlanOptions)> {
     let shape = AttnShape::new(b, n, n, h, hkv, d)?;
     let mask = cached_mask(mask, n, n, None, b)?;
-    // The Python side returns O, dQ, dK, dV in the input dtype, so outputs may travel in it.
+    // The Python side returns O, dQ, dK, dV in the input dtype: the plans hand them back in it.
     let opts = PlanOptions { ranks_per_node, narrow_outputs: true, ..PlanOptions::default() };
     Ok((shape, mask, opts))
 }

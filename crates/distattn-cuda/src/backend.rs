@@ -143,31 +143,22 @@ impl CudaBackend {
         }
         let o_f32 = self.checked_mut_ptr("o_f32", &mut o.view_mut::<f32>()?, shape.q_elems(), shape)?;
         let o_t = match rounded {
-            Some(r) => Some(self.checked_mut_ptr("rounded o", &mut r.view_mut::<T>()?, shape.q_elems(), shape)?),
-            None => None,
+            Some(r) => self.checked_mut_ptr("rounded o", &mut r.view_mut::<T>()?, shape.q_elems(), shape)?,
+            None => 0,
         };
-        // The warp-specialized kernel writes the f32 O, and the rounded one where asked, or
-        // merges into the f32 O; the others write O in the input dtype too, into a scratch
-        // buffer where none is asked.
-        if self.forward_into((&q, &k, &v), shape, mask, opts, (o_t.unwrap_or(0), o_f32), &mut lse, merge)? {
+        // The warp-specialized kernel writes the f32 O (and the rounded one where asked) or
+        // merges into it; any kernel runs here when asked for the rounded O without a merge.
+        if self.forward_into((&q, &k, &v), shape, mask, opts, (o_t, o_f32), &mut lse, merge)? {
             return Ok(true);
         }
         if merge {
             return Ok(false);
         }
+        // The other kernels write O in the input dtype too: into a scratch buffer.
         let s = self.stream();
-        let scratch = match o_t {
-            Some(_) => None,
-            None => Some(GpuBuf::alloc(s, T::DTYPE, shape.q_elems())?),
-        };
-        let o_t = match &scratch {
-            Some(b) => b.ptr(s),
-            None => o_t.unwrap_or(0),
-        };
-        let r = self.forward_into((&q, &k, &v), shape, mask, opts, (o_t, o_f32), &mut lse, false);
-        if let Some(b) = scratch {
-            b.free_on(s);
-        }
+        let scratch = GpuBuf::alloc(s, T::DTYPE, shape.q_elems())?;
+        let r = self.forward_into((&q, &k, &v), shape, mask, opts, (scratch.ptr(s), o_f32), &mut lse, false);
+        scratch.free_on(s);
         r.map(|_| true)
     }
 

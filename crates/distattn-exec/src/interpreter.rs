@@ -156,11 +156,8 @@ where
         let mut issued = issue(prog, backend, comm, opts, inputs, ctl, &mut progress, &mut done)?;
         wait_done(backend, comm, &issued.end, &progress, done)?;
         let timeline = issued.timeline(backend, prog.rank)?;
-        let mut take =
-            |list: &[(Tensor, BufId)]| list.iter().map(|&(_, b)| issued.store.take(b)).collect::<Result<Vec<_>>>();
-        let (outputs, saved) = (take(&prog.outputs)?, take(&prog.saved)?);
         // What is left in the store (the inputs) is released when it drops.
-        Ok(RankRun { outputs, saved, timeline })
+        issued.hand_back(prog, timeline)
     })();
     if watching {
         comm.stall_watch_end();
@@ -217,10 +214,8 @@ where
     let r = (|| {
         let (mut progress, mut done) = (Vec::new(), 0);
         let mut issued = issue(prog, backend, comm, opts, inputs, &ExecOptions::default(), &mut progress, &mut done)?;
-        let mut take =
-            |list: &[(Tensor, BufId)]| list.iter().map(|&(_, b)| issued.store.take(b)).collect::<Result<Vec<_>>>();
-        let (outputs, saved) = (take(&prog.outputs)?, take(&prog.saved)?);
-        Ok((RankRun { outputs, saved, timeline: None }, Completion { end: issued.end, progress, done, watching }))
+        let run = issued.hand_back(prog, None)?;
+        Ok((run, Completion { end: issued.end, progress, done, watching }))
     })();
     if r.is_err() && watching {
         comm.stall_watch_end();
@@ -270,6 +265,12 @@ struct Issued<B: Backend> {
 }
 
 impl<B: Backend> Issued<B> {
+    /// The run's outputs and saved buffers, taken out of the store, with `timeline`.
+    fn hand_back(&mut self, prog: &PreparedRank, timeline: Option<Timeline>) -> Result<RankRun<B::Buf>> {
+        let mut take = |list: &[(Tensor, BufId)]| list.iter().map(|&(_, b)| self.store.take(b)).collect::<Result<_>>();
+        Ok(RankRun { outputs: take(&prog.outputs)?, saved: take(&prog.saved)?, timeline })
+    }
+
     /// The run's timeline (once it has completed), if one was recorded.
     fn timeline(&self, backend: &B, rank: usize) -> Result<Option<Timeline>> {
         let Some(t0) = &self.t_start else { return Ok(None) };

@@ -220,9 +220,10 @@ impl RankAttention {
         Ok(())
     }
 
-    /// O (`[b, n_local, h, d]`: f32, or `dtype` with [`PlanOptions::narrow_outputs`]) and LSE (f32, `[b, h, n_local]`, natural log) of this
-    /// rank's queries against the whole sequence, from its shards of Q, K, V (of `dtype`,
-    /// written on the backend's compute lane). Every rank of the world calls it together.
+    /// O (`[b, n_local, h, d]`: f32, or `dtype` with [`PlanOptions::narrow_outputs`]) and LSE
+    /// (f32, `[b, h, n_local]`, natural log) of this rank's queries against the whole sequence,
+    /// from its shards of Q, K, V (of `dtype`, written on the backend's compute lane). Every
+    /// rank of the world calls it together.
     pub fn forward<B, C>(
         &self,
         backend: &B,
@@ -260,10 +261,9 @@ impl RankAttention {
         Ok(Deferred { outputs: take_outputs(&prog, run.outputs, [Tensor::O, Tensor::Lse])?, completion })
     }
 
-    /// dQ, dK, dV (like this rank's shards; f32, or `dtype` with
-    /// [`PlanOptions::narrow_outputs`]) from its shards of Q, K, V and dO (of
-    /// `dtype`), the forward's LSE and D = rowsum(dO ∘ O) of its rows (f32, `[b, h, n_local]`).
-    /// Every rank of the world calls it together.
+    /// dQ, dK, dV (like this rank's shards; f32, or `dtype` with [`PlanOptions::narrow_outputs`])
+    /// from its shards of Q, K, V and dO (of `dtype`), the forward's LSE and D = rowsum(dO ∘ O)
+    /// of its rows (f32, `[b, h, n_local]`). Every rank of the world calls it together.
     #[allow(clippy::too_many_arguments)] // one buffer per tensor of a backward pass
     pub fn backward<B, C>(
         &self,

@@ -89,10 +89,15 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
     let kept_inputs = keep && b.pass() == Pass::Backward;
     let g = Groups { u_deg, chunks, h, kvh, layout: layout.clone(), kept_inputs };
     let bufs = b.declare_pass_with(layout, &|r, t| g.kept(r, t));
-    // Only the all-to-all back's copies write the pass's outputs.
+    // Only the all-to-all back's copies write the pass's outputs, so they are held in the input
+    // dtype; with one chunk those copies write them whole in one step, so they are allocated
+    // then rather than zero-filled at step 0 and held through the attention.
     for r in 0..p {
         for (_, out) in bufs.outputs(r) {
             b.hold_narrowed(r, out);
+            if chunks == 1 {
+                b.allocate_at(r, out, r_deg + 1, Fill::Overwritten);
+            }
         }
     }
     let mut sliced = Vec::with_capacity(chunks);
@@ -101,14 +106,6 @@ pub(super) fn grouped(b: &mut Builder, u_deg: usize, layout: Layout) -> Result<(
             sliced.push(g.scatter(b, step, &bufs, step));
         }
         if let Some(c) = (step > r_deg).then(|| step - r_deg - 1).filter(|&c| c < chunks) {
-            // One chunk's copies write every output whole: allocated then, not held from step 0.
-            if chunks == 1 {
-                for r in 0..p {
-                    for (_, out) in bufs.outputs(r) {
-                        b.allocate_at(r, out, step, Fill::Overwritten);
-                    }
-                }
-            }
             g.gather_back(b, step, &bufs, &sliced[c]);
         }
         if let Some(c) = step.checked_sub(1).filter(|&c| c < chunks) {
