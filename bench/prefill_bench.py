@@ -6,7 +6,7 @@ forward against PyTorch SDPA's cuDNN and flash backends, timed both ways in the 
       [--impls distattn,distattn-fp8] [--passes fwd]   (of these implementations and passes only)
       [--heads 8/2,32/8] [--seconds 1.0]               (other head counts; longer sustained loops)
   ncu --clock-control none --csv --metrics gpu__time_duration.sum \\
-      python3 prefill_bench.py OUT_DIR --kernel-pass > OUT_DIR/ncu.csv
+      python3 prefill_bench.py OUT_DIR --kernel-pass [--cases, --impls, --passes as above] > OUT_DIR/ncu.csv
   prefill_bench.py OUT_DIR --table OUT_DIR/ncu.csv     the tables, from both
   prefill_bench.py OUT_DIR --accuracy                  FP8 / bf16 / cuDNN errors against f64
 
@@ -131,10 +131,12 @@ def run_timings(out_dir, quick, only, only_impls=None, only_passes=None, heads=N
         json.dump(res, f, indent=1)
 
 
-def kernel_pass(out_dir, quick, only):
+def kernel_pass(out_dir, quick, only, only_impls=None, only_passes=None):
     order = []
     for name, n, mask, h, hkv, d in cases(quick, only):
         for impl, pss, fn in impls(n, mask, h, hkv, d):
+            if not picked(impl, pss, only_impls, only_passes):
+                continue
             marked_call(fn)
             order.append((name, impl, pss))
         torch.cuda.synchronize()
@@ -238,8 +240,8 @@ def main():
     ap.add_argument("--table", metavar="NCU_CSV", help="print the tables from the timings and ncu's CSV")
     ap.add_argument("--accuracy", action="store_true", help="errors against f64 at 16k")
     ap.add_argument("--cases", help="comma-separated case names or prefixes, e.g. d128- (default: all)")
-    ap.add_argument("--impls", help="timings of these implementations only, e.g. distattn,distattn-fp8")
-    ap.add_argument("--passes", help="timings of these passes only: fwd, bwd")
+    ap.add_argument("--impls", help="timings (and kernel pass) of these implementations only, e.g. distattn,distattn-fp8")
+    ap.add_argument("--passes", help="timings (and kernel pass) of these passes only: fwd, bwd")
     ap.add_argument("--heads", help="head counts H/HKV of the timed cases, e.g. 8/2,32/8 (default 16/16,32/8)")
     ap.add_argument("--seconds", type=float, help="sustained seconds of each timing (default 0.3)")
     a = ap.parse_args()
@@ -248,7 +250,7 @@ def main():
     if a.table:
         table(a.out_dir, a.table)
     elif a.kernel_pass:
-        kernel_pass(a.out_dir, a.quick, a.cases)
+        kernel_pass(a.out_dir, a.quick, a.cases, a.impls, a.passes)
     elif a.accuracy:
         accuracy(a.out_dir)
     else:

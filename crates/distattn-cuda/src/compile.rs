@@ -41,13 +41,55 @@ pub(crate) fn backend_err(reason: impl Into<String>) -> Error {
     Error::Backend { backend: "cuda", reason: reason.into() }
 }
 
-/// Keys per tile of the FP8 forward (`FwdE4m3::BN` in `sm90/forward_e4m3.cu`), whatever the
-/// bf16/f16 forward's `fwd_bn`: 64, so that three consumer warpgroups fit their registers.
-pub const E4M3_BN: usize = 64;
-/// Query rows per block of the FP8 forward: its three consumer warpgroups' (`FwdE4m3::BM`).
-pub const E4M3_BM: usize = 192;
-/// Threads per block of the FP8 forward: a producer warpgroup and a consumer per 64 rows.
-pub const E4M3_THREADS: usize = 128 * (1 + E4M3_BM / 64);
+/// Keys per block of the FP8 forward's transposed V: a block of `transpose_v_e4m3` and a TMA box
+/// of the forward's V^T tiles (which are whole blocks).
+pub const E4M3_VT_KEYS: usize = 64;
+
+/// A block shape of the FP8 forward (`FwdE4m3` in `sm90/forward_e4m3.cu`): query rows (64 per
+/// consumer warpgroup) x keys per tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct E4m3Tiling {
+    pub rows: usize,
+    pub keys: usize,
+}
+
+impl E4m3Tiling {
+    /// Three consumers over 64-key tiles (as many keys as their 160 registers a thread hold):
+    /// the faster per block.
+    pub const TALL: E4m3Tiling = E4m3Tiling { rows: 192, keys: 64 };
+    /// Two consumers over 128-key tiles: more, smaller blocks for short grids.
+    pub const SHORT: E4m3Tiling = E4m3Tiling { rows: 128, keys: 128 };
+    /// Below this many waves of TALL blocks (one block an SM), the last wave's idle SMs cost
+    /// more than SHORT's slower blocks (H100, 2026-11-27: 4k, 2.7 waves, SHORT 8-16% faster;
+    /// 16k, 10 waves and more, TALL 3-7% faster).
+    pub const SHORT_BELOW_WAVES: usize = 6;
+
+    /// The tiling for a forward of `blocks_of(rows)` blocks on `sms` multiprocessors.
+    pub fn for_grid(sms: usize, blocks_of: impl Fn(usize) -> usize) -> E4m3Tiling {
+        if blocks_of(Self::TALL.rows) < Self::SHORT_BELOW_WAVES * sms {
+            Self::SHORT
+        } else {
+            Self::TALL
+        }
+    }
+    /// The tiling whose blocks have `rows` query rows (128 or 192), if any.
+    pub fn of_rows(rows: usize) -> Option<E4m3Tiling> {
+        [Self::TALL, Self::SHORT].into_iter().find(|t| t.rows == rows)
+    }
+    /// The kernel's name (`flash_fwd_e4m3_192x64`, `flash_fwd_e4m3_128x128`).
+    pub fn kernel(&self) -> String {
+        format!("flash_fwd_e4m3_{}x{}", self.rows, self.keys)
+    }
+    /// Threads per block: a producer warpgroup and the consumers.
+    pub fn threads(&self) -> usize {
+        128 * (1 + self.rows / 64)
+    }
+    /// Dynamic shared memory at head dim `d`, bytes: Q; K and V^T in 2 stages (one byte an
+    /// element); 1 KB to align the base; 9 mbarriers.
+    pub fn smem(&self, d: usize) -> usize {
+        (self.rows + 4 * self.keys) * d + 1024 + 9 * 8
+    }
+}
 
 /// Head dimensions the kernels support, forward and backward.
 pub const HEAD_DIMS: [usize; 5] = [64, 96, 128, 192, 256];
@@ -83,8 +125,9 @@ pub struct KernelConfig {
 }
 
 /// Tuning overrides from `DISTATTN_KCFG` ("key=value,..." with numeric values, e.g.
-/// "fwd_warps=8,fwd_mr=1,bwd_bm=64" or "fwd_wg=0,bwd_wg=0"); malformed entries are ignored.
-fn kcfg_overrides() -> std::collections::HashMap<String, usize> {
+/// "fwd_warps=8,fwd_mr=1,bwd_bm=64" or "fwd_wg=0,bwd_wg=0"; `e4m3_rows=128` or `192` fixes the
+/// FP8 forward's tiling, see `CudaBackend::set_e4m3_tiling`); malformed entries are ignored.
+pub(crate) fn kcfg_overrides() -> std::collections::HashMap<String, usize> {
     std::env::var("DISTATTN_KCFG")
         .unwrap_or_default()
         .split(',')
@@ -305,16 +348,11 @@ impl KernelConfig {
         }
         (self.fwd_bm() + 4 * self.fwd_bn) * self.lds() * 2 + 4 * self.fwd_mr * 32 * self.fwd_warps * 4
     }
-    /// Whether the module has the FP8 forward (`flash_fwd_e4m3`, with `transpose_v_e4m3`): the
+    /// Whether the module has the FP8 forward (`flash_fwd_e4m3_*`, with `transpose_v_e4m3`): the
     /// warp-specialized forward's pipeline at head dim 128, whose rows are one 128-byte
     /// swizzled block in 8 bits.
     pub fn has_e4m3_forward(&self) -> bool {
         self.fwd_wg && self.head_dim == 128
-    }
-    /// Dynamic shared memory of the FP8 forward, bytes: Q; K and V^T in 2 stages (one byte an
-    /// element); 1 KB to align the base; 9 mbarriers.
-    pub fn e4m3_fwd_smem(&self) -> usize {
-        (E4M3_BM + 4 * E4M3_BN) * self.head_dim + 1024 + 9 * 8
     }
     /// Dynamic shared memory of the dK/dV kernel (with a dQ job, of either job's block), bytes.
     pub fn bwd_smem(&self) -> usize {
@@ -789,6 +827,28 @@ mod tests {
         }
         assert!(matches!(KernelConfig::new(DType::BF16, 80), Err(Error::UnsupportedHeadDim { .. })));
         assert!(matches!(KernelConfig::new(DType::F32, 64), Err(Error::UnsupportedDType(_))));
+    }
+
+    #[test]
+    fn e4m3_tiling_follows_the_grid_size() {
+        let sms = 132;
+        // 16 heads: 4k is 22 TALL blocks a head (352, under 6 waves), 16k 86 (1376).
+        let grid = |n: usize| move |rows: usize| n.div_ceil(rows) * 16;
+        assert_eq!(E4m3Tiling::for_grid(sms, grid(4096)), E4m3Tiling::SHORT);
+        assert_eq!(E4m3Tiling::for_grid(sms, grid(16384)), E4m3Tiling::TALL);
+        // At the threshold: 6 waves of TALL blocks take TALL, one block fewer SHORT.
+        let exactly = |b: usize| move |_: usize| b;
+        assert_eq!(E4m3Tiling::for_grid(sms, exactly(6 * sms)), E4m3Tiling::TALL);
+        assert_eq!(E4m3Tiling::for_grid(sms, exactly(6 * sms - 1)), E4m3Tiling::SHORT);
+        assert_eq!(E4m3Tiling::of_rows(128), Some(E4m3Tiling::SHORT));
+        assert_eq!(E4m3Tiling::of_rows(192), Some(E4m3Tiling::TALL));
+        assert_eq!(E4m3Tiling::of_rows(64), None);
+        for t in [E4m3Tiling::TALL, E4m3Tiling::SHORT] {
+            assert!(t.smem(128) <= 227 * 1024, "{t:?}");
+            assert_eq!(t.threads(), 128 * (1 + t.rows / 64));
+        }
+        assert_eq!(E4m3Tiling::TALL.kernel(), "flash_fwd_e4m3_192x64");
+        assert_eq!(E4m3Tiling::SHORT.kernel(), "flash_fwd_e4m3_128x128");
     }
 
     #[test]

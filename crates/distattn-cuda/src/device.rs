@@ -3,7 +3,7 @@
 
 use crate::aux::AuxKernels;
 use crate::buffer::GpuBuf;
-use crate::compile::{self, backend_err, KernelConfig, ModuleKind};
+use crate::compile::{self, backend_err, E4m3Tiling, KernelConfig, ModuleKind};
 use crate::driver_err;
 use crate::tiles::TilePlan;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr};
@@ -23,10 +23,23 @@ pub(crate) struct Kernels {
     pub e4m3: Option<E4m3Kernels>,
 }
 
-/// The FP8 forward (`flash_fwd_e4m3`) and the transpose of V it reads (`transpose_v_e4m3`).
+/// The FP8 forward in both tilings (`flash_fwd_e4m3_192x64`, `flash_fwd_e4m3_128x128`) and the
+/// transpose of V it reads (`transpose_v_e4m3`).
 pub(crate) struct E4m3Kernels {
-    pub fwd: CudaFunction,
+    pub tall: CudaFunction,
+    pub short: CudaFunction,
     pub transpose_v: CudaFunction,
+}
+
+impl E4m3Kernels {
+    /// The forward kernel of `tiling`.
+    pub fn fwd(&self, tiling: E4m3Tiling) -> &CudaFunction {
+        if tiling == E4m3Tiling::TALL {
+            &self.tall
+        } else {
+            &self.short
+        }
+    }
 }
 
 /// A tile plan uploaded to the device, complete there before it is handed out: kernels on any
@@ -65,6 +78,8 @@ pub struct CudaBackend {
     aux: Mutex<HashMap<DType, Arc<AuxKernels>>>,
     tiles: Mutex<HashMap<TilesKey, Arc<DeviceTiles>>>,
     indices: Mutex<HashMap<IndexKey, Arc<CudaSlice<i64>>>>,
+    /// The FP8 forward's tiling, where one is fixed (else picked by the grid's size).
+    e4m3_tiling: Mutex<Option<E4m3Tiling>>,
 }
 
 fn mask_key(mask: &Mask) -> u64 {
@@ -136,6 +151,7 @@ impl CudaBackend {
             aux: Mutex::new(HashMap::new()),
             tiles: Mutex::new(HashMap::new()),
             indices: Mutex::new(HashMap::new()),
+            e4m3_tiling: Mutex::new(compile::kcfg_overrides().get("e4m3_rows").and_then(|&r| E4m3Tiling::of_rows(r))),
         })
     }
 
@@ -174,6 +190,20 @@ impl CudaBackend {
     /// SMs of the GPU.
     pub fn sm_count(&self) -> usize {
         self.sms
+    }
+
+    /// Fixes the FP8 forward's tiling ([`E4m3Tiling::TALL`] or [`E4m3Tiling::SHORT`]) for
+    /// later calls, or with `None` lets each call pick it by its grid's size (the default; or
+    /// what `DISTATTN_KCFG`'s `e4m3_rows` says). Both compute the same result; this is for
+    /// tests and measurements.
+    pub fn set_e4m3_tiling(&self, tiling: Option<E4m3Tiling>) {
+        *self.e4m3_tiling.lock().unwrap_or_else(|e| e.into_inner()) = tiling;
+    }
+
+    /// The FP8 forward's tiling for a grid of `blocks_of(rows)` blocks.
+    pub(crate) fn e4m3_tiling(&self, blocks_of: impl Fn(usize) -> usize) -> E4m3Tiling {
+        let fixed = *self.e4m3_tiling.lock().unwrap_or_else(|e| e.into_inner());
+        fixed.unwrap_or_else(|| E4m3Tiling::for_grid(self.sms, blocks_of))
     }
 
     /// Shared memory per SM, bytes.
@@ -215,7 +245,11 @@ impl CudaBackend {
             dkdv: if cfg.bwd_smem() <= self.max_smem { Some(f(cfg.dkdv_kernel())?) } else { None },
             decode: f("flash_decode")?,
             e4m3: if cfg.has_e4m3_forward() {
-                Some(E4m3Kernels { fwd: f("flash_fwd_e4m3")?, transpose_v: f("transpose_v_e4m3")? })
+                Some(E4m3Kernels {
+                    tall: f(&E4m3Tiling::TALL.kernel())?,
+                    short: f(&E4m3Tiling::SHORT.kernel())?,
+                    transpose_v: f("transpose_v_e4m3")?,
+                })
             } else {
                 None
             },
@@ -234,7 +268,10 @@ impl CudaBackend {
             d.set_attribute(attr, cfg.bwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
         }
         if let Some(e) = &k.e4m3 {
-            e.fwd.set_attribute(attr, cfg.e4m3_fwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
+            for t in [E4m3Tiling::TALL, E4m3Tiling::SHORT] {
+                let smem = t.smem(head_dim) as i32;
+                e.fwd(t).set_attribute(attr, smem).map_err(driver_err("raising the smem limit"))?;
+            }
         }
         // (A GPU without room for the decode kernel's stages still runs the others; decode
         // launches check.)

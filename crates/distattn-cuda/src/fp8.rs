@@ -9,7 +9,7 @@
 #![allow(clippy::too_many_arguments)] // a launch takes each buffer its kernel reads or writes
 
 use crate::attention::{fwd_grid, fwd_params, ForwardPtrs};
-use crate::compile::{backend_err, E4M3_BM, E4M3_BN, E4M3_THREADS};
+use crate::compile::{backend_err, E4M3_VT_KEYS};
 use crate::device::CudaBackend;
 use crate::external::aligned;
 use crate::params::{E4m3FwdParams, TransposeVParams};
@@ -17,9 +17,11 @@ use crate::{driver_err, tma, CudaElement};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, Result};
 
-/// Keys of the transposed V's rows: the key count rounded up to whole tiles.
+/// Keys of the transposed V's rows: the key count rounded up to whole blocks of the transpose.
+/// (A last tile of the forward that reaches past them reads zeros: TMA fills boxes beyond the
+/// tensor's end.)
 fn k_pad(k_len: usize) -> usize {
-    k_len.div_ceil(E4M3_BN) * E4M3_BN
+    k_len.div_ceil(E4M3_VT_KEYS) * E4M3_VT_KEYS
 }
 
 /// Bytes of the FP8 forward's workspace (V transposed) for `shape`.
@@ -170,7 +172,6 @@ impl CudaBackend {
         opts: &AttnOptions,
     ) -> Result<()> {
         let kern = self.kernels(dtype, shape.head_dim)?;
-        let cfg = kern.cfg;
         let e = kern.e4m3.as_ref().ok_or_else(|| {
             backend_err(
                 "the FP8 forward runs on the warp-specialized pipeline, which DISTATTN_KCFG's fwd_wg=0 turns off",
@@ -186,7 +187,7 @@ impl CudaBackend {
             pad_: 0,
         };
         let grid = LaunchConfig {
-            grid_dim: ((k_pad / 64) as u32, shape.kv_heads as u32, shape.batch as u32),
+            grid_dim: ((k_pad / E4M3_VT_KEYS) as u32, shape.kv_heads as u32, shape.batch as u32),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -195,7 +196,9 @@ impl CudaBackend {
         // the grid of k_pad / 64 key blocks x hkv x b covers exactly.
         unsafe { s.launch_builder(&e.transpose_v).arg(&tp).launch(grid) }
             .map_err(driver_err("launching the V transpose"))?;
-        let tiles = self.tiles(mask, E4M3_BM, E4M3_BN, false)?;
+        let tiling = self.e4m3_tiling(|rows| shape.q_len.div_ceil(rows) * shape.heads * shape.batch);
+        let (bm, bn) = (tiling.rows, tiling.keys);
+        let tiles = self.tiles(mask, bm, bn, false)?;
         let f = ForwardPtrs { q: t.q, k: t.k, v: t.v, o: t.o, o_f32: 0, lse: t.lse, merge: false };
         let p = E4m3FwdParams {
             f: fwd_params(s, &f, &tiles, shape, opts, self.sm_count())?,
@@ -203,13 +206,12 @@ impl CudaBackend {
             k_descale: t.k_descale,
             v_descale: t.v_descale,
         };
-        let (bm, bn) = (E4M3_BM as u32, E4M3_BN as u32);
         let maps = [
-            tma::TensorMap::rows_u8(t.q, tma::RowsTensor::of_queries(shape), bm)?,
-            tma::TensorMap::rows_u8(t.k, tma::RowsTensor::of_keys(shape), bn)?,
+            tma::TensorMap::rows_u8(t.q, tma::RowsTensor::of_queries(shape), bm as u32)?,
+            tma::TensorMap::rows_u8(t.k, tma::RowsTensor::of_keys(shape), bn as u32)?,
             tma::TensorMap::transposed_u8(t.vt, tma::RowsTensor::of_keys(shape), k_pad)?,
         ];
-        let mut launch = s.launch_builder(&e.fwd);
+        let mut launch = s.launch_builder(e.fwd(tiling));
         launch.arg(&p);
         for m in &maps {
             launch.arg(m);
@@ -220,7 +222,7 @@ impl CudaBackend {
         // what `shape` says (the contract); the tile plan was built for this mask and the
         // kernel's tile sizes and stays alive until the launch (an evicted plan is freed after
         // every stream's work); sizes fit the i32 fields (check_common).
-        unsafe { launch.launch(fwd_grid(&tiles, shape, E4M3_THREADS, cfg.e4m3_fwd_smem())?) }
+        unsafe { launch.launch(fwd_grid(&tiles, shape, tiling.threads(), tiling.smem(shape.head_dim))?) }
             .map_err(driver_err("launching the FP8 forward kernel"))?;
         Ok(())
     }

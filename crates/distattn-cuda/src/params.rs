@@ -67,7 +67,7 @@ kernel_params! {
         merge: i32,
     }
 
-    /// The FP8 forward's (`flash_fwd_e4m3`): the forward's, and per-(batch, KV head) f32
+    /// The FP8 forward's (`flash_fwd_e4m3_*`): the forward's, and per-(batch, KV head) f32
     /// descales of Q, K and V (0: none).
     struct E4m3FwdParams {
         f: FwdParams,

@@ -6,7 +6,7 @@
 //! past `rows` read as zeros and are not written, so tiles that overhang the end of a sequence
 //! need no bounds checks in the kernel.
 
-use crate::compile::{backend_err, E4M3_BN};
+use crate::compile::{backend_err, E4M3_VT_KEYS};
 use crate::params::StructLayout;
 use cudarc::driver::{sys, DeviceRepr};
 use distattn_core::{AttnShape, DType, Result};
@@ -64,12 +64,12 @@ impl TensorMap {
     }
 
     /// The map of V transposed for the FP8 forward, bytes `[batch][kv heads][head_dim][k_pad]`,
-    /// in boxes of `E4M3_BN` (64) keys x all `head_dim` rows, with the swizzle of rows that wide
+    /// in boxes of `E4M3_VT_KEYS` (64) keys x all `head_dim` rows, with the swizzle of rows that wide
     /// (the kernel's V^T descriptor reads the 64-byte one).
     pub(crate) fn transposed_u8(ptr: u64, t: RowsTensor, k_pad: usize) -> Result<Self> {
         let dims = [k_pad as u64, t.head_dim as u64, t.heads as u64, t.batch as u64];
         let strides = [k_pad as u64, (t.head_dim * k_pad) as u64, (t.heads * t.head_dim * k_pad) as u64];
-        let boxes = [E4M3_BN as u32, t.head_dim as u32, 1, 1];
+        let boxes = [E4M3_VT_KEYS as u32, t.head_dim as u32, 1, 1];
         let sw = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B;
         Self::encode(ptr, sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, dims, strides, boxes, sw)
             .map_err(|r| backend_err(format!("encoding a tensor map (V^T of {t:?}, {k_pad} keys): {r:?}")))

@@ -8,6 +8,7 @@
 
 use distattn_core::mask::DocKind;
 use distattn_core::{AttnOptions, AttnShape, Error, Mask};
+use distattn_cuda::compile::E4m3Tiling;
 use distattn_cuda::CudaBackend;
 use distattn_testkit::fp8::{e4m3_from_f32, e4m3_to_f32};
 use distattn_testkit::{lse_err, randn, reference, rel_err, seeded_rng, uniform};
@@ -86,12 +87,17 @@ fn fp8_forward_matches_the_f64_reference() {
         ("full-2048", Mask::full(2048, 2048).unwrap(), 1, 4, 2, true),
     ];
     let mut failures = Vec::new();
-    for (name, mask, b, h, hkv, scaled) in &cases {
-        let (eo, el) = errors(&gpu, mask, *b, *h, *hkv, *scaled, &mut rng);
-        let ok = eo <= O_TOL && el <= LSE_TOL;
-        println!("{name:<24} O {eo:.2e} LSE {el:.2e} {}", if ok { "ok" } else { "FAIL" });
-        if !ok {
-            failures.push(format!("{name}: O {eo:.2e}, LSE {el:.2e}"));
+    // Both block shapes on every case (these grids are small enough to pick SHORT by themselves).
+    for tiling in [E4m3Tiling::TALL, E4m3Tiling::SHORT] {
+        gpu.set_e4m3_tiling(Some(tiling));
+        let t = format!("{}x{}", tiling.rows, tiling.keys);
+        for (name, mask, b, h, hkv, scaled) in &cases {
+            let (eo, el) = errors(&gpu, mask, *b, *h, *hkv, *scaled, &mut rng);
+            let ok = eo <= O_TOL && el <= LSE_TOL;
+            println!("{t:<8} {name:<24} O {eo:.2e} LSE {el:.2e} {}", if ok { "ok" } else { "FAIL" });
+            if !ok {
+                failures.push(format!("{t} {name}: O {eo:.2e}, LSE {el:.2e}"));
+            }
         }
     }
     assert!(failures.is_empty(), "DISTATTN_SEED={seed}:\n{}", failures.join("\n"));

@@ -61,7 +61,7 @@ __device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p) {
     return {p.n_tiles - 1 - s.rank, kvh * G + s.sub, kvh, s.pair / p.kv_heads};
 }
 
-// The FP8 forward's (`flash_fwd_e4m3`): the forward's (q, k, v: e4m3, v transposed; o: the
+// The FP8 forward's (`flash_fwd_e4m3_*`): the forward's (q, k, v: e4m3, v transposed; o: the
 // module's dtype), and per-(batch, KV head) f32 descales of Q, K and V (null: 1).
 struct E4m3FwdParams {
     FwdParams f;

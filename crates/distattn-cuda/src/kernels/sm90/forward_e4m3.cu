@@ -7,8 +7,7 @@
 // (transpose_v_e4m3, below), with the keys of every 32-key block in the order in which the
 // score accumulators already sit in the threads: P goes from accumulators to the A operand of
 // P V without a shuffle. Per-(batch, KV head) descales fold into the score scale (Q, K) and the
-// output scale (V). Its products take half the bf16 ones' time, so the softmax dominates: three
-// consumer warpgroups issue without turns.
+// output scale (V). Its products take half the bf16 ones' time, so the softmax dominates.
 
 // The key of position pos of a permuted row of V^T (pos < 32 within its block): the A operand
 // of a k = 32 step wants, in thread t's bytes 0..3, keys 4t..4t+3, where the score accumulators
@@ -18,15 +17,19 @@ __device__ __forceinline__ int e4m3_key_of(int pos) {
     return (pos & 16) + ((e >> 1) << 3) + 2 * t + (e & 1);
 }
 
-// Three consumer warpgroups (192 query rows, the host's E4M3_BM; with two, each keeping two score
-// tiles in flight, the tensor and MUFU pipes were both under half busy) over 64-key tiles (the
-// host's E4M3_BN): at 128 keys, O, a score tile and P took more than 160 registers a thread.
-struct FwdE4m3 : FwdConsumers<3> {
+// NC consumer warpgroups (64 query rows each) over BN-key tiles, without turns (its products
+// are short beside its softmax; turns were 3-14% slower). Two block shapes, which the host picks
+// by the grid's size: 192 x 64 (three consumers, whose 160 registers a thread hold O, a 64-key
+// score tile and P; at 16k on an H100 3-7% faster than 128 x 128 or 128 x 192 with two) and
+// 128 x 128 (two consumers; more blocks where a grid of 192-row ones would leave SMs idle in its
+// last wave: 8-16% faster at 4k).
+template <int NC, int BN_>
+struct FwdE4m3 : FwdConsumers<NC> {
     // Q and K tiles are one 128-byte swizzled column block (a head dim of 128 bytes); V^T's are
-    // D rows of 64 bytes with the 64-byte swizzle.
-    static constexpr int BN = 64;
-    static constexpr u32 Q_BYTES = BM * D, TILE_BYTES = BN * D;
-    // No turns: with them 3% slower at 16k (three consumers; 14% with two).
+    // BN / 64 blocks of D rows of 64 bytes (a TMA box each) in the 64-byte swizzle.
+    static constexpr int BN = BN_;
+    static_assert(BN == 64 || BN == 128, "score products of 64 or 128 keys");
+    static constexpr u32 Q_BYTES = FwdConsumers<NC>::BM * D, TILE_BYTES = BN * D, VT_BLOCK = 64 * D;
     static constexpr bool TURNS = false;
     using PFrag = u32[BN / 32][4];
     __device__ static __forceinline__ void load_q(u32 dst, const TmaMap* m, u32 bar, int q0, int h, int b) {
@@ -35,15 +38,15 @@ struct FwdE4m3 : FwdConsumers<3> {
     __device__ static __forceinline__ void load_k(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
         tma_box(dst, m, bar, 0, k0, kvh, b);
     }
-    // V^T's tile: D rows of BN keys.
+    // V^T's tile: D rows of BN keys, in blocks of 64 keys.
     __device__ static __forceinline__ void load_v(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
-        tma_box(dst, m, bar, k0, 0, kvh, b);
+#pragma unroll
+        for (int kb = 0; kb < BN / 64; ++kb) tma_box(dst + kb * VT_BLOCK, m, bar, k0 + 64 * kb, 0, kvh, b);
     }
     __device__ static __forceinline__ void qk(float (&s)[BN / 2], u32 qs, int cw, u32 ks) {
         const u64 da = wg_desc(qs + 64 * cw * 128, 16, 1024), db = wg_desc(ks, 16, 1024);
-        wgmma_e4m3_ss_n64<0>(s, da, db);
 #pragma unroll
-        for (int kk = 1; kk < D / 32; ++kk) wgmma_e4m3_ss_n64<1>(s, wg_desc_add(da, 32 * kk), wg_desc_add(db, 32 * kk));
+        for (int kk = 0; kk < D / 32; ++kk) wgmma_e4m3_ss_step(s, wg_desc_add(da, 32 * kk), wg_desc_add(db, 32 * kk), kk);
     }
     // k-step kk covers accumulator column blocks 4kk..4kk+3 (see e4m3_key_of).
     __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[BN / 2]) {
@@ -56,23 +59,35 @@ struct FwdE4m3 : FwdConsumers<3> {
             pa[kk][3] = pack4_e4m3(x[10], x[11], x[14], x[15]);
         }
     }
+    // k-step kk: 32 keys, half a 64-key block of V^T.
     __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) {
-        const u64 dv = wg_desc(vs, 16, 512, WG_SW64);
 #pragma unroll
-        for (int kk = 0; kk < BN / 32; ++kk) wgmma_e4m3_rs_n128(o, pa[kk], wg_desc_add(dv, 32 * kk));
+        for (int kk = 0; kk < BN / 32; ++kk)
+            wgmma_e4m3_rs_n128(o, pa[kk], wg_desc(vs + (kk >> 1) * VT_BLOCK + 32 * (kk & 1), 16, 512, WG_SW64));
     }
 };
 
-extern "C" __global__ void __launch_bounds__(FwdE4m3::THREADS, 1)
-flash_fwd_e4m3(const E4m3FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
-               const __grid_constant__ TmaMap tvt) {
+// The FP8 forward of one block on the tiles of Ops: descales folded into the score and output
+// scales.
+template <class Ops>
+__device__ __forceinline__ void fwd_e4m3(const E4m3FwdParams& p, const TmaMap* tq, const TmaMap* tk, const TmaMap* tvt) {
     const FwdBlock fb = fwd_block(p.f);
     const int bh = fb.b * p.f.kv_heads + fb.kvh;
     const float qd = p.q_descale ? p.q_descale[bh] : 1.f;
     const float kd = p.k_descale ? p.k_descale[bh] : 1.f;
     const float vd = p.v_descale ? p.v_descale[bh] : 1.f;
-    fwd_ws<FwdE4m3>(p.f, fb, &tq, &tk, &tvt, p.f.scale_log2 * qd * kd, vd);
+    fwd_ws<Ops>(p.f, fb, tq, tk, tvt, p.f.scale_log2 * qd * kd, vd);
 }
+
+// The kernels are named by their blocks' query rows x keys (the host's E4m3Tiling).
+#define FWD_E4M3_KERNEL(NC, BN, NAME)                                                                             \
+    extern "C" __global__ void __launch_bounds__(FwdE4m3<NC, BN>::THREADS, 1)                                     \
+    NAME(const E4m3FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,             \
+         const __grid_constant__ TmaMap tvt) {                                                                    \
+        fwd_e4m3<FwdE4m3<NC, BN>>(p, &tq, &tk, &tvt);                                                             \
+    }
+FWD_E4M3_KERNEL(3, 64, flash_fwd_e4m3_192x64)
+FWD_E4M3_KERNEL(2, 128, flash_fwd_e4m3_128x128)
 
 // V [batch][keys][KV heads][D] -> V^T [batch][KV heads][D][k_pad], keys permuted per 32-key
 // block (e4m3_key_of), zeros past k_len. Grid: (k_pad / 64, KV heads, batch), 256 threads.

@@ -20,6 +20,10 @@
 // %0..%63).
 #define WG_ACC64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
+// ... of a 32-register (m64n64) and a 96-register (m64n192) one (operands %0..%31, %0..%95).
+#define WG_ACC32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_ACC96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
+
 // Shared-memory matrix descriptor; layout: the swizzle, WG_SW128 (the tiles' usual one) or
 // WG_SW64. lbo/sbo in bytes: for K-major operands sbo is the stride of 8-row groups (8 rows of
 // the swizzle's width: 1024 or 512) and lbo is unused; for MN-major operands lbo is the stride
@@ -135,11 +139,11 @@ __device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.
 // N = 32: the d 192/256 backward's score tiles; 80, 96, 192: the forward's key tiles at d 256,
 // 192 and 128 (64 and 128 serve everything else).
 WG_SS_PRODUCT(32, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", 16, 17, 18, 19, WG_BIND16)
-WG_SS_PRODUCT(64, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", 32, 33, 34, 35, WG_BIND32)
+WG_SS_PRODUCT(64, WG_ACC32, 32, 33, 34, 35, WG_BIND32)
 WG_SS_PRODUCT(80, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}", 40, 41, 42, 43, WG_BIND40)
 WG_SS_PRODUCT(96, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}", 48, 49, 50, 51, WG_BIND48)
 WG_SS_PRODUCT(128, WG_ACC64, 64, 65, 66, 67, WG_BIND64)
-WG_SS_PRODUCT(192, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}", 96, 97, 98, 99, WG_BIND96)
+WG_SS_PRODUCT(192, WG_ACC96, 96, 97, 98, 99, WG_BIND96)
 
 // D[64 x 64] += A[64 x 16] B[16 x 64], A from registers (mma.sync A-fragment layout per warp), B from shared memory.
 template <int TB>
@@ -199,18 +203,36 @@ __device__ __forceinline__ void wg_gemm_kmajor(float (&acc)[NA], u32 a, int a_ro
 // ---- FP8 (e4m3) products, k = 32. 8-bit wgmma reads both shared operands K-major only, so
 // the P V product takes V transposed ([D][keys] tiles).
 
-// D[64 x 64] (+)= A[64 x 32] B[32 x 64], A and B from shared memory; ACC = 0: D's earlier values
-// are not read (the first k-step).
-template <int ACC>
-__device__ __forceinline__ void wgmma_e4m3_ss_n64(float (&d)[32], u64 da, u64 db) {
-    if constexpr (ACC)
-        asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}" ", %32, %33, 1, 1, 1;\n"
-                     : WG_BIND32(WG_RW8)
-                     : "l"(da), "l"(db));
-    else
-        asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}" ", %32, %33, 0, 1, 1;\n"
-                     : WG_BIND32(WG_W8)
-                     : "l"(da), "l"(db));
+// wgmma_e4m3_ss_n<N>: D[64 x N] (+)= A[64 x 32] B[32 x N], A and B from shared memory (K-major);
+// ACC = 0: D's earlier values are not read (the first k-step). Arguments as WG_SS_PRODUCT's.
+#define WG_E4M3_SS_PRODUCT(N, REGS, DA, DB, BIND)                                                               \
+    template <int ACC>                                                                                         \
+    __device__ __forceinline__ void wgmma_e4m3_ss_n##N(float (&d)[N / 2], u64 da, u64 db) {                   \
+        if constexpr (ACC)                                                                                     \
+            asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", %" #DA ", %" #DB \
+                         ", 1, 1, 1;\n"                                                                        \
+                         : BIND(WG_RW8)                                                                        \
+                         : "l"(da), "l"(db));                                                                  \
+        else                                                                                                   \
+            asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", %" #DA ", %" #DB \
+                         ", 0, 1, 1;\n"                                                                        \
+                         : BIND(WG_W8)                                                                         \
+                         : "l"(da), "l"(db));                                                                  \
+    }
+// The FP8 forward's score tiles (64 or 128 keys).
+WG_E4M3_SS_PRODUCT(64, WG_ACC32, 32, 33, WG_BIND32)
+WG_E4M3_SS_PRODUCT(128, WG_ACC64, 64, 65, WG_BIND64)
+// k-step kk of the FP8 score product over N = 2 NA keys: the first one starts from zero.
+template <int NA>
+__device__ __forceinline__ void wgmma_e4m3_ss_step(float (&d)[NA], u64 da, u64 db, int kk) {
+    static_assert(NA == 32 || NA == 64, "FP8 score tiles of 64 or 128 keys");
+    if (kk == 0) {
+        if constexpr (NA == 32) wgmma_e4m3_ss_n64<0>(d, da, db);
+        else wgmma_e4m3_ss_n128<0>(d, da, db);
+    } else {
+        if constexpr (NA == 32) wgmma_e4m3_ss_n64<1>(d, da, db);
+        else wgmma_e4m3_ss_n128<1>(d, da, db);
+    }
 }
 // D[64 x 128] += A[64 x 32] B[32 x 128], A from registers: per warp, thread (g, t) holds rows g
 // and g + 8, columns 4t..4t+3 (a[0], a[1]) and 16 + 4t..16 + 4t+3 (a[2], a[3]), byte 0 first.
