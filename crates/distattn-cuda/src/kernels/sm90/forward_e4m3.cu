@@ -90,32 +90,38 @@ FWD_E4M3_KERNEL(3, 64, flash_fwd_e4m3_192x64)
 FWD_E4M3_KERNEL(2, 128, flash_fwd_e4m3_128x128)
 
 // V [batch][keys][KV heads][D] -> V^T [batch][KV heads][D][k_pad], keys permuted per 32-key
-// block (e4m3_key_of), zeros past k_len. Grid: (k_pad / 64, KV heads, batch), 256 threads.
+// block (e4m3_key_of), zeros past k_len. Grid: (k_pad / 64, KV heads, batch), 256 threads. The
+// 64 keys' rows go through shared memory in words (rows of 33 words: the reads below fall on
+// distinct banks but for pairs); each thread then turns 4 words (keys k, k + 1, k + 8, k + 9 of
+// 4 columns: the 4 positions of one output word, see e4m3_key_of) into 4 output words (one per
+// column) with byte permutes, and half-warps store 64 contiguous bytes of a V^T row.
 extern "C" __global__ void __launch_bounds__(256) transpose_v_e4m3(const TransposeVParams p) {
-    __shared__ __align__(16) unsigned char tile[64][D];
+    __shared__ u32 tile[64][D / 4 + 1];
     const int k0 = blockIdx.x * 64, kvh = blockIdx.y, b = blockIdx.z;
     for (int i = threadIdx.x; i < 64 * D / 16; i += blockDim.x) {
         const int r = i / (D / 16), c = i % (D / 16), key = k0 + r;
         uint4 x = make_uint4(0, 0, 0, 0);
         if (key < p.k_len) x = *(const uint4*)(p.v + (((size_t)b * p.k_len + key) * p.kv_heads + kvh) * D + 16 * c);
-        *(uint4*)&tile[r][16 * c] = x;
+        tile[r][4 * c] = x.x;
+        tile[r][4 * c + 1] = x.y;
+        tile[r][4 * c + 2] = x.z;
+        tile[r][4 * c + 3] = x.w;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < D * 4; i += blockDim.x) {
-        const int d = i / 4, c = i % 4; // 16 positions 16c.. of row d
-        u32 w[4];
+    const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5;
+    const int pw = lane & 15;                          // output word: positions 4pw..4pw+3
+    const int kb = (4 * pw & ~31) + e4m3_key_of(4 * pw & 31); // its keys: kb, kb + 1, kb + 8, kb + 9
+    unsigned char* vt = p.vt + ((size_t)b * p.kv_heads + kvh) * D * p.k_pad + k0 + 4 * pw;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            u32 x = 0;
+    for (int it = 0; it < D / 64; ++it) {
+        const int d = 8 * (8 * it + wi) + 4 * (lane >> 4); // columns d..d+3
+        const u32 a0 = tile[kb][d / 4], a1 = tile[kb + 1][d / 4], a2 = tile[kb + 8][d / 4], a3 = tile[kb + 9][d / 4];
+        const u32 lo01 = __byte_perm(a0, a1, 0x5140), hi01 = __byte_perm(a0, a1, 0x7362);
+        const u32 lo23 = __byte_perm(a2, a3, 0x5140), hi23 = __byte_perm(a2, a3, 0x7362);
+        const u32 w[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                          __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int pos = 16 * c + 4 * j + e;
-                x |= (u32)tile[(pos & ~31) + e4m3_key_of(pos & 31)][d] << (8 * e);
-            }
-            w[j] = x;
-        }
-        *(uint4*)(p.vt + (((size_t)b * p.kv_heads + kvh) * D + d) * p.k_pad + k0 + 16 * c) =
-            make_uint4(w[0], w[1], w[2], w[3]);
+        for (int r = 0; r < 4; ++r) *(u32*)(vt + (size_t)(d + r) * p.k_pad) = w[r];
     }
 }
 #endif // FWD_WG && D == 128
