@@ -36,13 +36,14 @@ from kernel_timing import kernels_per_call, marked_call, timed
 
 DT = torch.bfloat16
 SEQS = [4096, 8192, 16384, 32768, 65536]
+HEADS = ((16, 16), (32, 8))
 
 
-def cases(quick, only=None, heads=((16, 16), (32, 8))):
-    """(name, n, mask, h, hkv, d)."""
+def cases(quick, only=None, heads=None):
+    """(name, n, mask, h, hkv, d); heads: (H, HKV) pairs, default HEADS."""
     out = []
     for d in (128, 64, 256, 192, 96):
-        for h, hkv in heads:
+        for h, hkv in heads or HEADS:
             for mask in ("causal", "full"):
                 for n in SEQS:
                     out.append((f"d{d}-{h}/{hkv}-{mask}-{n // 1024}k", n, mask, h, hkv, d))
@@ -116,7 +117,7 @@ def picked(impl, pss, only_impls, only_passes):
 
 def run_timings(out_dir, quick, only, only_impls=None, only_passes=None, heads=None, seconds=None):
     rows = []
-    for name, n, mask, h, hkv, d in cases(quick, only, heads or ((16, 16), (32, 8))):
+    for name, n, mask, h, hkv, d in cases(quick, only, heads):
         for impl, pss, fn in impls(n, mask, h, hkv, d):
             if not picked(impl, pss, only_impls, only_passes):
                 continue

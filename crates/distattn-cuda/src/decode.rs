@@ -118,8 +118,9 @@ impl CudaBackend {
     /// A block of one key run per row (`runs`, [`Block::row_runs`]) through the decode kernel,
     /// reading K and V in place: each query row (of each batch entry) is a request of one row
     /// whose keys are its run (a row table, no pages). The kernel writes the block's O (f32,
-    /// or the inputs' dtype for a final result) directly (rows in the block's order); its LSE `[batch · q_len, heads]` is the block's
-    /// `[batch, heads, q_len]` for one query row, else laid out by a copy.
+    /// or the inputs' dtype for a final result) directly (rows in the block's order); its LSE
+    /// `[batch · q_len, heads]` is the block's `[batch, heads, q_len]` for one query row, else
+    /// laid out by a copy.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn block_decode<T: CudaElement>(
         &self,
@@ -182,11 +183,12 @@ impl CudaBackend {
         // O is f32, or in the inputs' dtype where it holds a final result.
         let o_f32 = o.dtype() == DType::F32;
         let step = DecodeStep { row_table: true, o_f32, ..DecodeStep::paged(shape, layout, 1, 0, opts) };
-        // SAFETY: Q, K, V, O (f32, or T::DTYPE where o_f32 is false) and LSE are the block's buffers ([b, q_len or k_len, heads,
-        // d] and [b, heads, q_len], checked by the interpreter), every run inside its batch
-        // entry's keys (from the block's mask); the table and lengths were uploaded for the
-        // compute stream (`list` and the cache keep them); the workspace (and lse_t) were just
-        // allocated on it at decode_workspace's sizes, and everything runs on that stream.
+        // SAFETY: Q, K, V, O (f32, or T::DTYPE where o_f32 is false) and LSE are the block's
+        // buffers ([b, q_len or k_len, heads, d] and [b, heads, q_len], checked by the
+        // interpreter), every run inside its batch entry's keys (from the block's mask); the
+        // table and lengths were uploaded for the compute stream (`list` and the cache keep
+        // them); the workspace (and lse_t) were just allocated on it at decode_workspace's
+        // sizes, and everything runs on that stream.
         unsafe {
             self.decode_plan_raw(s, T::DTYPE, &shape, ptrs.seqlens, 0, key_rows, &ws)?;
             self.decode_raw(s, T::DTYPE, &ptrs, &ws, &step)?;

@@ -493,10 +493,7 @@ where
         PreparedOp::Fwd { q, k, v, o, lse, block, output, rounded } => {
             let block = &prog.blocks[*block];
             // The rounded final O, taken out of the store for the call.
-            let mut rb = match rounded {
-                Some((y, _)) => Some(store.take(*y)?),
-                None => None,
-            };
+            let mut rb = rounded.as_ref().map(|(y, _)| store.take(*y)).transpose()?;
             let fwd = |s: &Store<B::Buf>, ob: &mut B::Buf, lb: &mut B::Buf, rd: Option<&mut B::Buf>| {
                 backend.forward(block, s.fwd_inputs(*q, *k, *v)?, opts, ob, lb, rd)
             };

@@ -164,6 +164,11 @@ impl Plan {
 fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), String> {
     // Overwritten buffers not yet used, with the (tokens, heads) regions copied into them so far.
     let mut pending: HashMap<BufId, Vec<(TokenSet, Range<usize>)>> = HashMap::new();
+    // The region of `dst` that `src`'s tokens and heads cover.
+    let overlap = |src: BufId, dst: BufId| {
+        let (s, d) = (&prog.bufs[src], &prog.bufs[dst]);
+        (s.tokens.intersect(&d.tokens), s.heads.start.max(d.heads.start)..s.heads.end.min(d.heads.end))
+    };
     for (t, ops) in prog.steps.iter().enumerate() {
         for op in ops {
             // (buffer, region) this op writes into a pending buffer: a copy's, or a receive's
@@ -174,17 +179,9 @@ fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), St
                     pending.insert(*buf, Vec::new());
                     continue;
                 }
-                Op::Copy { src, dst } if pending.contains_key(dst) => {
-                    let (s, d) = (&prog.bufs[*src], &prog.bufs[*dst]);
-                    let heads = s.heads.start.max(d.heads.start)..s.heads.end.min(d.heads.end);
-                    written.push((*dst, (s.tokens.intersect(&d.tokens), heads)));
-                }
+                Op::Copy { src, dst } if pending.contains_key(dst) => written.push((*dst, overlap(*src, *dst))),
                 // A block's rounded O covers its query rows.
-                Op::Fwd { q, rounded: Some(y), .. } if pending.contains_key(y) => {
-                    let (s, d) = (&prog.bufs[*q], &prog.bufs[*y]);
-                    let heads = s.heads.start.max(d.heads.start)..s.heads.end.min(d.heads.end);
-                    written.push((*y, (s.tokens.intersect(&d.tokens), heads)));
-                }
+                Op::Fwd { q, rounded: Some(y), .. } if pending.contains_key(y) => written.push((*y, overlap(*q, *y))),
                 Op::Comm { recvs, .. } => {
                     for &(_, b) in recvs {
                         let d = &prog.bufs[b];
