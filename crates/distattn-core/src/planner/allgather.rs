@@ -1,52 +1,103 @@
-//! All-gather: every rank gathers all of K and V once (zig-zag layout, document-aware as the
-//! zig-zag ring's, so causal work is balanced) and computes its queries against every block it
-//! needs. Backward gathers K and V again and reduce-scatters the dK/dV partials back to their
-//! owners.
+//! All-gather: every rank gathers the K and V of the ranks whose keys its queries see, whole,
+//! and computes its queries against them (zig-zag layout, document-aware as the zig-zag ring's,
+//! so causal work is balanced). Backward gathers K and V again the same way and returns the
+//! dK/dV partials to their owners (a reduce-scatter), who add them.
+//!
+//! [`compute_gathered`] runs such a gather for this planner and for dispatch: the K/V a rank
+//! receives land in one buffer while the rank computes its queries against its own K/V, and
+//! then its queries meet the gathered K/V in one block. Two kernels a rank, where computing
+//! against each sender's K/V apart took P smaller ones, each with its own tail.
 
-use super::builder::{Builder, BwdBufs, FwdBufs, GradBufs, KvBufs, PassBufs};
+use super::builder::{BufSet, Builder, BwdBufs, FwdBufs, GradBufs, KvBufs, KvGradBufs, PassBufs};
+use crate::plan::{area, BufDesc, Fill, Tensor, TokenSet};
 use crate::Result;
 
 pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let p = b.world;
     let layout = super::zigzag::layout(b);
     let bufs = b.declare_pass(layout);
-    b.label(0, "all-gather K,V + compute");
-    // held[r]: (owner, K/V as held on rank r) for every rank's K/V, in owner order.
-    let mut held: Vec<Vec<(usize, KvBufs)>> = vec![Vec::with_capacity(p); p];
-    for s in 0..p {
-        for (r, on_r) in held.iter_mut().enumerate() {
-            let kv = if r == s { bufs.kv(s) } else { b.transfer_set(0, 0, s, r, bufs.kv(s)) };
-            on_r.push((s, kv));
-        }
-    }
-    compute_held(b, &bufs, &held);
-    Ok(())
-}
-
-/// At step 0, every rank r computes its queries against each K/V in `held[r]` (owner, K/V as
-/// held on r). Backward then returns the dK/dV partials of K/V owned elsewhere to their owners
-/// (phase 1, every partial sent, as a reduce-scatter does), who add them.
-pub(super) fn compute_held(b: &mut Builder, bufs: &PassBufs, held: &[Vec<(usize, KvBufs)>]) {
-    // (computing rank, owner, dK/dV partial)
-    let mut partials = Vec::new();
-    for (r, on_r) in held.iter().enumerate() {
-        for &(owner, kv) in on_r {
-            match bufs {
-                PassBufs::Forward(own) => b.fwd(r, 0, FwdBufs { kv, ..own[r] }),
-                PassBufs::Backward(own) if owner == r => b.bwd(r, 0, BwdBufs { kv, ..own[r] }),
-                PassBufs::Backward(own) => {
-                    let dkv = b.kv_grad_partials(r, 0, kv);
-                    b.bwd(r, 0, BwdBufs { kv, grads: GradBufs { dkv, ..own[r].grads }, ..own[r] });
-                    partials.push((r, owner, dkv));
-                }
+    let tokens = |b: &Builder, r: usize, buf: usize| b.desc(r, buf).tokens.clone();
+    let mut sends = Vec::new();
+    for r in 0..p {
+        let q = tokens(b, r, bufs.query(r));
+        for s in (0..p).filter(|&s| s != r) {
+            if area(b.mask, &q, &tokens(b, s, bufs.kv(s).k)) > 0 {
+                sends.push(Send { owner: s, to: r, kv: bufs.kv(s) });
             }
         }
     }
-    if let PassBufs::Backward(own) = bufs {
-        let returned: Vec<_> =
-            partials.into_iter().map(|(r, owner, dkv)| (owner, b.transfer_set(0, 1, r, owner, dkv))).collect();
-        for (owner, got) in returned {
-            b.add_set(owner, 0, got, own[owner].grads.dkv);
+    compute_gathered(b, &bufs, &sends, "all-gather K,V");
+    Ok(())
+}
+
+/// K/V that rank `owner` sends to rank `to`: its own K/V or a part of it (buffers on `owner`).
+pub(super) struct Send {
+    pub owner: usize,
+    pub to: usize,
+    pub kv: KvBufs,
+}
+
+/// One step: every rank receives the K/V of `sends` addressed to it into one buffer pair (phase
+/// 0) while it computes its queries against its own K/V, then computes them against the
+/// gathered K/V. Backward computes that block into zeroed dK/dV partials and returns each
+/// sender's part to it (phase 1), where it is added. `what` names the gather.
+pub(super) fn compute_gathered(b: &mut Builder, bufs: &PassBufs, sends: &[Send], what: &str) {
+    let p = b.world;
+    b.label(0, format!("{what} + compute"));
+    let gathered: Vec<Option<KvBufs>> = (0..p)
+        .map(|r| {
+            let mine: Vec<&Send> = sends.iter().filter(|x| x.to == r).collect();
+            (!mine.is_empty()).then(|| {
+                let tokens = TokenSet::union(mine.iter().map(|x| &b.desc(x.owner, x.kv.k).tokens));
+                let heads = b.all_heads(Tensor::K);
+                let mut alloc = |t| b.alloc(r, 0, BufDesc::new(t, tokens.clone(), heads.clone()), Fill::Overwritten);
+                KvBufs { k: alloc(Tensor::K), v: alloc(Tensor::V) }
+            })
+        })
+        .collect();
+    // The transfers come first: each rank posts its groups in (step, phase) order.
+    for x in sends {
+        if let Some(into) = gathered[x.to] {
+            b.transfer_gathered(0, 0, x.owner, x.to, x.kv.k, into.k);
+            b.transfer_gathered(0, 0, x.owner, x.to, x.kv.v, into.v);
+        }
+    }
+    match bufs {
+        PassBufs::Forward(own) => {
+            for (r, x) in own.iter().enumerate() {
+                b.fwd(r, 0, *x);
+                if let Some(kv) = gathered[r] {
+                    b.fwd(r, 0, FwdBufs { kv, ..*x });
+                }
+            }
+        }
+        PassBufs::Backward(own) => {
+            // Every rank's blocks and the parts it returns are issued before any transfer that
+            // sends them (a transfer waits for the op that wrote what it sends).
+            let mut parts = Vec::new();
+            for (r, x) in own.iter().enumerate() {
+                b.bwd(r, 0, *x);
+                let Some(kv) = gathered[r] else { continue };
+                let dkv = b.kv_grad_partials(r, 0, kv);
+                b.bwd(r, 0, BwdBufs { kv, grads: GradBufs { dkv, ..x.grads }, ..*x });
+                for y in sends.iter().filter(|y| y.to == r) {
+                    let tokens = b.desc(y.owner, y.kv.k).tokens.clone();
+                    let part = dkv.map(|g| {
+                        let desc = b.desc(r, g);
+                        if desc.tokens == tokens {
+                            return g; // (one sender: the whole block goes back)
+                        }
+                        let heads = desc.heads.clone();
+                        b.extract(r, 0, g, tokens.clone(), heads)
+                    });
+                    parts.push((r, y.owner, part));
+                }
+            }
+            let got: Vec<(usize, KvGradBufs)> =
+                parts.into_iter().map(|(r, owner, part)| (owner, b.transfer_set(0, 1, r, owner, part))).collect();
+            for (owner, part) in got {
+                b.add_set(owner, 0, part, own[owner].grads.dkv);
+            }
         }
     }
 }

@@ -169,6 +169,14 @@ pub(crate) enum PassBufs {
 }
 
 impl PassBufs {
+    /// The query buffer (Q) of `rank`.
+    pub fn query(&self, rank: usize) -> BufId {
+        match self {
+            PassBufs::Forward(ranks) => ranks[rank].q,
+            PassBufs::Backward(ranks) => ranks[rank].query.q,
+        }
+    }
+
     /// The K/V of `rank`.
     pub fn kv(&self, rank: usize) -> KvBufs {
         match self {

@@ -6,8 +6,8 @@
 //! send per (owner, needer) pair) — no redundant bytes — and backward returns the dK/dV partials
 //! the same way ("group-reduce").
 
-use super::allgather::compute_held;
-use super::builder::{BufSet, Builder, KvBufs};
+use super::allgather::{compute_gathered, Send};
+use super::builder::{BufSet, Builder};
 use crate::plan::{area, split_even, Layout, LayoutKind, Tensor, TokenSet};
 use crate::{AttnShape, Mask, Result};
 use std::ops::Range;
@@ -145,7 +145,6 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let (q_sets, k_sets) = (layout.q.clone(), layout.k.clone());
     let bufs = b.declare_pass(layout);
     let kv_heads = b.all_heads(Tensor::K);
-    b.label(0, "group-cast K,V + compute");
     // (owner s, rank r, the chunks of s's K/V that r's queries keep a pair with, on s)
     let mut sends = Vec::new();
     for (s, k_set) in k_sets.iter().enumerate() {
@@ -170,15 +169,9 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
             } else {
                 own.map(|src| b.extract(s, 0, src, tokens.clone(), kv_heads.clone()))
             };
-            sends.push((s, r, kv));
+            sends.push(Send { owner: s, to: r, kv });
         }
     }
-    // held[r]: (owner, K/V as held on rank r), its own first.
-    let mut held: Vec<Vec<(usize, KvBufs)>> = (0..p).map(|r| vec![(r, bufs.kv(r))]).collect();
-    for (s, r, kv) in sends {
-        let got = b.transfer_set(0, 0, s, r, kv);
-        held[r].push((s, got));
-    }
-    compute_held(b, &bufs, &held);
+    compute_gathered(b, &bufs, &sends, "group-cast K,V");
     Ok(())
 }

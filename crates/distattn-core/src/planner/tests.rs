@@ -647,3 +647,30 @@ fn validation_refuses_a_buffer_inside_another_that_is_not_a_contiguous_part() {
     let err = bad.validate().unwrap_err().to_string();
     assert!(err.contains("is used other than by a receive"), "{err}");
 }
+
+#[test]
+fn allgather_runs_two_blocks_a_rank_and_gathers_only_what_queries_see() {
+    let shape = AttnShape::new(1, 1000, 1000, 8, 4, 64).unwrap();
+    let causal = Mask::causal(1000, 1000).unwrap();
+    for (pass, world) in [(PlanOptions::forward(), 4), (PlanOptions::backward(RingBackward::KvCirculate), 3)] {
+        let plan = build(Strategy::Allgather, world, &shape, &causal, DType::BF16, &pass).unwrap();
+        plan.validate().unwrap();
+        assert_eq!(plan.steps(), 1);
+        for (r, prog) in plan.ranks.iter().enumerate() {
+            let ops = &prog.steps[0];
+            let blocks = ops.iter().filter(|op| matches!(op, Op::Fwd { .. } | Op::Bwd { .. })).count();
+            assert_eq!(blocks, 2, "rank {r}: its own block and the gathered one");
+            // Forward: one gather; backward: the gather and the partials' return.
+            let comms = ops.iter().filter(|op| matches!(op, Op::Comm { .. })).count();
+            assert_eq!(comms, if plan.pass == Pass::Forward { 1 } else { 2 }, "rank {r}");
+        }
+    }
+    // A window of 20 tokens on 4 ranks of 2 chunks of 125 (rank r: chunks r and 7 - r): each
+    // rank needs the K/V of the ranks holding the chunks just before its own, 6 of the 12
+    // (owner, needer) pairs a causal mask needs.
+    let window = Mask::sliding_window(1000, 1000, Some(20), Some(0)).unwrap();
+    let bytes = |m: &Mask| {
+        build(Strategy::Allgather, 4, &shape, m, DType::BF16, &PlanOptions::forward()).unwrap().summary().bytes_moved
+    };
+    assert_eq!(2 * bytes(&window), bytes(&causal), "window {} causal {}", bytes(&window), bytes(&causal));
+}
