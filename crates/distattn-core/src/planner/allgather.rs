@@ -40,7 +40,8 @@ pub(super) struct Send {
 /// One step: every rank receives the K/V of `sends` addressed to it into one buffer pair (phase
 /// 0) while it computes its queries against its own K/V, then computes them against the
 /// gathered K/V. Backward computes that block into zeroed dK/dV partials and returns each
-/// sender's part to it (phase 1), where it is added. `what` names the gather.
+/// sender's part to it (phase 1), where it is added, while the second half of the rank's own
+/// block runs. `what` names the gather.
 pub(super) fn compute_gathered(b: &mut Builder, bufs: &PassBufs, sends: &[Send], what: &str) {
     let p = b.world;
     b.label(0, format!("{what} + compute"));
@@ -73,11 +74,17 @@ pub(super) fn compute_gathered(b: &mut Builder, bufs: &PassBufs, sends: &[Send],
         }
         PassBufs::Backward(own) => {
             // Every rank's blocks and the parts it returns are issued before any transfer that
-            // sends them (a transfer waits for the op that wrote what it sends).
+            // sends them (a transfer waits for the op that wrote what it sends). The own block
+            // is cut in two by query rows around the gathered one: its first half runs under
+            // the gather, its second under the return of the partials.
             let mut parts = Vec::new();
             for (r, x) in own.iter().enumerate() {
-                b.bwd(r, 0, *x);
-                let Some(kv) = gathered[r] else { continue };
+                let Some(kv) = gathered[r] else {
+                    b.bwd(r, 0, *x);
+                    continue;
+                };
+                let cut = b.half_area_rows(r, x.query.q, x.kv.k);
+                b.bwd_rows(r, 0, *x, cut.map(|c| 0..c));
                 let dkv = b.kv_grad_partials(r, 0, kv);
                 b.bwd(r, 0, BwdBufs { kv, grads: GradBufs { dkv, ..x.grads }, ..*x });
                 for y in sends.iter().filter(|y| y.to == r) {
@@ -91,6 +98,9 @@ pub(super) fn compute_gathered(b: &mut Builder, bufs: &PassBufs, sends: &[Send],
                         b.extract(r, 0, g, tokens.clone(), heads)
                     });
                     parts.push((r, y.owner, part));
+                }
+                if let Some(c) = cut {
+                    b.bwd_rows(r, 0, *x, Some(c..b.desc(r, x.query.q).tokens.len()));
                 }
             }
             let got: Vec<(usize, KvGradBufs)> =
