@@ -25,7 +25,9 @@ pub enum Strategy {
     /// across them that moves each block once per inner ring. `0` picks the size (the ranks
     /// per node when known).
     DoubleRing { inner: usize },
-    /// All-gather K and V once; backward reduce-scatters dK and dV.
+    /// All-gather K and V once, from the ranks whose keys a rank's queries see, into one
+    /// buffer: two blocks a rank (its own K/V while the rest arrives, then all of it);
+    /// backward reduce-scatters dK and dV.
     Allgather,
     /// Mask-aware dispatch: query chunks balanced by kept area, K/V chunks sent only where
     /// needed.
