@@ -71,13 +71,15 @@ pub struct Schedule {
 }
 
 /// Buffers an op reads and buffers it writes; a receive into a buffer stored inside another
-/// ([`BufDesc::within`]) writes that one too.
+/// ([`BufDesc::within`]) writes that one too, and a send from one reads it.
 pub fn reads_writes(op: &Op, bufs: &[BufDesc]) -> (Vec<BufId>, Vec<BufId>) {
     match op {
         Op::Comm { sends, recvs, .. } => {
             let within = |b: BufId| bufs.get(b).and_then(|d| d.within);
-            let writes = recvs.iter().flat_map(|&(_, b)| std::iter::once(b).chain(within(b))).collect();
-            (sends.iter().map(|x| x.1).collect(), writes)
+            let with_parent = |list: &[(usize, BufId)]| -> Vec<BufId> {
+                list.iter().flat_map(|&(_, b)| std::iter::once(b).chain(within(b))).collect()
+            };
+            (with_parent(sends), with_parent(recvs))
         }
         Op::Alloc { buf, .. } => (vec![], vec![*buf]),
         Op::Copy { src, dst } => (vec![*src], vec![*dst]),

@@ -251,7 +251,8 @@ impl Backend for CudaBackend {
         let at = parent.ptr(s) + (offset * parent.dtype().size()) as u64;
         // SAFETY: elements offset..offset + elems lie inside `parent` (checked above), a live
         // allocation of this context; the view is lent (dropping it frees nothing), and only a
-        // receive writes it before the plan frees it (Plan::validate), while `parent` lives.
+        // transfer uses it (a receive writes it, a send reads it) before the plan frees it,
+        // while `parent` lives (Plan::validate).
         unsafe { GpuBuf::lent(s, parent.dtype(), at, elems) }.map(Some)
     }
 

@@ -78,9 +78,9 @@ pub trait Backend: Sync {
     /// The buffer's values as f32, after the work issued on the compute lane.
     fn download_f32(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
     /// A buffer over elements `offset .. offset + elems` of `parent`, sharing its memory (a
-    /// receive lands there), where the backend can lend one; `Ok(None)` where it cannot (the
-    /// interpreter then receives apart and copies in). Freeing the view leaves the memory to
-    /// `parent`.
+    /// receive lands there, or a send reads it), where the backend can lend one; `Ok(None)`
+    /// where it cannot (the interpreter then receives apart and copies in, or copies out and
+    /// sends the copy). Freeing the view leaves the memory to `parent`.
     fn view(&self, _parent: &mut Self::Buf, _offset: usize, _elems: usize) -> Result<Option<Self::Buf>> {
         Ok(None)
     }

@@ -461,10 +461,26 @@ where
                     None => (backend.alloc(lane, prog.dtype_of(r.buf), elems, None)?, r.into),
                 });
             }
+            // Each send stored inside another buffer: a view of it where the backend lends one,
+            // else a copy of that part (put in the store, so the plan's free releases it).
+            for s in sends {
+                if let Some((p, at)) = s.from {
+                    let elems = prog.elems_of(s.buf);
+                    let part = match store.with_mut(p, |_, parent| backend.view(parent, at, elems))? {
+                        Some(v) => v,
+                        None => {
+                            let mut t = backend.alloc(lane, prog.dtype_of(s.buf), elems, None)?;
+                            backend.copy(lane, store.get(p)?, &mut t, &[Piece::run(at, 0, elems)])?;
+                            t
+                        }
+                    };
+                    store.put(s.buf, part);
+                }
+            }
             {
                 let send_views = sends
                     .iter()
-                    .map(|&(to, b)| Ok((to, backend.comm_view(store.get(b)?))))
+                    .map(|s| Ok((s.to, backend.comm_view(store.get(s.buf)?))))
                     .collect::<Result<Vec<_>>>()?;
                 let mut recv_views: Vec<(usize, &mut B::CommBuf)> =
                     recvs.iter().zip(got.iter_mut()).map(|(r, g)| (r.from, backend.comm_view_mut(&mut g.0))).collect();

@@ -41,6 +41,16 @@ impl GradOutput {
     }
 }
 
+/// One send of a transfer group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Send {
+    pub to: usize,
+    pub buf: BufId,
+    /// Where the buffer is stored inside another ([`BufDesc::within`]): that buffer and the
+    /// element offset there.
+    pub from: Option<(BufId, usize)>,
+}
+
 /// One receive of a transfer group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Recv {
@@ -54,10 +64,11 @@ pub struct Recv {
 /// One op of the program with everything it needs computed.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PreparedOp {
-    /// A transfer group: sends, and receives into new buffers, or straight into a part of a
-    /// buffer that gathers them.
+    /// A transfer group: sends, of buffers or straight from a part of the buffer that holds
+    /// them, and receives into new buffers, or straight into a part of a buffer that gathers
+    /// them.
     Comm {
-        sends: Vec<(usize, BufId)>,
+        sends: Vec<Send>,
         recvs: Vec<Recv>,
     },
     Alloc {
@@ -191,20 +202,25 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
         }
         ops.push(match op {
             Op::Comm { sends, recvs, .. } => {
-                let recv = |&(from, buf): &(usize, BufId)| -> Result<Recv> {
+                // Where a buffer stored inside another lies in it.
+                let part = |buf: BufId| -> Result<Option<(BufId, usize)>> {
                     let d = desc(buf)?;
-                    let into = match d.within {
-                        Some(p) => {
-                            let at = d.offset_in(desc(p)?, &shape).ok_or_else(|| {
-                                Error::InvalidPlan(format!("rank {rank}: buffer {buf} is not a contiguous part of {p}"))
-                            })?;
-                            Some((p, at))
-                        }
-                        None => None,
-                    };
-                    Ok(Recv { from, buf, into })
+                    let Some(p) = d.within else { return Ok(None) };
+                    let at = d.offset_in(desc(p)?, &shape).ok_or_else(|| {
+                        Error::InvalidPlan(format!("rank {rank}: buffer {buf} is not a contiguous part of {p}"))
+                    })?;
+                    Ok(Some((p, at)))
                 };
-                PreparedOp::Comm { sends: sends.clone(), recvs: recvs.iter().map(recv).collect::<Result<_>>()? }
+                PreparedOp::Comm {
+                    sends: sends
+                        .iter()
+                        .map(|&(to, buf)| Ok(Send { to, buf, from: part(buf)? }))
+                        .collect::<Result<_>>()?,
+                    recvs: recvs
+                        .iter()
+                        .map(|&(from, buf)| Ok(Recv { from, buf, into: part(buf)? }))
+                        .collect::<Result<_>>()?,
+                }
             }
             Op::Alloc { buf, fill } => PreparedOp::Alloc { buf: *buf, fill: fill.value() },
             Op::Copy { src, dst } => {

@@ -68,7 +68,9 @@ pub struct BufDesc {
     pub narrow: bool,
     /// Stored inside buffer `within` of the same rank (the part of it [`BufDesc::offset_in`]
     /// finds) rather than on its own: a piece received straight into the buffer that gathers
-    /// it, with no copy. Only a receive writes it; the data is read through the parent.
+    /// it, or sent straight from the buffer that holds it, with no copy. Only a transfer group
+    /// uses it (a receive writes it, a send reads it); otherwise the data is used through the
+    /// parent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub within: Option<BufId>,
 }
@@ -228,6 +230,14 @@ pub enum Op {
 }
 
 impl Op {
+    /// Buffers the op reads or writes, with the buffers that those stored inside another
+    /// ([`BufDesc::within`]) lie in: what must be alive while it runs.
+    pub fn uses_in(&self, bufs: &[BufDesc]) -> Vec<BufId> {
+        let mut used = self.uses();
+        used.extend(self.uses().into_iter().filter_map(|b| bufs.get(b).and_then(|d| d.within)));
+        used
+    }
+
     /// Buffers the op reads or writes.
     pub fn uses(&self) -> Vec<BufId> {
         match self {

@@ -84,7 +84,8 @@ impl Plan {
     }
 
     /// A buffer stored inside another ([`BufDesc::within`]) is a contiguous part of a buffer
-    /// stored on its own, and only a receive writes it (or a free releases it).
+    /// stored on its own, and only a transfer group uses it (a receive or a send; or a free
+    /// releases it).
     fn check_stored_inside(&self, r: usize, prog: &RankProgram) -> std::result::Result<(), String> {
         for (b, d) in prog.bufs.iter().enumerate() {
             let Some(p) = d.within else { continue };
@@ -97,24 +98,20 @@ impl Plan {
             }
         }
         for op in prog.steps.iter().flatten() {
-            let received = |b: &BufId| matches!(op, Op::Comm { recvs, .. } if recvs.iter().any(|x| x.1 == *b));
             let stray = match op {
-                Op::Free { .. } => None,
-                op => op
-                    .uses()
-                    .into_iter()
-                    .find(|b| prog.bufs.get(*b).is_some_and(|d| d.within.is_some()) && !received(b)),
+                Op::Free { .. } | Op::Comm { .. } => None,
+                op => op.uses().into_iter().find(|b| prog.bufs.get(*b).is_some_and(|d| d.within.is_some())),
             };
             if let Some(b) = stray {
-                return Err(format!("rank {r}: buffer {b}, stored inside another, is used other than by a receive"));
+                return Err(format!("rank {r}: buffer {b}, stored inside another, is used other than by a transfer"));
             }
         }
         Ok(())
     }
 
     /// In program order, every buffer an op reads or sends is live: an input, allocated or
-    /// received, and not yet freed; and every output is live at the end. A receive into a buffer
-    /// stored inside another needs that one live.
+    /// received, and not yet freed; and every output is live at the end. A transfer into or
+    /// from a buffer stored inside another needs that one live.
     fn check_liveness(&self, r: usize, prog: &RankProgram) -> std::result::Result<(), String> {
         let mut live = vec![false; prog.bufs.len()];
         for &(_, b) in &prog.inputs {
@@ -127,8 +124,13 @@ impl Plan {
                 match op {
                     Op::Alloc { buf, .. } => live[*buf] = true,
                     Op::Comm { sends, recvs, .. } => {
-                        if let Some(&(_, b)) = sends.iter().find(|&&(_, b)| !live[b]) {
-                            return Err(dead(b));
+                        for &(_, b) in sends {
+                            match prog.bufs[b].within {
+                                Some(p) if !live[p] => return Err(dead(p)),
+                                Some(_) => live[b] = true,
+                                None if !live[b] => return Err(dead(b)),
+                                None => {}
+                            }
                         }
                         for &(_, b) in recvs {
                             if let Some(p) = prog.bufs[b].within.filter(|&p| !live[p]) {
@@ -192,7 +194,7 @@ fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), St
                 }
                 _ => {}
             }
-            for b in op.uses() {
+            for b in op.uses_in(&prog.bufs) {
                 if written.iter().any(|w| w.0 == b) {
                     continue;
                 }

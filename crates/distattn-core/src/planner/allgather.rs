@@ -21,8 +21,9 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
     for r in 0..p {
         let q = tokens(b, r, bufs.query(r));
         for s in (0..p).filter(|&s| s != r) {
-            if area(b.mask, &q, &tokens(b, s, bufs.kv(s).k)) > 0 {
-                sends.push(Send { owner: s, to: r, kv: bufs.kv(s) });
+            let k = tokens(b, s, bufs.kv(s).k);
+            if area(b.mask, &q, &k) > 0 {
+                sends.push(Send { owner: s, to: r, kv: bufs.kv(s), tokens: k });
             }
         }
     }
@@ -30,18 +31,22 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
     Ok(())
 }
 
-/// K/V that rank `owner` sends to rank `to`: its own K/V or a part of it (buffers on `owner`).
+/// The `tokens` of K/V buffers `kv` of rank `owner` (its own K/V or all of it) that it sends
+/// to rank `to`.
 pub(super) struct Send {
     pub owner: usize,
     pub to: usize,
     pub kv: KvBufs,
+    pub tokens: TokenSet,
 }
 
 /// One step: every rank receives the K/V of `sends` addressed to it into one buffer pair (phase
 /// 0) while it computes its queries against its own K/V, then computes them against the
 /// gathered K/V. Backward computes that block into zeroed dK/dV partials and returns each
 /// sender's part to it (phase 1), where it is added, while the second half of the rank's own
-/// block runs. `what` names the gather.
+/// block runs. `what` names the gather. Every piece goes as one run of tokens, sent from
+/// inside the buffer that holds it and received into the buffer that gathers it where both
+/// allow (no copies; see [`Builder::part_to_send`]).
 pub(super) fn compute_gathered(b: &mut Builder, bufs: &PassBufs, sends: &[Send], what: &str) {
     let p = b.world;
     b.label(0, format!("{what} + compute"));
@@ -49,18 +54,27 @@ pub(super) fn compute_gathered(b: &mut Builder, bufs: &PassBufs, sends: &[Send],
         .map(|r| {
             let mine: Vec<&Send> = sends.iter().filter(|x| x.to == r).collect();
             (!mine.is_empty()).then(|| {
-                let tokens = TokenSet::union(mine.iter().map(|x| &b.desc(x.owner, x.kv.k).tokens));
+                let tokens = TokenSet::union(mine.iter().map(|x| &x.tokens));
                 let heads = b.all_heads(Tensor::K);
                 let mut alloc = |t| b.alloc(r, 0, BufDesc::new(t, tokens.clone(), heads.clone()), Fill::Overwritten);
                 KvBufs { k: alloc(Tensor::K), v: alloc(Tensor::V) }
             })
         })
         .collect();
-    // The transfers come first: each rank posts its groups in (step, phase) order.
-    for x in sends {
-        if let Some(into) = gathered[x.to] {
-            b.transfer_gathered(0, 0, x.owner, x.to, x.kv.k, into.k);
-            b.transfer_gathered(0, 0, x.owner, x.to, x.kv.v, into.v);
+    // The pieces first (copies, where a piece cannot be sent from inside its buffer, precede
+    // the group that sends them), then the transfers, then the blocks: each rank posts its
+    // groups in (step, phase) order.
+    let mut pieces = Vec::new();
+    for x in sends.iter().filter(|x| gathered[x.to].is_some()) {
+        for run in x.tokens.to_runs() {
+            let part = x.kv.map(|src| b.part_to_send(x.owner, 0, src, TokenSet::range(run.clone())));
+            pieces.push((x.owner, x.to, part));
+        }
+    }
+    for (owner, to, part) in pieces {
+        if let Some(into) = gathered[to] {
+            b.transfer_gathered(0, 0, owner, to, part.k, into.k);
+            b.transfer_gathered(0, 0, owner, to, part.v, into.v);
         }
     }
     match bufs {
@@ -88,16 +102,10 @@ pub(super) fn compute_gathered(b: &mut Builder, bufs: &PassBufs, sends: &[Send],
                 let dkv = b.kv_grad_partials(r, 0, kv);
                 b.bwd(r, 0, BwdBufs { kv, grads: GradBufs { dkv, ..x.grads }, ..*x });
                 for y in sends.iter().filter(|y| y.to == r) {
-                    let tokens = b.desc(y.owner, y.kv.k).tokens.clone();
-                    let part = dkv.map(|g| {
-                        let desc = b.desc(r, g);
-                        if desc.tokens == tokens {
-                            return g; // (one sender: the whole block goes back)
-                        }
-                        let heads = desc.heads.clone();
-                        b.extract(r, 0, g, tokens.clone(), heads)
-                    });
-                    parts.push((r, y.owner, part));
+                    for run in y.tokens.to_runs() {
+                        let part = dkv.map(|g| b.part_to_send(r, 0, g, TokenSet::range(run.clone())));
+                        parts.push((r, y.owner, part));
+                    }
                 }
                 if let Some(c) = cut {
                     b.bwd_rows(r, 0, *x, Some(c..b.desc(r, x.query.q).tokens.len()));

@@ -521,6 +521,21 @@ impl<'a> Builder<'a> {
         self.extract_as(rank, step, src, BufDesc::new(tensor, tokens, heads))
     }
 
+    /// The `tokens` of `src` on `rank` (all its heads), for transfers to send: `src` itself
+    /// where that is all of it, a buffer stored inside `src` where they are one contiguous run
+    /// of it (sent with no copy), else a copy made at `step`.
+    pub fn part_to_send(&mut self, rank: usize, step: usize, src: BufId, tokens: TokenSet) -> BufId {
+        let whole = self.desc(rank, src).clone();
+        if whole.tokens == tokens {
+            return src;
+        }
+        let part = BufDesc { tokens, within: None, ..whole.clone() };
+        if whole.within.is_none() && part.offset_in(&whole, &self.shape).is_some() {
+            return self.buf(rank, part.inside(src));
+        }
+        self.extract_as(rank, step, src, part)
+    }
+
     /// A new buffer of `desc` (a part of `src`, possibly narrowed) holding that part of `src`.
     pub fn extract_as(&mut self, rank: usize, step: usize, src: BufId, desc: BufDesc) -> BufId {
         let dst = self.alloc(rank, step, desc, Fill::Overwritten);
@@ -547,7 +562,7 @@ impl<'a> Builder<'a> {
     /// id of the received buffer on `to`. Every rank must post its groups in increasing
     /// (step, phase) order, so planners emit phase-0 transfers of a step before its compute.
     pub fn transfer(&mut self, step: usize, phase: usize, from: usize, to: usize, src: BufId) -> BufId {
-        let desc = self.desc(from, src).clone();
+        let desc = BufDesc { within: None, ..self.desc(from, src).clone() };
         let dst = self.buf(to, desc);
         self.post(step, phase, from, to, src, dst);
         dst
@@ -557,7 +572,7 @@ impl<'a> Builder<'a> {
     /// already) to gather: received straight into it where the part is contiguous there
     /// ([`BufDesc::offset_in`]), else received apart and copied in.
     pub fn transfer_gathered(&mut self, step: usize, phase: usize, from: usize, to: usize, src: BufId, into: BufId) {
-        let desc = self.desc(from, src).clone();
+        let desc = BufDesc { within: None, ..self.desc(from, src).clone() };
         if desc.offset_in(self.desc(to, into), &self.shape).is_some() {
             let dst = self.buf(to, desc.inside(into));
             self.post(step, phase, from, to, src, dst);
@@ -718,7 +733,7 @@ fn insert_frees(p: &mut RankProgram) {
     let mut last: Vec<Option<(usize, usize)>> = vec![None; n];
     for (t, ops) in p.steps.iter().enumerate() {
         for (i, op) in ops.iter().enumerate() {
-            for b in op.uses() {
+            for b in op.uses_in(&p.bufs) {
                 last[b] = Some((t, i));
             }
         }

@@ -7,8 +7,8 @@
 //! the same way ("group-reduce").
 
 use super::allgather::{compute_gathered, Send};
-use super::builder::{BufSet, Builder};
-use crate::plan::{area, split_even, Layout, LayoutKind, Tensor, TokenSet};
+use super::builder::Builder;
+use crate::plan::{area, split_even, Layout, LayoutKind, TokenSet};
 use crate::{AttnShape, Mask, Result};
 use std::ops::Range;
 
@@ -144,8 +144,7 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let c = b.opts.chunk_tokens.unwrap_or_else(|| default_chunk(b.shape.q_len, p)).max(1);
     let (q_sets, k_sets) = (layout.q.clone(), layout.k.clone());
     let bufs = b.declare_pass(layout);
-    let kv_heads = b.all_heads(Tensor::K);
-    // (owner s, rank r, the chunks of s's K/V that r's queries keep a pair with, on s)
+    // Each owner s sends rank r the chunks of its K/V that r's queries keep a pair with.
     let mut sends = Vec::new();
     for (s, k_set) in k_sets.iter().enumerate() {
         let kchunks: Vec<Range<usize>> = k_set
@@ -162,14 +161,7 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
             if needed.is_empty() {
                 continue;
             }
-            let tokens = TokenSet::from_runs(needed);
-            let own = bufs.kv(s);
-            let kv = if tokens == *k_set {
-                own
-            } else {
-                own.map(|src| b.extract(s, 0, src, tokens.clone(), kv_heads.clone()))
-            };
-            sends.push(Send { owner: s, to: r, kv });
+            sends.push(Send { owner: s, to: r, kv: bufs.kv(s), tokens: TokenSet::from_runs(needed) });
         }
     }
     compute_gathered(b, &bufs, &sends, "group-cast K,V");

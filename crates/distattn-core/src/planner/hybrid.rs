@@ -270,13 +270,15 @@ impl Groups {
             let (g, _) = self.group(src_rank);
             for dst in self.members(g) {
                 for ((t, acc), (_, out)) in sliced.outputs(src_rank).into_iter().zip(bufs.outputs(dst)) {
+                    let tokens = self.layout.tokens(t, dst).clone();
                     let part = if dst == src_rank {
                         acc
+                    } else if b.desc(src_rank, acc).narrow == b.narrows(t) {
+                        // (Ulysses' O, written in the input dtype: sent from inside it)
+                        b.part_to_send(src_rank, step, acc, tokens)
                     } else {
                         let heads = b.desc(src_rank, acc).heads.clone();
-                        let desc = BufDesc::new(t, self.layout.tokens(t, dst).clone(), heads);
-                        let desc = if b.narrows(t) { desc.narrowed() } else { desc };
-                        b.extract_as(src_rank, step, acc, desc)
+                        b.extract_as(src_rank, step, acc, BufDesc::new(t, tokens, heads).narrowed())
                     };
                     back.push((src_rank, dst, part, out));
                 }

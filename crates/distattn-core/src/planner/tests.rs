@@ -640,16 +640,16 @@ fn validation_refuses_a_buffer_inside_another_that_is_not_a_contiguous_part() {
     bad.ranks[0].bufs[view].heads = 0..1;
     let err = bad.validate().unwrap_err().to_string();
     assert!(err.contains("is not a contiguous part of buffer"), "{err}");
-    // Read by something other than its receive.
+    // Read by something other than a transfer.
     let mut bad = plan.clone();
     let parent = bad.ranks[0].bufs[view].within.unwrap();
     bad.ranks[0].steps[0].push(Op::Copy { src: view, dst: parent });
     let err = bad.validate().unwrap_err().to_string();
-    assert!(err.contains("is used other than by a receive"), "{err}");
+    assert!(err.contains("is used other than by a transfer"), "{err}");
 }
 
 #[test]
-fn allgather_runs_one_gathered_block_a_rank_and_gathers_only_what_queries_see() {
+fn allgather_runs_one_gathered_block_a_rank_without_copies_and_gathers_only_what_queries_see() {
     let shape = AttnShape::new(1, 1000, 1000, 8, 4, 64).unwrap();
     let causal = Mask::causal(1000, 1000).unwrap();
     for (pass, world) in [(PlanOptions::forward(), 4), (PlanOptions::backward(RingBackward::KvCirculate), 3)] {
@@ -665,6 +665,9 @@ fn allgather_runs_one_gathered_block_a_rank_and_gathers_only_what_queries_see() 
             // Forward: one gather; backward: the gather and the partials' return.
             let comms = ops.iter().filter(|op| matches!(op, Op::Comm { .. })).count();
             assert_eq!(comms, if plan.pass == Pass::Forward { 1 } else { 2 }, "rank {r}");
+            // Every piece is sent from inside the buffer that holds it and received into the one
+            // that gathers it (a returned partial is added where it lands).
+            assert!(!ops.iter().any(|op| matches!(op, Op::Copy { .. })), "rank {r}: {ops:?}");
         }
     }
     // A window of 20 tokens on 4 ranks of 2 chunks of 125 (rank r: chunks r and 7 - r): each
