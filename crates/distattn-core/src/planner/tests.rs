@@ -679,3 +679,27 @@ fn allgather_runs_one_gathered_block_a_rank_without_copies_and_gathers_only_what
     };
     assert_eq!(2 * bytes(&window), bytes(&causal), "window {} causal {}", bytes(&window), bytes(&causal));
 }
+
+#[test]
+fn validation_refuses_a_send_from_inside_a_freed_buffer() {
+    let shape = AttnShape::new(1, 1000, 1000, 8, 4, 64).unwrap();
+    let mask = Mask::causal(1000, 1000).unwrap();
+    let opts = PlanOptions::backward(RingBackward::KvCirculate);
+    let plan = build(Strategy::Allgather, 3, &shape, &mask, DType::BF16, &opts).unwrap();
+    plan.validate().unwrap();
+    // Rank 0 sends runs of its K from inside it (and returns partials from inside its partial
+    // buffer): free the buffer of the first such send just before its group.
+    let prog = &plan.ranks[0];
+    let (at, parent) = prog.steps[0]
+        .iter()
+        .enumerate()
+        .find_map(|(i, op)| match op {
+            Op::Comm { sends, .. } => sends.iter().find_map(|&(_, b)| prog.bufs[b].within).map(|p| (i, p)),
+            _ => None,
+        })
+        .expect("a send from inside a buffer");
+    let mut bad = plan.clone();
+    bad.ranks[0].steps[0].insert(at, Op::Free { buf: parent });
+    let err = bad.validate().unwrap_err().to_string();
+    assert!(err.contains("after it is freed"), "{err}");
+}
