@@ -194,7 +194,9 @@ fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), St
                 }
                 _ => {}
             }
-            for b in op.uses_in(&prog.bufs) {
+            // (A transfer from inside a buffer uses it; freeing such a part does not.)
+            let used = if matches!(op, Op::Free { .. }) { op.uses() } else { op.uses_in(&prog.bufs) };
+            for b in used {
                 if written.iter().any(|w| w.0 == b) {
                     continue;
                 }

@@ -703,3 +703,28 @@ fn validation_refuses_a_send_from_inside_a_freed_buffer() {
     let err = bad.validate().unwrap_err().to_string();
     assert!(err.contains("after it is freed"), "{err}");
 }
+
+#[test]
+fn a_gather_sends_few_pieces_a_peer_pair_over_many_documents() {
+    // 70 packed documents: a zig-zag rank holds 70-140 runs of tokens; sent run by run, each
+    // peer pair exchanged about 280 pieces in one NCCL group, which never completed on GPUs.
+    let n = 32768;
+    let lens = long_tailed_doc_lens(n, 1);
+    let mask = Mask::documents(&lens, DocKind::Causal).unwrap();
+    let shape = AttnShape::new(1, n, n, 32, 8, 128).unwrap();
+    for s in [Strategy::Allgather, Strategy::Dispatch] {
+        for opts in [PlanOptions::forward(), PlanOptions::backward(RingBackward::KvCirculate)] {
+            let plan = build(s, 4, &shape, &mask, DType::BF16, &opts).unwrap();
+            for (r, prog) in plan.ranks.iter().enumerate() {
+                for op in prog.steps.iter().flatten() {
+                    if let Op::Comm { sends, .. } = op {
+                        for peer in 0..4 {
+                            let n = sends.iter().filter(|x| x.0 == peer).count();
+                            assert!(n <= 16, "{s} rank {r}: {n} pieces to rank {peer} in one group");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
