@@ -464,7 +464,7 @@ where
             // Each send stored inside another buffer: a view of it where the backend lends one,
             // else a copy of that part (put in the store, so the plan's free releases it).
             for s in sends {
-                if let Some((p, at)) = s.from {
+                if let Some((p, at)) = s.out_of {
                     let elems = prog.elems_of(s.buf);
                     let part = match store.with_mut(p, |_, parent| backend.view(parent, at, elems))? {
                         Some(v) => v,

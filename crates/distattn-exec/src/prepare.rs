@@ -48,7 +48,7 @@ pub struct Send {
     pub buf: BufId,
     /// Where the buffer is stored inside another ([`BufDesc::within`]): that buffer and the
     /// element offset there.
-    pub from: Option<(BufId, usize)>,
+    pub out_of: Option<(BufId, usize)>,
 }
 
 /// One receive of a transfer group.
@@ -214,7 +214,7 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
                 PreparedOp::Comm {
                     sends: sends
                         .iter()
-                        .map(|&(to, buf)| Ok(Send { to, buf, from: part(buf)? }))
+                        .map(|&(to, buf)| Ok(Send { to, buf, out_of: part(buf)? }))
                         .collect::<Result<_>>()?,
                     recvs: recvs
                         .iter()

@@ -48,8 +48,8 @@ fn send_units(tokens: &TokenSet) -> Vec<TokenSet> {
     runs.into_iter().map(TokenSet::range).collect()
 }
 
-/// The `tokens` of K/V buffers `kv` of rank `owner` (its own K/V or all of it) that it sends
-/// to rank `to`.
+/// The `tokens` of rank `owner`'s K/V buffers `kv` (all of them, or a part) that it sends to
+/// rank `to`.
 pub(super) struct Send {
     pub owner: usize,
     pub to: usize,
@@ -83,17 +83,16 @@ pub(super) fn compute_gathered(b: &mut Builder, bufs: &PassBufs, sends: &[Send],
     // the group that sends them), then the transfers, then the blocks: each rank posts its
     // groups in (step, phase) order.
     let mut pieces = Vec::new();
-    for x in sends.iter().filter(|x| gathered[x.to].is_some()) {
+    for x in sends {
+        let Some(into) = gathered[x.to] else { continue };
         for tokens in send_units(&x.tokens) {
             let part = x.kv.map(|src| b.part_to_send(x.owner, 0, src, tokens.clone()));
-            pieces.push((x.owner, x.to, part));
+            pieces.push((x.owner, x.to, part, into));
         }
     }
-    for (owner, to, part) in pieces {
-        if let Some(into) = gathered[to] {
-            b.transfer_gathered(0, 0, owner, to, part.k, into.k);
-            b.transfer_gathered(0, 0, owner, to, part.v, into.v);
-        }
+    for (owner, to, part, into) in pieces {
+        b.transfer_gathered(0, 0, owner, to, part.k, into.k);
+        b.transfer_gathered(0, 0, owner, to, part.v, into.v);
     }
     match bufs {
         PassBufs::Forward(own) => {

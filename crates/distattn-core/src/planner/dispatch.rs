@@ -3,8 +3,9 @@
 //! loaded rank (ties: fewer tokens, then lower rank), so every rank gets about the same
 //! *unmasked area*. For self-attention each token's K/V live with its query. Then every K/V
 //! chunk is sent only to the ranks whose queries keep a pair in it ("group-cast", one grouped
-//! send per (owner, needer) pair) — no redundant bytes — and backward returns the dK/dV partials
-//! the same way ("group-reduce").
+//! transfer of every (owner, needer) pair's chunks) — no redundant bytes — and backward returns
+//! the dK/dV partials the same way ("group-reduce"). The chunks a rank receives are computed
+//! as one block (`allgather::compute_gathered`).
 
 use super::allgather::{compute_gathered, Send};
 use super::builder::Builder;
