@@ -242,6 +242,9 @@ mod tests {
             Ok(())
         })
         .unwrap_err();
-        assert!(err.to_string().contains("timed out"), "{err}");
+        // Rank 0's own wait and the watchdog of ranks whose peers have finished both fire at
+        // the timeout; either may name the failure first.
+        let msg = err.to_string();
+        assert!(msg.contains("timed out") || msg.contains("made no progress"), "{err}");
     }
 }
