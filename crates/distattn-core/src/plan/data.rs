@@ -233,9 +233,9 @@ impl Op {
     /// Buffers the op reads or writes, with the buffers that those stored inside another
     /// ([`BufDesc::within`]) lie in: what must be alive while it runs.
     pub fn uses_in(&self, bufs: &[BufDesc]) -> Vec<BufId> {
-        let mut used = self.uses();
-        used.extend(self.uses().into_iter().filter_map(|b| bufs.get(b).and_then(|d| d.within)));
-        used
+        let used = self.uses();
+        let parents: Vec<BufId> = used.iter().filter_map(|&b| bufs.get(b).and_then(|d| d.within)).collect();
+        used.into_iter().chain(parents).collect()
     }
 
     /// Buffers the op reads or writes.

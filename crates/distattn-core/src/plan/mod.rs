@@ -26,3 +26,4 @@ pub use cost::{PlanSummary, StepCost};
 pub use data::{BufDesc, BufId, Fill, Op, Pass, Plan, PlanOptions, RankProgram, RingBackward, Tensor};
 pub use estimate::{Estimate, Rates};
 pub use layout::{area, split_even, sub_mask, Layout, LayoutKind, TokenSet};
+pub use validate::MAX_SENDS_TO_A_PEER;

@@ -9,7 +9,7 @@
 //! against each sender's K/V apart took P smaller ones, each with its own tail.
 
 use super::builder::{BufSet, Builder, BwdBufs, FwdBufs, GradBufs, KvBufs, KvGradBufs, PassBufs};
-use crate::plan::{area, BufDesc, Fill, Tensor, TokenSet};
+use crate::plan::{area, BufDesc, Fill, Tensor, TokenSet, MAX_SENDS_TO_A_PEER};
 use crate::Result;
 
 pub(super) fn plan(b: &mut Builder) -> Result<()> {
@@ -31,11 +31,11 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
     Ok(())
 }
 
-/// The most runs of tokens sent as pieces of their own between two ranks. Past it the tokens go
-/// as one copied piece: on 4 H200s an NCCL group of about 280 pieces a peer pair (K and V of a
-/// zig-zag rank's two chunks in each of 70 packed documents) never completed (the watchdog
-/// aborted it after 120 s), where groups of a few pieces a pair (causal and full masks) ran.
-const MAX_RUNS_APART: usize = 8;
+/// The most runs of tokens sent as pieces of their own between two ranks: a group sends two
+/// buffers a run (K and V, or dK and dV), at most [`MAX_SENDS_TO_A_PEER`] a peer. Past it the
+/// tokens go as one copied piece (a zig-zag rank cut inside each of 70 packed documents holds
+/// 70–140 runs).
+const MAX_RUNS_APART: usize = MAX_SENDS_TO_A_PEER / 2;
 
 /// How `tokens` travel between two ranks: each run on its own (sent from inside the buffer
 /// holding it, received into the one gathering it) up to [`MAX_RUNS_APART`] runs, else all

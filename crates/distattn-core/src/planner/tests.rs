@@ -715,16 +715,17 @@ fn a_gather_sends_few_pieces_a_peer_pair_over_many_documents() {
     for s in [Strategy::Allgather, Strategy::Dispatch] {
         for opts in [PlanOptions::forward(), PlanOptions::backward(RingBackward::KvCirculate)] {
             let plan = build(s, 4, &shape, &mask, DType::BF16, &opts).unwrap();
-            for (r, prog) in plan.ranks.iter().enumerate() {
-                for op in prog.steps.iter().flatten() {
-                    if let Op::Comm { sends, .. } = op {
-                        for peer in 0..4 {
-                            let n = sends.iter().filter(|x| x.0 == peer).count();
-                            assert!(n <= 16, "{s} rank {r}: {n} pieces to rank {peer} in one group");
-                        }
-                    }
-                }
-            }
+            plan.validate().unwrap_or_else(|e| panic!("{s}: {e}"));
         }
     }
+    // Validation refuses a group that sends one peer more than the limit.
+    let mut bad = build(Strategy::Allgather, 4, &shape, &mask, DType::BF16, &PlanOptions::forward()).unwrap();
+    let Some(Op::Comm { sends, .. }) = bad.ranks[0].steps[0].iter_mut().find(|op| matches!(op, Op::Comm { .. })) else {
+        panic!("rank 0 has no transfer group");
+    };
+    let first = sends[0];
+    sends.extend(std::iter::repeat_n(first, crate::plan::MAX_SENDS_TO_A_PEER));
+    let err = bad.validate().unwrap_err().to_string();
+    assert!(err.contains("buffers to rank"), "{err}");
 }
+
