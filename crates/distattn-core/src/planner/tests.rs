@@ -728,4 +728,3 @@ fn a_gather_sends_few_pieces_a_peer_pair_over_many_documents() {
     let err = bad.validate().unwrap_err().to_string();
     assert!(err.contains("buffers to rank"), "{err}");
 }
-
