@@ -308,8 +308,8 @@ impl CudaBackend {
                 ]);
                 dq_job = Some((bq, qt));
             } else {
-                // It adds dQ into dq_acc with TMA reductions.
-                maps.push(tma::TensorMap::rows(bp.dq_acc, q_rows, DType::F32, bm)?);
+                // It adds dQ into dq_acc with TMA reductions, 64 rows a consumer warpgroup.
+                maps.push(tma::TensorMap::rows(bp.dq_acc, q_rows, DType::F32, 64)?);
             }
         }
         let launch_cfg = LaunchConfig {

@@ -240,15 +240,12 @@ impl KernelConfig {
         // (`bwd_v2=0` keeps the mma.sync v1 backward, as it does off Hopper.)
         self.bwd_wg = hopper && !off("bwd_v2") && !off("bwd_wg");
         if self.bwd_wg {
-            // Its tile plan: 128 keys (64 above d 128, bwd_bn) x 64 query rows; 8 consumer warps.
-            self.bwd_bm = 64;
+            // Its tile plan: 128 keys (64 above d 128, bwd_bn) x 64 query rows (128 at d 64,
+            // where 64-row items left too little tensor-core work between the consumers'
+            // waits); 8 consumer warps. Two stages of Q and dO: at d 128, 3 were 0.4-4% slower
+            // and 4 do not fit; at d 64 with 128-row items 3 do not fit.
+            self.bwd_bm = if self.head_dim == 64 { 128 } else { 64 };
             self.bwd_warps = 8;
-            // At d 64 an item's products are short and its loads a larger share: 4 stages of Q and
-            // dO (16k, 32 heads: 2.5-3% faster on an H100, up to 2.8% on an H200). At d 128, 3
-            // stages were 0.4-4% slower and 4 do not fit.
-            if !o.contains_key("bwd_stages") && self.head_dim == 64 {
-                self.bwd_stages = 4;
-            }
         }
         if hopper && !off("fwd_wg") {
             self.fwd_wg = true;
@@ -369,10 +366,10 @@ impl KernelConfig {
             // K, V; Q, dO in stages (tiles of whole 64-column blocks); dS^T twice; dQ (f32) of
             // both consumers; LSE and delta in stages; 1 KB to align the base; the mbarriers (K/V,
             // 2 per stage, 2 per consumer).
-            let (d, s) = (self.head_dim.next_multiple_of(64), self.bwd_stages);
-            return (2 * 128 * d + 2 * s * 64 * d + 2 * 128 * 64) * 2
+            let (d, s, bm) = (self.head_dim.next_multiple_of(64), self.bwd_stages, self.bwd_bm);
+            return (2 * 128 * d + 2 * s * bm * d + 2 * 128 * bm) * 2
                 + 2 * 64 * 64 * 4
-                + 2 * s * 64 * 4
+                + 2 * s * bm * 4
                 + 1024
                 + 8 * (5 + 2 * s);
         }

@@ -2,15 +2,16 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && BWD_WG && (D == 128 || D == 96 || D == 64)
 // ---------------------------------------------------------------- backward (sm_90a)
-// Same job and tile plan as flash_bwd_dkdv2 (one block per 128-key tile, a loop over the
-// 64-row query "items" of every query head of the KV head). Consumer warpgroup c owns keys
-// 64c..64c+63:
-//   S^T = K Q^T, dP^T = V dO^T      (shared x shared, 64 x 64 per warpgroup)
+// One block per 128-key tile, a loop over the query "items" (WG_BM rows: 64 at d 96 and 128,
+// 128 at d 64) of every query head of the KV head. Consumer warpgroup c owns keys 64c..64c+63:
+//   S^T = K Q^T, dP^T = V dO^T      (shared x shared, 64 x WG_BM per warpgroup)
 //   P^T, dS^T = P^T (dP^T - delta)  (registers, reused as the A operand:)
 //   dV += P^T dO, dK += dS^T Q      (registers x shared, 64 x DK per warpgroup)
-//   dQ = dS K                       (dS^T through shared memory; d 128: warpgroup w takes dQ
-//                                    columns 64w.. over all 128 keys; d 64: all columns over
-//                                    its own 64 keys, so only its own dS^T rows)
+//   dQ = dS K                       (dS^T through shared memory, over all 128 keys; d 128:
+//                                    warpgroup c takes dQ's columns 64c.., d 64 its rows 64c..)
+// At d 64 an item of 64 rows gave each barrier and each wait half the tensor-core work, and the
+// kernel was bound by that chain of waits (0.83-0.98x cuDNN); 128-row items double the work
+// between them and halve the dQ reductions per product.
 // At d 96 the tiles have DK = 128 columns (primitives.cuh): the padded columns of Q, K, V, dO
 // are zeros, so they add nothing to S^T and dP^T, and dK, dV, dQ's padded columns are not stored.
 // The block is warp-specialized: warpgroup 0 moves memory (warp 0 brings K and V once and, per
@@ -21,11 +22,12 @@
 // dS^T under dV, the dQ staging under dK). dS^T is double-buffered, so one barrier per item
 // (dS^T of both consumers stored) orders its reuse.
 #define WG_BN 128
-#define WG_BM BWD_ITEM_ROWS
+#define WG_BM BWD_BM
 #define BS_STAGES BWD_STAGES
-// Adds a swizzled f32 tile of R rows x 32 columns (128-byte rows) at src into rows r0.. and
-// columns c0.. of (head h, batch b) of an f32 tensor; rows past its end are dropped.
-template <int R>
+static_assert(WG_BM == (DK == 64 ? 128 : 64), "the host plans 128-row items at d 64, 64-row ones above");
+// Adds a swizzled f32 tile of 64 rows x 32 columns (128-byte rows) at src into rows r0.. and
+// columns c0.. of (head h, batch b) of an f32 tensor (its map's boxes); rows past its end are
+// dropped.
 __device__ __forceinline__ void tma_reduce_add(const TmaMap* map, u32 src, int c0, int r0, int h, int b) {
     asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
                  ::"l"((u64)map), "r"(src), "r"(c0), "r"(r0), "r"(h), "r"(b) : "memory");
@@ -41,8 +43,8 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     const u32 Qs = Vs + WG_BN * DK * 2;               // BS_STAGES x [WG_BM][DK]
     const u32 dOs = Qs + BS_STAGES * WG_BM * DK * 2;  // BS_STAGES x [WG_BM][DK]
     const u32 dSs = dOs + BS_STAGES * WG_BM * DK * 2; // 2 x [WG_BN][WG_BM], dS^T
-    const u32 dQs = dSs + 2 * WG_BN * WG_BM * 2;     // 2 consumers x 2 x [WG_BM][32] f32, swizzled
-    const u32 lse_a = dQs + 2 * WG_BM * 64 * 4;      // BS_STAGES x [WG_BM] f32
+    const u32 dQs = dSs + 2 * WG_BN * WG_BM * 2;     // 2 consumers x 2 x [64][32] f32, swizzled
+    const u32 lse_a = dQs + 2 * 64 * 64 * 4;         // BS_STAGES x [WG_BM] f32
     const u32 del_a = lse_a + BS_STAGES * WG_BM * 4; // BS_STAGES x [WG_BM] f32
     const u32 bars = del_a + BS_STAGES * WG_BM * 4;  // mbarriers, 8 bytes each:
     const u32 full_kv = bars;                         //   K, V landed
@@ -74,9 +76,9 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     if (wg == 0) {
         reg_dealloc<PROD_REGS>();
         if (wi == 0 && total > 0)
-            bwd_load<WG_BN, BS_STAGES>(p, &tq, &tdo, &tk, &tv, Ks, Vs, Qs, dOs, WG_BM * DK * 2, lse_s, del_s, full_kv,
+            bwd_load<WG_BN, WG_BM, BS_STAGES>(p, &tq, &tdo, &tk, &tv, Ks, Vs, Qs, dOs, WG_BM * DK * 2, lse_s, del_s, full_kv,
                                        full, freed, k0, kvh, b, e0, ne, total, lane);
-        else if (wi == 1 && lane == 0 && total > 0) { // dQ reductions: 2 boxes per consumer
+        else if (wi == 1 && lane == 0 && total > 0) { // dQ reductions: 2 boxes of 64 rows per consumer
             int h = kvh * G, ei = 0;
 #pragma unroll 1
             for (int it = 0; it < total; ++it) {
@@ -85,8 +87,8 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
                 for (int c = 0; c < 2; ++c) {
                     mbar_wait(dq_full + 8 * c, it & 1);
                     for (int cb = 0; cb < 2; ++cb)
-                        tma_reduce_add<WG_BM>(&tdq, dQs + (2 * c + cb) * WG_BM * 128, (DK == 128 ? 64 * c : 0) + 32 * cb,
-                                              qt * WG_BM, h, b);
+                        tma_reduce_add(&tdq, dQs + (2 * c + cb) * 64 * 128, (DK == 128 ? 64 * c : 0) + 32 * cb,
+                                       qt * WG_BM + (WG_BM == 128 ? 64 * c : 0), h, b);
                     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
                     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
                     mbar_arrive(dq_free + 8 * c);
@@ -110,8 +112,12 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     // would hit the same banks if stored in the same order, so store k of an odd row writes
     // column block i = k ^ 2 (within the box): the 16 lanes of each half-warp then cover all 32
     // banks (flipping bit 1 of the block is enough; bit 0 is not).
-    const u32 dq_row = dQs + cw * 2 * WG_BM * 128 + (16 * wi + g) * 128 + 8 * (t & 1);
+    const u32 dq_row = dQs + cw * 2 * 64 * 128 + (16 * wi + g) * 128 + 8 * (t & 1);
     const int dq_rot = (g & 1) << 1;
+    // S^T starts from -LSE / scale (per query column), so that P^T = 2^(S^T scale_log2): no
+    // register holds the LSE across the products. (The producer stores the LSE in log2 units.)
+    const float lse_to_acc = -1.f / p.scale_log2;
+    constexpr int NJ = WG_BM / 8; // the score accumulators' blocks of 8 query columns
     if (total > 0) mbar_wait(full_kv, 0);
     int2 te_next = total > 0 ? p.tiles[e0] : make_int2(0, -1); // loaded an item ahead
     for (int it = 0; it < total; ++it) {
@@ -124,48 +130,38 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         const float* ndel_st = del_s + st * WG_BM; // minus delta
         mbar_wait(full + 8 * st, ph);
 
-        // The item's LSE and minus delta (this thread's query columns 8j + 2t, +1), read before
-        // the first product: behind the tensor cores' shared-memory reads these loads take long,
-        // and dP^T's issue waits for them.
-        float2 lse_j[8], nd_j[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            lse_j[j] = ((const float2*)(lse_st + 2 * t))[4 * j];
-            nd_j[j] = ((const float2*)(ndel_st + 2 * t))[4 * j];
-        }
-        float s[32], dp[32];
-        wg_fence();
-        wg_gemm_kmajor(s, Ks, WG_BN, 64 * cw, qst, WG_BM);
-        wg_commit();
-        // dP^T starts from -delta (per query column), so it ends as dP^T - delta: no subtraction
+        // The item's LSE and minus delta (this thread's query columns 8j + 2t, +1) start the
+        // accumulators. dP^T starts from -delta, so it ends as dP^T - delta: no subtraction
         // between the wait and dS^T.
+        float s[WG_BM / 2], dp[WG_BM / 2];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            dp[4 * j] = dp[4 * j + 2] = nd_j[j].x;
-            dp[4 * j + 1] = dp[4 * j + 3] = nd_j[j].y;
+        for (int j = 0; j < NJ; ++j) {
+            const float2 l2 = ((const float2*)(lse_st + 2 * t))[4 * j];
+            const float2 nd = ((const float2*)(ndel_st + 2 * t))[4 * j];
+            s[4 * j] = s[4 * j + 2] = l2.x * lse_to_acc;
+            s[4 * j + 1] = s[4 * j + 3] = l2.y * lse_to_acc;
+            dp[4 * j] = dp[4 * j + 2] = nd.x;
+            dp[4 * j + 1] = dp[4 * j + 3] = nd.y;
         }
         wg_fence();
-        wg_gemm_kmajor<32, true>(dp, Vs, WG_BN, 64 * cw, dost, WG_BM);
+        wg_gemm_kmajor<WG_BM / 2, true>(s, Ks, WG_BN, 64 * cw, qst, WG_BM);
+        wg_commit();
+        wg_fence();
+        wg_gemm_kmajor<WG_BM / 2, true>(dp, Vs, WG_BN, 64 * cw, dost, WG_BM);
         wg_commit();
         wg_wait<1>(); // S^T (dP^T may run)
         wg_pin(s);
 
         // P^T as A fragments: k-step kq covers query columns 16kq..16kq+15, i.e. the
         // accumulator column blocks j = 2kq (fragments 0, 1) and 2kq + 1 (fragments 2, 3).
-        u32 pa[4][4], sa[4][4];
+        u32 pa[WG_BM / 16][4], sa[WG_BM / 16][4];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float2 l2 = lse_j[j];
-            s[4 * j] = fast_exp2(fmaf(s[4 * j], p.scale_log2, -l2.x));
-            s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], p.scale_log2, -l2.y));
-            s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], p.scale_log2, -l2.x));
-            s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], p.scale_log2, -l2.y));
-        }
+        for (int i = 0; i < WG_BM / 2; ++i) s[i] = fast_exp2(s[i] * p.scale_log2);
         if (te.y >= 0) { // a partial tile: zero P where the mask drops the pair (a branch, not predication)
             constexpr int W = WG_BN / 32;
             const u32* bits = p.bits + te.y + (rk >> 5);
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < NJ; ++j)
 #pragma unroll
                 for (int c2 = 0; c2 < 2; ++c2) {
                     const u32 w = bits[(8 * j + 2 * t + c2) * W] >> (rk & 31);
@@ -174,7 +170,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
                 }
         }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < NJ; ++j) {
             pa[j >> 1][(j & 1) * 2] = pack2(s[4 * j], s[4 * j + 1]);
             pa[j >> 1][(j & 1) * 2 + 1] = pack2(s[4 * j + 2], s[4 * j + 3]);
         }
@@ -182,46 +178,39 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         const u64 ddo = wg_desc(dost, WG_BM * 128, 1024);
         wg_fence();
 #pragma unroll
-        for (int kq = 0; kq < 4; ++kq) wgmma_rs_nD<1>(dv, pa[kq], wg_desc_add(ddo, kq * 16 * 128), 1);
+        for (int kq = 0; kq < WG_BM / 16; ++kq) wgmma_rs_nD<1>(dv, pa[kq], wg_desc_add(ddo, kq * 16 * 128), 1);
         wg_commit();
         wg_wait<1>(); // dP^T (dV may run)
         wg_pin(dp);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < NJ; ++j) {
             const float dsv[4] = {s[4 * j] * dp[4 * j], s[4 * j + 1] * dp[4 * j + 1], s[4 * j + 2] * dp[4 * j + 2],
                                   s[4 * j + 3] * dp[4 * j + 3]};
             sa[j >> 1][(j & 1) * 2] = pack2(dsv[0], dsv[1]);
             sa[j >> 1][(j & 1) * 2 + 1] = pack2(dsv[2], dsv[3]);
-            // dS^T -> shared memory for dQ; rows rk and rk + 8 share the swizzle (rk % 8 = g).
-            const u32 a = dsb + rk * 128 + 4 * t + ((j ^ g) << 4);
+            // dS^T -> shared memory for dQ (query columns in blocks of 64); rows rk and rk + 8
+            // share the swizzle (rk % 8 = g).
+            const u32 a = dsb + (j >> 3) * WG_BN * 128 + rk * 128 + 4 * t + (((j & 7) ^ g) << 4);
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(sa[j >> 1][(j & 1) * 2]));
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(sa[j >> 1][(j & 1) * 2 + 1]));
         }
         fence_async_smem();
         float dq[32];
-#if DK == 128
         named_sync(1, 256); // dS^T of both warpgroups is in shared memory
-        // dQ[:, 64cw..] = dS K[:, 64cw..]: A = dS (M-major: dS^T rows are keys), B = K (N-major).
-        const u64 dds = wg_desc(dsb, WG_BN * 128, 1024), dk_b = wg_desc(Ks + cw * WG_BN * 128, WG_BN * 128, 1024);
+        // dQ's 64 x 64 block of this warpgroup = dS K over all 128 keys: A = dS (M-major: dS^T
+        // rows are keys; d 64: query block cw), B = K (N-major; d 128: column block cw).
+        const u64 dds = wg_desc(dsb + (WG_BM == 128 ? cw : 0) * WG_BN * 128, WG_BN * 128, 1024);
+        const u64 dk_b = wg_desc(Ks + (DK == 128 ? cw : 0) * WG_BN * 128, WG_BN * 128, 1024);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < WG_BN / 16; ++kk)
             wgmma_ss_step<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
-#else
-        named_sync(1 + cw, 128); // this warpgroup's dS^T rows (the only ones it reads) are stored
-        // dQ (partial) = dS[:, 64cw..] K[64cw.., :]: this warpgroup's keys only.
-        const u64 dds = wg_desc(dsb + 64 * cw * 128, WG_BN * 128, 1024), dk_b = wg_desc(Ks + 64 * cw * 128, WG_BN * 128, 1024);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            wgmma_ss_step<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
-#endif
         wg_commit();
         // dK += dS^T Q, issued after dQ: dQ is staged while dK runs on the tensor cores.
         const u64 dq_b = wg_desc(qst, WG_BM * 128, 1024);
         wg_fence();
 #pragma unroll
-        for (int kq = 0; kq < 4; ++kq) wgmma_rs_nD<1>(dk, sa[kq], wg_desc_add(dq_b, kq * 16 * 128), 1);
+        for (int kq = 0; kq < WG_BM / 16; ++kq) wgmma_rs_nD<1>(dk, sa[kq], wg_desc_add(dq_b, kq * 16 * 128), 1);
         wg_commit();
         if (it > 0) mbar_wait(dq_free + 8 * cw, (it - 1) & 1); // the previous dQ has been read
         wg_wait<1>(); // dV and dQ (dK may run)
@@ -233,7 +222,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             const int i = (k & 4) | ((k & 3) ^ dq_rot);
-            const u32 a = dq_row + (k >> 2) * WG_BM * 128 + (((2 * (i & 3) + (t >> 1)) ^ g) << 4);
+            const u32 a = dq_row + (k >> 2) * 64 * 128 + (((2 * (i & 3) + (t >> 1)) ^ g) << 4);
 #pragma unroll
             for (int r = 0; r < 2; ++r)
                 asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a + r * 8 * 128),

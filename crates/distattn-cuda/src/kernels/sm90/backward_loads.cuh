@@ -1,5 +1,5 @@
 // The loads of the warp-specialized backward kernels (backward.cu, backward_wide.cu), run by one
-// producer warp: a block's K and V tiles (BN rows) once, then per item (64 query rows of one
+// producer warp: a block's K and V tiles (BN rows) once, then per item (BM query rows of one
 // query head) the LSE (log2 units) and minus delta rows with plain loads and Q and dO with TMA,
 // into STAGES stages `stage_bytes` apart, each signalled on its `full` mbarrier and reused once
 // its `freed` one says the consumers have read it.
@@ -7,8 +7,6 @@
 #include "sm90/primitives.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define BWD_ITEM_ROWS 64
-
 // A key-major block (`block`: its index within its job): its key tile (rank 0 first, the
 // heaviest under a causal mask), batch entry and KV head, the tile plan's entries e0..e0+ne, and
 // its G x ne items (every query head of the KV head).
@@ -36,12 +34,11 @@ __device__ __forceinline__ void bwd_load_rows(const BwdParams& p, float* lse_s, 
     __syncwarp();
 }
 
-template <int BN, int STAGES>
+template <int BN, int BM, int STAGES>
 __device__ __forceinline__ void bwd_load(const BwdParams& p, const TmaMap* tq, const TmaMap* tdo, const TmaMap* tk,
                                          const TmaMap* tv, u32 Ks, u32 Vs, u32 Qs, u32 dOs, u32 stage_bytes,
                                          float* lse_s, float* del_s, u32 full_kv, u32 full, u32 freed, int k0,
                                          int kvh, int b, int e0, int ne, int total, int lane) {
-    constexpr int BM = BWD_ITEM_ROWS;
     constexpr u32 ITEM_BYTES = 2 * BM * DK * 2;
     const int G = p.heads / p.kv_heads;
     if (lane == 0) {

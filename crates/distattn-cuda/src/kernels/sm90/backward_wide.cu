@@ -30,7 +30,7 @@
 // At d 192 the tiles keep 256 columns: the fourth block of Q, K, V and dO is never loaded, the
 // scores read only the first three, and the gradients' columns past 192 are not stored.
 #define WB_BN 64
-#define WB_BM BWD_ITEM_ROWS
+#define WB_BM 64
 #define WB_STAGES 2
 #define WB_BLOCK (64 * 128) // bytes of one 64-row column block
 #define WQ_BM 128
@@ -107,7 +107,7 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
     if (wg == 0) {
         reg_dealloc<24>();
         if (wi == 0 && total > 0)
-            bwd_load<WB_BN, WB_STAGES>(p, tq, tdo, tk, tv, Ks, Vs, Qs, dOs, TILE, lse_s, del_s, full_kv, full,
+            bwd_load<WB_BN, WB_BM, WB_STAGES>(p, tq, tdo, tk, tv, Ks, Vs, Qs, dOs, TILE, lse_s, del_s, full_kv, full,
                                        freed, k0, kvh, b, e0, ne, total, lane);
         return;
     }
