@@ -75,8 +75,8 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     if (wg == 0) {
         reg_dealloc<24>();
         if (wi == 0 && total > 0)
-            bwd_load<WG_BN, WG_BM, BS_STAGES>(p, &tq, &tdo, &tk, &tv, Ks, Vs, Qs, dOs, WG_BM * DK * 2, lse_s, del_s, full_kv,
-                                       full, freed, k0, kvh, b, e0, ne, total, lane);
+            bwd_load<WG_BN, WG_BM, BS_STAGES>(p, &tq, &tdo, &tk, &tv, Ks, Vs, Qs, dOs, WG_BM * DK * 2, lse_s, del_s,
+                                              full_kv, full, freed, k0, kvh, b, e0, ne, total, lane);
         else if (wi == 1 && lane == 0 && total > 0) { // dQ reductions: 2 boxes of 64 rows per consumer
             int h = kvh * G, ei = 0;
 #pragma unroll 1

@@ -108,7 +108,7 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
         reg_dealloc<24>();
         if (wi == 0 && total > 0)
             bwd_load<WB_BN, WB_BM, WB_STAGES>(p, tq, tdo, tk, tv, Ks, Vs, Qs, dOs, TILE, lse_s, del_s, full_kv, full,
-                                       freed, k0, kvh, b, e0, ne, total, lane);
+                                              freed, k0, kvh, b, e0, ne, total, lane);
         return;
     }
     reg_alloc<240>();
