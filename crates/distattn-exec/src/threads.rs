@@ -243,8 +243,9 @@ mod tests {
         })
         .unwrap_err();
         // Rank 0's own wait and the watchdog of ranks whose peers have finished both fire at
-        // the timeout; either may name the failure first.
+        // the timeout; either may name the failure first, and both name rank 0.
         let msg = err.to_string();
+        assert!(matches!(err, Error::RankFailed { rank: 0, .. }), "{err}");
         assert!(msg.contains("timed out") || msg.contains("made no progress"), "{err}");
     }
 }

@@ -231,9 +231,13 @@ pub enum Op {
 
 impl Op {
     /// Buffers the op reads or writes, with the buffers that those stored inside another
-    /// ([`BufDesc::within`]) lie in: what must be alive while it runs.
+    /// ([`BufDesc::within`]) lie in: what must be alive while it runs. (Freeing a part stored
+    /// inside another does not use that one.)
     pub fn uses_in(&self, bufs: &[BufDesc]) -> Vec<BufId> {
         let used = self.uses();
+        if matches!(self, Op::Free { .. }) {
+            return used;
+        }
         let parents: Vec<BufId> = used.iter().filter_map(|&b| bufs.get(b).and_then(|d| d.within)).collect();
         used.into_iter().chain(parents).collect()
     }

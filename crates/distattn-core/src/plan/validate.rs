@@ -13,8 +13,8 @@ pub const MAX_SENDS_TO_A_PEER: usize = 16;
 impl Plan {
     /// Checks structural invariants: one program per rank, every buffer an op uses is in its
     /// rank's table, sends match receives of the same tensor part, no group sends one peer more
-    /// than [`MAX_SENDS_TO_A_PEER`] buffers, compute blocks are consistent with the shapes. A plan may come from a file, so a broken one is an
-    /// [`Error::InvalidPlan`], never a panic.
+    /// than [`MAX_SENDS_TO_A_PEER`] buffers, compute blocks are consistent with the shapes. A
+    /// plan may come from a file, so a broken one is an [`Error::InvalidPlan`], never a panic.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Error::InvalidPlan(format!("{}: {m}", self.strategy));
         if self.ranks.len() != self.world {
@@ -206,9 +206,7 @@ fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), St
                 }
                 _ => {}
             }
-            // (A transfer from inside a buffer uses it; freeing such a part does not.)
-            let used = if matches!(op, Op::Free { .. }) { op.uses() } else { op.uses_in(&prog.bufs) };
-            for b in used {
+            for b in op.uses_in(&prog.bufs) {
                 if written.iter().any(|w| w.0 == b) {
                     continue;
                 }

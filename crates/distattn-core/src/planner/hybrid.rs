@@ -278,7 +278,8 @@ impl Groups {
                         b.part_to_send(src_rank, step, acc, tokens)
                     } else {
                         let heads = b.desc(src_rank, acc).heads.clone();
-                        b.extract_as(src_rank, step, acc, BufDesc::new(t, tokens, heads).narrowed())
+                        let desc = BufDesc::new(t, tokens, heads);
+                        b.extract_as(src_rank, step, acc, if b.narrows(t) { desc.narrowed() } else { desc })
                     };
                     back.push((src_rank, dst, part, out));
                 }

@@ -31,6 +31,7 @@
 // scores read only the first three, and the gradients' columns past 192 are not stored.
 #define WB_BN 64
 #define WB_BM 64
+static_assert(BWD_BM == WB_BM, "the host plans the dK/dV job's items of 64 query rows");
 #define WB_STAGES 2
 #define WB_BLOCK (64 * 128) // bytes of one 64-row column block
 #define WQ_BM 128
