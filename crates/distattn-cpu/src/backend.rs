@@ -237,10 +237,15 @@ impl Backend for CpuBackend {
             DType::F16 => block_backward::<f16>(block, &inputs, opts)?,
         };
         for (name, acc, part) in [("dq", grads.dq, &g.dq), ("dk", grads.dk, &g.dk), ("dv", grads.dv, &g.dv)] {
-            let acc = acc.as_mut_slice::<f32>()?;
             block.shape.check_len(name, acc.len(), part.len())?;
-            for (a, x) in acc.iter_mut().zip(part) {
-                *a += x;
+            match acc.dtype() {
+                DType::F32 => {
+                    for (a, x) in acc.as_mut_slice::<f32>()?.iter_mut().zip(part) {
+                        *a += x;
+                    }
+                }
+                // A final gradient held in the input dtype: rounded once.
+                narrow => *acc = HostData::from_f32(part, narrow),
             }
         }
         Ok(())

@@ -209,21 +209,78 @@ impl CudaBackend {
         dv_acc: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         let cfg = self.backward_config(T::DTYPE, shape, mask)?;
-        let t = DkDvPtrs {
+        let delta = self.checked_ptr("delta", delta, shape.lse_elems(), shape)?;
+        let dq_acc = self.checked_mut_ptr("dq_acc", dq_acc, shape.q_elems(), shape)?;
+        let t = self.dkdv_ptrs(q, k, v, d_o, lse, delta, dq_acc, dk_acc, dv_acc, true, shape)?;
+        // SAFETY: cfg comes from backward_config; every address was checked above to hold what
+        // `shape` says, 16-byte aligned, in buffers of this context used on the compute stream.
+        unsafe { self.launch_dkdv(self.stream(), T::DTYPE, cfg, &t, shape, mask, opts) }
+    }
+
+    /// Backward of one block whose gradients are final (no other block adds to them): writes
+    /// dQ (`[b, nq, h, d]`), dK and dV (`[b, nk, h_kv, d]`) in `T`, rounded once. dQ is
+    /// accumulated in an f32 workspace and converted, as in [`CudaBackend::backward`]; dK and
+    /// dV come straight from the kernel. What a Ulysses rank computes: its gradients are sent
+    /// back from these buffers, with no f32 accumulators to zero and round.
+    #[allow(clippy::too_many_arguments)] // one buffer per tensor of a backward block
+    pub fn backward_block_final<T: CudaElement>(
+        &self,
+        q: &impl DevicePtr<T>,
+        k: &impl DevicePtr<T>,
+        v: &impl DevicePtr<T>,
+        d_o: &impl DevicePtr<T>,
+        lse: &impl DevicePtr<f32>,
+        delta: &impl DevicePtr<f32>,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+        dq: &mut impl DevicePtrMut<T>,
+        dk: &mut impl DevicePtrMut<T>,
+        dv: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        let cfg = self.backward_config(T::DTYPE, shape, mask)?;
+        let s = self.stream();
+        let dq_out = self.checked_mut_ptr("dq", dq, shape.q_elems(), shape)?;
+        let dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).map_err(driver_err("allocating the dQ accumulator"))?;
+        let delta = self.checked_ptr("delta", delta, shape.lse_elems(), shape)?;
+        let t = self.dkdv_ptrs(q, k, v, d_o, lse, delta, dq_acc.device_ptr(s).0, dk, dv, false, shape)?;
+        // SAFETY: cfg comes from backward_config; the caller's addresses were checked above to
+        // hold what `shape` says (dq, dk, dv of `T`), 16-byte aligned; dq_acc was allocated
+        // above (q_elems() f32, zeroed) and is freed in stream order when it drops here; all in
+        // this context and used on the compute stream.
+        unsafe { self.launch_final_grads(s, T::DTYPE, cfg, &t, dq_out, shape, mask, opts) }
+    }
+
+    /// The addresses of a dK/dV launch over `shape`: Q, K, V, dO (of `T`), LSE, and dK, dV (f32
+    /// accumulators where `dkdv_acc`, else of `T`), each checked to hold what `shape` says;
+    /// `delta` and `dq_acc` as the caller has them.
+    #[allow(clippy::too_many_arguments)] // one argument per tensor of the launch
+    fn dkdv_ptrs<T: CudaElement, G>(
+        &self,
+        q: &impl DevicePtr<T>,
+        k: &impl DevicePtr<T>,
+        v: &impl DevicePtr<T>,
+        d_o: &impl DevicePtr<T>,
+        lse: &impl DevicePtr<f32>,
+        delta: u64,
+        dq_acc: u64,
+        dk: &mut impl DevicePtrMut<G>,
+        dv: &mut impl DevicePtrMut<G>,
+        dkdv_acc: bool,
+        shape: &AttnShape,
+    ) -> Result<DkDvPtrs> {
+        Ok(DkDvPtrs {
             q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
             k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
             v: self.checked_ptr("v", v, shape.kv_elems(), shape)?,
             d_o: self.checked_ptr("d_o", d_o, shape.q_elems(), shape)?,
             lse: self.checked_ptr("lse", lse, shape.lse_elems(), shape)?,
-            delta: self.checked_ptr("delta", delta, shape.lse_elems(), shape)?,
-            dq_acc: self.checked_mut_ptr("dq_acc", dq_acc, shape.q_elems(), shape)?,
-            dk: self.checked_mut_ptr("dk_acc", dk_acc, shape.kv_elems(), shape)?,
-            dv: self.checked_mut_ptr("dv_acc", dv_acc, shape.kv_elems(), shape)?,
-            dkdv_acc: true,
-        };
-        // SAFETY: cfg comes from backward_config; every address was checked above to hold what
-        // `shape` says, 16-byte aligned, in buffers of this context used on the compute stream.
-        unsafe { self.launch_dkdv(self.stream(), T::DTYPE, cfg, &t, shape, mask, opts) }
+            delta,
+            dq_acc,
+            dk: self.checked_mut_ptr("dk", dk, shape.kv_elems(), shape)?,
+            dv: self.checked_mut_ptr("dv", dv, shape.kv_elems(), shape)?,
+            dkdv_acc,
+        })
     }
 
     /// Launches the dK/dV kernel (which also accumulates dQ) on `s`.
@@ -363,18 +420,19 @@ impl CudaBackend {
         let t = BackwardPtrs {
             o: self.checked_ptr("o", o, shape.q_elems(), shape)?,
             dq: self.checked_mut_ptr("dq", dq, shape.q_elems(), shape)?,
-            dkdv: DkDvPtrs {
-                q: self.checked_ptr("q", q, shape.q_elems(), shape)?,
-                k: self.checked_ptr("k", k, shape.kv_elems(), shape)?,
-                v: self.checked_ptr("v", v, shape.kv_elems(), shape)?,
-                d_o: self.checked_ptr("d_o", d_o, shape.q_elems(), shape)?,
-                lse: self.checked_ptr("lse", lse, shape.lse_elems(), shape)?,
-                delta: delta.device_ptr(s).0,
-                dq_acc: dq_acc.device_ptr(s).0,
-                dk: self.checked_mut_ptr("dk", dk, shape.kv_elems(), shape)?,
-                dv: self.checked_mut_ptr("dv", dv, shape.kv_elems(), shape)?,
-                dkdv_acc: false,
-            },
+            dkdv: self.dkdv_ptrs(
+                q,
+                k,
+                v,
+                d_o,
+                lse,
+                delta.device_ptr(s).0,
+                dq_acc.device_ptr(s).0,
+                dk,
+                dv,
+                false,
+                shape,
+            )?,
         };
         // SAFETY: the caller's addresses were checked above; delta and dq_acc were allocated
         // above (lse_elems() and q_elems() f32, dq_acc zeroed), all in this context and used on
@@ -400,16 +458,37 @@ impl CudaBackend {
         mask: &Mask,
         opts: &AttnOptions,
     ) -> Result<()> {
-        let aux = self.aux(dtype)?;
         let d = &t.dkdv;
         // SAFETY: o and d_o hold q_elems() values of `dtype` and delta lse_elems() f32, 16-byte
         // aligned (this function's contract); the kernel runs on `s` like the ones after it.
-        unsafe { aux.row_delta(s, t.o, dtype, d.d_o, d.delta, shape) }?;
-        // SAFETY: this function's contract is launch_dkdv's for `t.dkdv`.
-        unsafe { self.launch_dkdv(s, dtype, cfg, d, shape, mask, opts) }?;
+        unsafe { self.aux(dtype)?.row_delta(s, t.o, dtype, d.d_o, d.delta, shape) }?;
+        // SAFETY: this function's contract is launch_final_grads's for `t.dkdv` and `t.dq`.
+        unsafe { self.launch_final_grads(s, dtype, cfg, d, t.dq, shape, mask, opts) }
+    }
+
+    /// Launches the dK/dV kernel writing dK and dV (`t.dkdv_acc` false) and accumulating dQ in
+    /// f32, then dQ's conversion into `dq` (of `dtype`), on `s`.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::launch_dkdv`] for `t`, with `dq_acc` zeroed; `dq` is a 16-byte aligned
+    /// buffer of q_elems() of `dtype`, not used by another stream while the kernels run.
+    #[allow(clippy::too_many_arguments)] // the launch's configuration, tensors and problem
+    pub(crate) unsafe fn launch_final_grads(
+        &self,
+        s: &CudaStream,
+        dtype: DType,
+        cfg: KernelConfig,
+        t: &DkDvPtrs,
+        dq: u64,
+        shape: &AttnShape,
+        mask: &Mask,
+        opts: &AttnOptions,
+    ) -> Result<()> {
+        // SAFETY: this function's contract is launch_dkdv's for `t`.
+        unsafe { self.launch_dkdv(s, dtype, cfg, t, shape, mask, opts) }?;
         // SAFETY: dq_acc holds q_elems() f32 and dq q_elems() of `dtype`, 16-byte aligned; the
         // conversion runs on `s` after the dK/dV kernel that accumulated into dq_acc.
-        unsafe { aux.convert_f32(s, d.dq_acc, t.dq, shape.q_elems()) }
+        unsafe { self.aux(dtype)?.convert_f32(s, t.dq_acc, dq, shape.q_elems()) }
     }
 
     /// Merges `n_parts` partial results over disjoint key sets: `o_parts` is `n_parts`

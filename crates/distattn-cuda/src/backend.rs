@@ -190,20 +190,27 @@ impl CudaBackend {
         opts: &AttnOptions,
         g: GradAccs<'_, GpuBuf>,
     ) -> Result<()> {
-        self.backward_block::<T>(
-            &i.q.view::<T>()?,
-            &i.k.view::<T>()?,
-            &i.v.view::<T>()?,
-            &i.d_o.view::<T>()?,
-            &i.lse.view::<f32>()?,
-            &i.delta.view::<f32>()?,
-            &block.shape,
-            &block.mask,
-            opts,
-            &mut g.dq.view_mut::<f32>()?,
-            &mut g.dk.view_mut::<f32>()?,
-            &mut g.dv.view_mut::<f32>()?,
-        )
+        let (q, k, v, d_o) = (i.q.view::<T>()?, i.k.view::<T>()?, i.v.view::<T>()?, i.d_o.view::<T>()?);
+        let (lse, delta, (shape, mask)) = (i.lse.view::<f32>()?, i.delta.view::<f32>()?, (&block.shape, &block.mask));
+        let wide = [&*g.dq, &*g.dk, &*g.dv].map(|b| b.dtype() == DType::F32);
+        if wide == [true; 3] {
+            let (dq, dk, dv) =
+                (&mut g.dq.view_mut::<f32>()?, &mut g.dk.view_mut::<f32>()?, &mut g.dv.view_mut::<f32>()?);
+            return self.backward_block::<T>(&q, &k, &v, &d_o, &lse, &delta, shape, mask, opts, dq, dk, dv);
+        }
+        // Otherwise final gradients, all three in the input dtype.
+        for (name, b) in [("dq", &*g.dq), ("dk", &*g.dk), ("dv", &*g.dv)] {
+            if b.dtype() != T::DTYPE {
+                return Err(Error::DTypeMismatch {
+                    a: format!("a final {name}"),
+                    a_dtype: b.dtype().to_string(),
+                    b: "the inputs".into(),
+                    b_dtype: T::DTYPE.to_string(),
+                });
+            }
+        }
+        let (dq, dk, dv) = (&mut g.dq.view_mut::<T>()?, &mut g.dk.view_mut::<T>()?, &mut g.dv.view_mut::<T>()?);
+        self.backward_block_final::<T>(&q, &k, &v, &d_o, &lse, &delta, shape, mask, opts, dq, dk, dv)
     }
 }
 

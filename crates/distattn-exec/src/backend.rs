@@ -49,8 +49,10 @@ pub struct BwdInputs<'a, B> {
     pub delta: &'a B,
 }
 
-/// The f32 accumulators a block's backward adds its gradients into: dQ over the block's query
-/// rows `[b, q rows, h, d]`, dK and dV over its keys `[b, keys, h_kv, d]`.
+/// Where a block's backward puts its gradients: dQ over the block's query rows
+/// `[b, q rows, h, d]`, dK and dV over its keys `[b, keys, h_kv, d]`. An f32 buffer is an
+/// accumulator the gradient is added into; one of the input dtype holds a final gradient, which
+/// the block writes (rounded once, whatever the buffer held).
 pub struct GradAccs<'a, B> {
     pub dq: &'a mut B,
     pub dk: &'a mut B,
@@ -141,8 +143,8 @@ pub trait Backend: Sync {
     ) -> Result<bool> {
         Ok(false)
     }
-    /// Exact partial gradients of one block given the global LSE and D, added into `grads`,
-    /// on the compute lane.
+    /// Exact partial gradients of one block given the global LSE and D, added into `grads`
+    /// (written into those of the input dtype), on the compute lane.
     fn backward(
         &self,
         block: &Block,

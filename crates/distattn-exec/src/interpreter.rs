@@ -547,9 +547,10 @@ where
             let block = &prog.blocks[*block];
             let s = &block.shape;
             let outs = [(*dq, dq_output, s.q_elems()), (*dk, dk_output, s.kv_elems()), (*dv, dv_output, s.kv_elems())];
-            // The kernel adds into the accumulators that cover exactly the block's rows or keys,
-            // taken out of the store for the call; the others get a fresh zeroed partial, added
-            // into them by pieces afterwards. (A failure ends the run, store and all.)
+            // The kernel adds into the accumulators that cover exactly the block's rows or keys
+            // (or writes those held in the input dtype), taken out of the store for the call; the
+            // others get a fresh zeroed partial, added into them by pieces afterwards. (A failure
+            // ends the run, store and all.)
             let mut target = |&(id, out, elems): &(BufId, &GradOutput, usize)| match out {
                 GradOutput::Direct => store.take(id),
                 GradOutput::Add(_) => backend.alloc(Lane::Compute, DType::F32, elems, Some(0.0)),

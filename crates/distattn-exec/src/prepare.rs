@@ -24,7 +24,8 @@ pub enum FwdOutput {
 /// Where a backward block's dQ, dK or dV goes.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GradOutput {
-    /// Added straight into the accumulator (it covers exactly the block's rows or keys).
+    /// Added straight into the accumulator (it covers exactly the block's rows or keys), or
+    /// written into it where it is held in the input dtype (a final gradient).
     Direct,
     /// Into a fresh zeroed buffer, then added into the accumulator by these pieces.
     Add(Vec<Piece>),
@@ -268,6 +269,14 @@ pub fn prepare(plan: &Plan, rank: usize, mask: &Mask) -> Result<PreparedRank> {
                 let dq_output = GradOutput::of(&dq_part, desc(*dq)?, &shape);
                 let dk_output = GradOutput::of(&kv_part(Tensor::DK), desc(*dk)?, &shape);
                 let dv_output = GradOutput::of(&kv_part(Tensor::DV), desc(*dv)?, &shape);
+                // A gradient held in the input dtype is final: one block writes it whole, once.
+                for (g, out) in [(*dq, &dq_output), (*dk, &dk_output), (*dv, &dv_output)] {
+                    if desc(g)?.narrow && (*out != GradOutput::Direct || !fresh[g]) {
+                        return Err(Error::InvalidPlan(format!(
+                            "rank {rank}: a backward block adds into buffer {g}, which is held in the input dtype"
+                        )));
+                    }
+                }
                 let block = block_of(qd, kd, rows)?;
                 PreparedOp::Bwd {
                     q: *q,
@@ -340,5 +349,43 @@ mod tests {
             assert!(matches!(outputs[0], FwdOutput::Direct));
             assert!(outputs[1..].iter().all(|o| matches!(o, FwdOutput::MergeInKernel(_))), "{outputs:?}");
         }
+    }
+
+    /// Ulysses' backward writes its bf16 gradients directly; a ring's adds into f32 ones, and
+    /// a plan whose block would add into a gradient held in bf16 is refused.
+    #[test]
+    fn only_final_gradients_are_held_narrowed() {
+        let shape = AttnShape::new(1, 64, 64, 4, 4, 16).unwrap();
+        let mask = Mask::causal(64, 64).unwrap();
+        let opts = PlanOptions { narrow_outputs: true, ..PlanOptions::backward(Default::default()) };
+        let grads = |rank: &PreparedRank| -> Vec<(bool, GradOutput)> {
+            let mut out = Vec::new();
+            for op in &rank.ops {
+                if let PreparedOp::Bwd { dq, dk, dv, dq_output, dk_output, dv_output, .. } = op {
+                    for (g, o) in [(dq, dq_output), (dk, dk_output), (dv, dv_output)] {
+                        out.push((rank.bufs[*g].narrow, o.clone()));
+                    }
+                }
+            }
+            out
+        };
+        let plan = build(Strategy::Ulysses, 2, &shape, &mask, DType::BF16, &opts).unwrap();
+        for rank in prepare_all(&plan, &mask).unwrap() {
+            assert!(grads(&rank).iter().all(|(narrow, o)| *narrow && *o == GradOutput::Direct));
+        }
+        let full = Mask::full(64, 64).unwrap();
+        let mut ring = build(Strategy::Ring, 2, &shape, &full, DType::BF16, &opts).unwrap();
+        for rank in prepare_all(&ring, &full).unwrap() {
+            assert!(grads(&rank).iter().all(|(narrow, _)| !narrow));
+        }
+        // The ring's second block adds into the first one's dQ: held in bf16, that is refused.
+        let prog = &mut ring.ranks[0];
+        let dq = prog.steps.iter().flatten().find_map(|op| match op {
+            Op::Bwd { dq, .. } => Some(*dq),
+            _ => None,
+        });
+        prog.bufs[dq.unwrap()].narrow = true;
+        let e = prepare(&ring, 0, &full).unwrap_err();
+        assert!(e.to_string().contains("held in the input dtype"), "{e}");
     }
 }

@@ -37,6 +37,11 @@ impl Tensor {
         matches!(self, Tensor::Q | Tensor::K | Tensor::V | Tensor::DO)
     }
 
+    /// A gradient (a backward's output).
+    pub fn is_grad(self) -> bool {
+        matches!(self, Tensor::DQ | Tensor::DK | Tensor::DV)
+    }
+
     /// Indexed by key tokens and key/value heads.
     pub fn is_kv(self) -> bool {
         matches!(self, Tensor::K | Tensor::V | Tensor::DK | Tensor::DV)

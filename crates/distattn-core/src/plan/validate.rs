@@ -196,6 +196,16 @@ fn check_overwritten(r: usize, prog: &RankProgram) -> std::result::Result<(), St
                 Op::Copy { src, dst } if pending.contains_key(dst) => written.push((*dst, overlap(*src, *dst))),
                 // A block's rounded O covers its query rows.
                 Op::Fwd { q, rounded: Some(y), .. } if pending.contains_key(y) => written.push((*y, overlap(*q, *y))),
+                // A backward block writes whole the gradients held in the input dtype that
+                // cover exactly its rows (dQ) or keys (dK, dV); it adds into the others.
+                Op::Bwd { q, k, dq, dk, dv, .. } => {
+                    for (g, src) in [(*dq, *q), (*dk, *k), (*dv, *k)] {
+                        if pending.contains_key(&g) && prog.bufs[g].narrow && prog.bufs[g].same_region(&prog.bufs[src])
+                        {
+                            written.push((g, overlap(src, g)));
+                        }
+                    }
+                }
                 Op::Comm { recvs, .. } => {
                     for &(_, b) in recvs {
                         let d = &prog.bufs[b];

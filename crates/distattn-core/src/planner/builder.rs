@@ -317,7 +317,8 @@ impl<'a> Builder<'a> {
 
     /// Holds `buf` of `rank` in the input dtype where its tensor [narrows](Self::narrows):
     /// for a buffer nothing has used yet that copies write (a pass output gathered from
-    /// pieces) or one forward block writes whole (no merge into it follows).
+    /// pieces) or one block writes whole (a forward's O no merge follows, a backward's
+    /// gradients no addition follows).
     pub fn hold_narrowed(&mut self, rank: usize, buf: BufId) {
         if self.narrows(self.desc(rank, buf).tensor) {
             self.progs[rank].bufs[buf].narrow = true;

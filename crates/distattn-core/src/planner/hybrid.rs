@@ -244,15 +244,20 @@ impl Groups {
                 b.transfer_gathered(step, 0, a, dst, x, into);
             }
         }
-        // Without a ring, one forward block writes each O accumulator whole: it may be held in
-        // the input dtype, so the kernel writes what the all-to-all back sends.
+        // Without a ring, one block writes each O accumulator (forward) and each gradient
+        // (backward) whole: they may be held in the input dtype, so the kernel writes what the
+        // all-to-all back sends. Gradients held so are written, not added into: allocated
+        // unfilled at the attention's step.
         let one_block = p == self.u_deg;
         gathered.map_outputs(|r, t, _| {
             let (g, u) = self.group(r);
-            let acc =
-                b.alloc(r, step, BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c)), accumulator_fill(t));
-            if one_block && t == Tensor::O {
+            let desc = BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c));
+            let acc = b.alloc(r, step, desc, accumulator_fill(t));
+            if one_block && (t == Tensor::O || t.is_grad()) {
                 b.hold_narrowed(r, acc);
+            }
+            if one_block && t.is_grad() && b.narrows(t) {
+                b.allocate_at(r, acc, step + 1, Fill::Overwritten);
             }
             acc
         })

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::mask::{long_tailed_doc_lens, DocKind};
-use crate::plan::{area, Fill, Op, Pass, PlanSummary, RingBackward, Tensor};
+use crate::plan::{area, BufId, Fill, Op, Pass, PlanSummary, RingBackward, Tensor};
 use std::time::Instant;
 
 fn shape_128k() -> AttnShape {
@@ -414,8 +414,9 @@ fn narrowed_outputs_halve_the_all_to_all_back() {
 }
 
 /// With `narrow_outputs` every strategy hands back O, dQ, dK and dV in the input dtype (LSE in
-/// f32), each written once; Ulysses' forward holds no f32 O at all (its kernel writes the
-/// head-sharded O in bf16, which the all-to-all back sends), and f32 inputs narrow nothing.
+/// f32), each written once; Ulysses holds no f32 O or gradient at all (its kernels write the
+/// head-sharded O and gradients in bf16, which the all-to-all back sends), and f32 inputs
+/// narrow nothing.
 #[test]
 fn narrowed_outputs_are_handed_back_in_the_input_dtype() {
     let shape = AttnShape::new(1, 1000, 1000, 8, 4, 64).unwrap();
@@ -449,6 +450,30 @@ fn narrowed_outputs_are_handed_back_in_the_input_dtype() {
         let out = prog.outputs.iter().find(|(t, _)| *t == Tensor::O).unwrap().1;
         let last = prog.steps.last().unwrap();
         assert!(last.iter().any(|op| matches!(op, Op::Alloc { buf, fill: Fill::Overwritten } if *buf == out)));
+    }
+    // Its backward writes the gradients in bf16 (no f32 gradient, no zero fill) in the step of
+    // the kernel, and sends them from those buffers: no copy reads them before the transfers.
+    let bwd = PlanOptions { pass: Some(Pass::Backward), ..opts.clone() };
+    let plan = build(Strategy::Ulysses, 4, &shape, &mask, DType::BF16, &bwd).unwrap();
+    for prog in &plan.ranks {
+        let grads: Vec<BufId> = (0..prog.bufs.len()).filter(|&b| prog.bufs[b].tensor.is_grad()).collect();
+        assert!(grads.iter().all(|&b| prog.bufs[b].narrow), "{:?}", prog.bufs);
+        let bwd_step = prog.steps.iter().position(|ops| ops.iter().any(|op| matches!(op, Op::Bwd { .. }))).unwrap();
+        for ops in &prog.steps[bwd_step..] {
+            for op in ops {
+                match op {
+                    Op::Bwd { dq, dk, dv, .. } => {
+                        for g in [dq, dk, dv] {
+                            let alloc = Op::Alloc { buf: *g, fill: Fill::Overwritten };
+                            assert!(prog.steps[bwd_step].contains(&alloc), "{:?}", prog.steps[bwd_step]);
+                        }
+                    }
+                    Op::Comm { .. } => break,
+                    Op::Copy { src, .. } => assert!(!grads.contains(src), "{op:?} before the all-to-all back"),
+                    _ => {}
+                }
+            }
+        }
     }
     // A zig-zag rank's last block rounds its O itself: no copy writes the output.
     let mut plan = build(Strategy::Zigzag, 4, &shape, &mask, DType::BF16, &opts).unwrap();
