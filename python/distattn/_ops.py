@@ -161,7 +161,7 @@ def eager_autograd(forward_impl, setup_context, gradients, backward_impl):
             return output
 
         @staticmethod
-        def backward(ctx, d_o, _d_lse):
+        def backward(ctx, d_o, *_not_differentiable):
             return gradients(ctx, d_o, backward_impl)
 
     return Eager

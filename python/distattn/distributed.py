@@ -149,6 +149,7 @@ class ContextParallel:
         self._chosen: Dict[int, str] = {}
         self._layouts: Dict[int, List[Tensor]] = {}
         self._ranks: Dict[tuple, object] = {}
+        self._kept: Dict[tuple, List[Tuple[str, List[int]]]] = {}
         self._transports: Dict[object, object] = {}
         self._id = id(self)
         _instances[self._id] = self
@@ -241,6 +242,18 @@ class ContextParallel:
             self._ranks[key] = r
         return r
 
+    def _kept_shapes(self, shape: tuple, seq_len: int, dtype: torch.dtype) -> List[Tuple[str, List[int]]]:
+        """What this rank's forward keeps for its backward (Ulysses and hybrid: the head-sharded
+        Q, K, V and LSE), as ``(name, shape)``; none for the other strategies."""
+        b, _, h, d = shape[0]
+        key = (b, seq_len, h, shape[1][2], d, dtype)
+        kept = self._kept.get(key)
+        if kept is None:
+            strategy, name = self.strategy_for(seq_len), str(dtype).removeprefix("torch.")
+            kept = _native.cp_kept(strategy, self.world, self.rank, key[:5], self.mask, name, self.ranks_per_node)
+            self._kept[key] = kept
+        return kept
+
     def attention(
         self,
         q: Tensor,
@@ -268,7 +281,9 @@ class ContextParallel:
             seq_len = self._seq_len(q.shape[1], q.device)
         if softmax_scale is not None:
             softmax_scale = float(softmax_scale)
-        o, lse = _cp_call(q.contiguous(), k.contiguous(), v.contiguous(), self._id, seq_len, softmax_scale)
+        # A call whose backward may run has its forward keep what that backward takes.
+        keep = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        o, lse, *_ = _cp_call(q.contiguous(), k.contiguous(), v.contiguous(), self._id, seq_len, softmax_scale, keep)
         return (o, lse) if return_lse else o
 
     def synchronize(self) -> None:
@@ -521,7 +536,7 @@ class KVCacheGroup:
         o = torch.empty_like(q)
         lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
         with torch.no_grad():
-            r.forward(_desc(q), _desc(k), _desc(v), _desc(o), _desc(lse), _stream(q))
+            r.forward(_desc(q), _desc(k), _desc(v), _desc(o), _desc(lse), [], _stream(q))
         self.last_strategy = used
         return (o, lse) if return_lse else o
 
@@ -544,16 +559,26 @@ def release_cached_memory(device=None) -> None:
 # ---------------------------------------------------------------- custom ops and autograd
 
 
+def _kept_outputs(q: Tensor, k: Tensor, cp_id: int, seq_len: int, keep: bool) -> List[Tensor]:
+    """Tensors for what the forward keeps for its backward (four empty ones when nothing is)."""
+    shapes = _instances[cp_id]._kept_shapes((tuple(q.shape), tuple(k.shape)), seq_len, q.dtype) if keep else []
+    if not shapes:
+        return [q.new_empty(0) for _ in range(4)]
+    return [q.new_empty(shape, dtype=torch.float32 if name == "lse" else q.dtype) for name, shape in shapes]
+
+
 def _cp_forward_impl(
-    q: Tensor, k: Tensor, v: Tensor, cp_id: int, seq_len: int, softmax_scale: Optional[float]
-) -> Tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, cp_id: int, seq_len: int, softmax_scale: Optional[float], keep: bool
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     cp = _instances[cp_id]
     r = cp._rank((tuple(q.shape), tuple(k.shape)), seq_len, softmax_scale, q.device)
     b, n, h, _ = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((b, h, n), dtype=torch.float32, device=q.device)
-    r.forward(_desc(q), _desc(k), _desc(v), _desc(o), _desc(lse), _stream(q))
-    return o, lse
+    kept = _kept_outputs(q, k, cp_id, seq_len, keep)
+    written = [_desc(t) for t in kept if t.numel()]
+    r.forward(_desc(q), _desc(k), _desc(v), _desc(o), _desc(lse), written, _stream(q))
+    return (o, lse, *kept)
 
 
 def _cp_backward_impl(
@@ -566,13 +591,18 @@ def _cp_backward_impl(
     cp_id: int,
     seq_len: int,
     softmax_scale: Optional[float],
+    kv_heads: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
+    # q, k, v and lse are the shards, or what the forward kept instead: the gradients are shaped
+    # like the shards, O's for dQ.
     cp = _instances[cp_id]
-    r = cp._rank((tuple(q.shape), tuple(k.shape)), seq_len, softmax_scale, q.device)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    b, n, _, d = o.shape
+    kv_shape = (b, n, kv_heads, d)
+    r = cp._rank((tuple(o.shape), kv_shape), seq_len, softmax_scale, o.device)
+    dq, dk, dv = torch.empty_like(o), o.new_empty(kv_shape), o.new_empty(kv_shape)
     r.backward(
         _desc(q), _desc(k), _desc(v), _desc(o.contiguous()), _desc(lse.contiguous()), _desc(d_o.contiguous()),
-        _desc(dq), _desc(dk), _desc(dv), _stream(q),
+        _desc(dq), _desc(dk), _desc(dv), _stream(o),
     )  # fmt: skip
     return dq, dk, dv
 
@@ -582,35 +612,38 @@ cp_backward = torch.library.custom_op("distattn::cp_backward", _cp_backward_impl
 
 
 @cp_forward.register_fake
-def _(q, k, v, cp_id, seq_len, softmax_scale):
+def _(q, k, v, cp_id, seq_len, softmax_scale, keep):
     b, n, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
+    return (q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32), *_kept_outputs(q, k, cp_id, seq_len, keep))
 
 
 @cp_backward.register_fake
-def _(d_o, q, k, v, o, lse, cp_id, seq_len, softmax_scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(d_o, q, k, v, o, lse, cp_id, seq_len, softmax_scale, kv_heads):
+    b, n, _, d = o.shape
+    return o.new_empty(o.shape), o.new_empty((b, n, kv_heads, d)), o.new_empty((b, n, kv_heads, d))
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cp_id, seq_len, softmax_scale = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.args = (cp_id, seq_len, softmax_scale)
+    q, k, v, cp_id, seq_len, softmax_scale, _keep = inputs
+    o, lse, *kept = output
+    # What the forward kept stands in for the shards of Q, K, V and the LSE: as many values.
+    held = kept if kept[0].numel() else (q, k, v, lse)
+    ctx.save_for_backward(held[0], held[1], held[2], o, held[3])
+    ctx.args = (cp_id, seq_len, softmax_scale, k.shape[2])
     ctx.cp = _instances[cp_id]  # alive until the backward has run
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, *kept)
     ctx.set_materialize_grads(False)
 
 
 def _grads(ctx, d_o, backward_fn):
     if d_o is None:
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = backward_fn(d_o, q, k, v, o, lse, *ctx.args)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
-cp_forward.register_autograd(lambda ctx, d_o, _d_lse: _grads(ctx, d_o, cp_backward), setup_context=_setup)
+cp_forward.register_autograd(lambda ctx, d_o, *_: _grads(ctx, d_o, cp_backward), setup_context=_setup)
 
 
 _EagerCp = eager_autograd(_cp_forward_impl, _setup, _grads, _cp_backward_impl)

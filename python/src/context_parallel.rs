@@ -12,7 +12,7 @@
 
 use crate::problem::{cached_mask, dtype_of, expect, gpu, host, where_is, TensorDesc};
 use distattn::kv_placement::{KvPlacement, Queries, ServingStep, StepRequest};
-use distattn::plan::TokenSet;
+use distattn::plan::{Tensor, TokenSet};
 use distattn::planner::{fastest, fastest_training, TRAINING_CANDIDATES};
 use distattn::{
     AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, Mask, PlanOptions, RankAttention, Result,
@@ -270,7 +270,10 @@ fn problem(
     let shape = AttnShape::new(b, n, n, h, hkv, d)?;
     let mask = cached_mask(mask, n, n, None, b)?;
     // The Python side returns O, dQ, dK, dV in the input dtype: the plans hand them back in it.
-    let opts = PlanOptions { ranks_per_node, narrow_outputs: true, ..PlanOptions::default() };
+    // Ulysses and hybrid hand the head-sharded Q, K, V and LSE from the forward to the backward
+    // (autograd keeps them instead of the shards: as many values), so the backward's all-to-all
+    // moves only dO and D.
+    let opts = PlanOptions { ranks_per_node, narrow_outputs: true, keep_head_sharded: true, ..PlanOptions::default() };
     Ok((shape, mask, opts))
 }
 
@@ -287,6 +290,29 @@ pub fn cp_layout(
 ) -> PyResult<Vec<Vec<(usize, usize)>>> {
     let attn = rank_attention(strategy, world, 0, shape, mask, None, ranks_per_node).map_err(crate::to_py)?;
     Ok(attn.layout().q.iter().map(runs).collect())
+}
+
+/// What rank `rank`'s forward keeps for its backward for `strategy` on `world` ranks over the
+/// problem `(batch, seq, heads, kv_heads, head_dim)` under the mask `spec`: `(name, shape)` of
+/// `q`, `k`, `v` (the inputs' dtype `dtype`) and `lse` (f32), in the order `CpRank.forward`
+/// writes them and `CpRank.backward` takes them instead of Q, K, V and LSE; none where the
+/// strategy keeps nothing (it shards no heads).
+#[pyfunction]
+#[pyo3(signature = (strategy, world, rank, shape, mask, dtype, ranks_per_node=None))]
+pub fn cp_kept(
+    strategy: &str,
+    world: usize,
+    rank: usize,
+    shape: (usize, usize, usize, usize, usize),
+    mask: &str,
+    dtype: &str,
+    ranks_per_node: Option<usize>,
+) -> PyResult<Vec<(String, Vec<usize>)>> {
+    let kept = || -> Result<Vec<(Tensor, Vec<usize>)>> {
+        let dtype: DType = dtype.parse().map_err(|_| Error::UnsupportedDType(dtype.to_string()))?;
+        rank_attention(strategy, world, rank, shape, mask, None, ranks_per_node)?.kept(dtype)
+    };
+    Ok(kept().map_err(crate::to_py)?.into_iter().map(|(t, dims)| (kept_name(t).to_string(), dims)).collect())
 }
 
 fn runs(t: &TokenSet) -> Vec<(usize, usize)> {
@@ -391,8 +417,10 @@ impl CpRank {
     }
 
     /// Writes O (`[b, n_local, h, d]`, the inputs' dtype) and LSE (f32, `[b, h, n_local]`) of
-    /// this rank's shards of Q, K, V. `stream` is torch's current stream (CUDA tensors).
-    #[pyo3(signature = (q, k, v, o, lse, stream))]
+    /// this rank's shards of Q, K, V, and into `kept` (shaped as `kept()` says, or empty: the
+    /// caller needs no backward) what the backward takes instead of Q, K, V and LSE. `stream`
+    /// is torch's current stream (CUDA tensors).
+    #[pyo3(signature = (q, k, v, o, lse, kept, stream))]
     #[allow(clippy::too_many_arguments)] // one descriptor per tensor of the pass
     fn forward(
         &self,
@@ -402,19 +430,31 @@ impl CpRank {
         v: TensorDesc,
         o: TensorDesc,
         lse: TensorDesc,
+        kept: Vec<TensorDesc>,
         stream: u64,
     ) -> PyResult<()> {
         let run = || {
             let io = self.io(&q)?;
             io.check_shards(&[("q", &q, false), ("k", &k, true), ("v", &v, true), ("o", &o, false)])?;
             io.check_stat("lse", &lse)?;
+            let keeps = self.attn.kept(io.dtype)?;
+            if !kept.is_empty() {
+                io.check_kept(&keeps, &kept.iter().collect::<Vec<_>>())?;
+            }
+            let kept_dtypes = keeps.iter().map(|&(t, _)| if t == Tensor::Lse { DType::F32 } else { io.dtype });
             match &*self.transport {
                 Transport::Host(comm) => {
                     let cpu = CpuBackend;
                     let [qb, kb, vb] = [&q, &k, &v].map(|t| host_buf(io.dtype, t));
-                    let [ob, lb] = self.attn.forward(&cpu, comm, io.dtype, qb?, kb?, vb?)?;
+                    let run = self.attn.forward_deferred(&cpu, comm, io.dtype, qb?, kb?, vb?)?;
+                    run.completion.wait(&cpu, comm)?;
+                    let [ob, lb] = run.outputs;
                     host_out(&cpu, &ob, io.dtype, &o)?;
-                    host_out(&cpu, &lb, DType::F32, &lse)
+                    host_out(&cpu, &lb, DType::F32, &lse)?;
+                    for ((b, t), dtype) in run.saved.iter().zip(&kept).zip(kept_dtypes) {
+                        host_out(&cpu, b, dtype, t)?;
+                    }
+                    Ok(())
                 }
                 Transport::Nccl { gpu, comm } => {
                     // The call returns once its work is queued (torch's stream waits for it), so
@@ -422,6 +462,12 @@ impl CpRank {
                     let [qb, kb, vb] = gpu_inputs(gpu, stream, io.dtype, [&q, &k, &v])?;
                     let run = self.attn.forward_deferred(&**gpu, comm, io.dtype, qb, kb, vb)?;
                     gpu_outputs(gpu, stream, run.outputs, [(&o, io.dtype), (&lse, DType::F32)])?;
+                    if kept.is_empty() {
+                        run.saved.into_iter().for_each(|b| b.free_on(gpu.stream()));
+                    } else {
+                        let outs: Vec<_> = kept.iter().zip(kept_dtypes).collect();
+                        gpu_outputs_dyn(gpu, stream, run.saved, &outs)?;
+                    }
                     comm.watch(run.completion)
                 }
             }
@@ -432,7 +478,8 @@ impl CpRank {
     }
 
     /// Writes dQ, dK, dV (like this rank's shards, in their dtype) from its shards of Q, K, V,
-    /// the forward's O and LSE, and dO.
+    /// the forward's O and LSE, and dO; where the forward kept tensors (`kept()`), Q, K, V and
+    /// LSE are those.
     #[pyo3(signature = (q, k, v, o, lse, d_o, dq, dk, dv, stream))]
     #[allow(clippy::too_many_arguments)] // one descriptor per tensor of the pass
     fn backward(
@@ -451,9 +498,15 @@ impl CpRank {
     ) -> PyResult<()> {
         let run = || {
             let io = self.io(&q)?;
-            io.check_shards(&[("q", &q, false), ("k", &k, true), ("v", &v, true), ("o", &o, false)])?;
-            io.check_shards(&[("d_o", &d_o, false), ("dq", &dq, false), ("dk", &dk, true), ("dv", &dv, true)])?;
-            io.check_stat("lse", &lse)?;
+            let keeps = self.attn.kept(io.dtype)?;
+            if keeps.is_empty() {
+                io.check_shards(&[("q", &q, false), ("k", &k, true), ("v", &v, true)])?;
+                io.check_stat("lse", &lse)?;
+            } else {
+                io.check_kept(&keeps, &[&q, &k, &v, &lse])?;
+            }
+            io.check_shards(&[("o", &o, false), ("d_o", &d_o, false), ("dq", &dq, false)])?;
+            io.check_shards(&[("dk", &dk, true), ("dv", &dv, true)])?;
             let rows = io.local;
             match &*self.transport {
                 Transport::Host(comm) => {
@@ -545,6 +598,33 @@ impl Io {
         let s = &self.local;
         self.check(name, t, &[s.batch, s.heads, s.q_len], DType::F32)
     }
+
+    /// Tensors shaped as a forward keeps them (`keeps`, from `RankAttention::kept`), in order:
+    /// Q, K, V in the inputs' dtype, LSE in f32.
+    fn check_kept(&self, keeps: &[(Tensor, Vec<usize>)], ts: &[&TensorDesc]) -> Result<()> {
+        if ts.len() != keeps.len() {
+            return Err(Error::invalid(
+                "kept",
+                format!("{} tensors for the {} this strategy keeps from the forward", ts.len(), keeps.len()),
+            ));
+        }
+        for ((t, dims), desc) in keeps.iter().zip(ts) {
+            let dtype = if *t == Tensor::Lse { DType::F32 } else { self.dtype };
+            self.check(&format!("kept {}", kept_name(*t)), desc, dims, dtype)?;
+        }
+        Ok(())
+    }
+}
+
+/// The Python name of a tensor a forward keeps.
+fn kept_name(t: Tensor) -> &'static str {
+    match t {
+        Tensor::Q => "q",
+        Tensor::K => "k",
+        Tensor::V => "v",
+        Tensor::Lse => "lse",
+        _ => "other",
+    }
 }
 
 /// A host buffer holding a copy of the CPU tensor `t` of `dtype` (checked).
@@ -617,7 +697,15 @@ fn gpu_outputs<const N: usize>(
     bufs: [GpuBuf; N],
     ts: [(&TensorDesc, DType); N],
 ) -> Result<()> {
-    for (b, (t, dtype)) in bufs.into_iter().zip(ts) {
+    gpu_outputs_dyn(gpu, stream, bufs.into(), &ts)
+}
+
+/// [`gpu_outputs`] for as many buffers as tensors, however many.
+fn gpu_outputs_dyn(gpu: &CudaBackend, stream: u64, bufs: Vec<GpuBuf>, ts: &[(&TensorDesc, DType)]) -> Result<()> {
+    if bufs.len() != ts.len() {
+        return Err(Error::Internal(format!("{} outputs for {} tensors", bufs.len(), ts.len())));
+    }
+    for (b, &(t, dtype)) in bufs.into_iter().zip(ts) {
         if b.len() != t.1.iter().product::<usize>() {
             return Err(Error::Internal(format!("an output of {} values for a tensor of shape {:?}", b.len(), t.1)));
         }

@@ -256,6 +256,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::nccl_unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::cp_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(context_parallel::cp_kept, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::strategy_name, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::cp_auto_strategy, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::kv_owners, m)?)?;

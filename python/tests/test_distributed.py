@@ -135,6 +135,42 @@ def test_every_strategy_matches_f64(strategy, world):
         assert f64.rel_err(got, ref) < 1e-4
 
 
+def _saved_case(rank, world, strategy):
+    import distattn.distributed as dd
+
+    q, k, v, _ = _inputs(97, 4, 2, 16, torch.float32)
+    cp = dd.ContextParallel(strategy=strategy, mask="causal", num_heads=4, num_kv_heads=2)
+    ql, kl, vl = (cp.shard(t, dim=1).requires_grad_() for t in (q, k, v))
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o = cp.attention(ql, kl, vl)
+    with torch.no_grad():
+        o_inference = cp.attention(ql, kl, vl)
+    return sorted(shapes), tuple(ql.shape), torch.equal(o.detach(), o_inference)
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "hybrid:2", "zigzag"])
+def test_ulysses_autograd_keeps_the_head_sharded_tensors(strategy):
+    """What autograd keeps for the backward: Ulysses and hybrid keep the head-sharded Q, K, V and
+    LSE their forward computed with (all 97 tokens, half the heads on 2 ranks), so the backward
+    sends only dO and D; zig-zag keeps the shards. Without grad the forward keeps nothing and
+    gives the same O."""
+    for ok, value in _run(2, _saved_case, strategy):
+        assert ok, value
+        shapes, shard, same = value
+        if strategy == "zigzag":
+            assert (2, 49, 4, 16) in shapes or (2, 48, 4, 16) in shapes, shapes
+            assert not any(s[1] == 97 for s in shapes), shapes
+        else:
+            assert sorted(shapes) == sorted([(2, 97, 2, 16), (2, 97, 1, 16), (2, 97, 1, 16), shard, (2, 2, 97)]), shapes
+        assert same
+
+
 def _positions_case(rank, world, strategy, mask, n):
     import distattn.distributed as dd
 

@@ -7,7 +7,7 @@
 //! rank's program of the strategy's plan through the one interpreter, on any backend and
 //! communicator, with the caller's buffers as inputs.
 
-use distattn_core::plan::{Layout, Pass, Plan, Tensor, TokenSet};
+use distattn_core::plan::{BufDesc, Layout, Pass, Plan, Tensor, TokenSet};
 use distattn_core::planner::build;
 use distattn_core::schedule::Lane;
 use distattn_core::{AttnOptions, AttnShape, DType, Error, Mask, PlanOptions, Result, Strategy};
@@ -204,10 +204,16 @@ impl RankAttention {
         Ok(prog)
     }
 
-    /// Every input and output of this rank is a whole shard: its own tokens, every head.
+    /// Every input and output of this rank is a whole shard (its own tokens, every head), but
+    /// a backward's inputs that the forward kept ([`RankAttention::kept`]).
     fn check_shards(&self, plan: &Plan) -> Result<()> {
         let prog = &plan.ranks[self.rank];
-        for &(tensor, id) in prog.inputs.iter().chain(&prog.outputs) {
+        let kept = |t: Tensor| {
+            plan.pass == Pass::Backward
+                && self.plan_opts.keep_head_sharded
+                && matches!(t, Tensor::Q | Tensor::K | Tensor::V | Tensor::Lse)
+        };
+        for &(tensor, id) in prog.inputs.iter().chain(&prog.outputs).filter(|&&(t, _)| !kept(t)) {
             let d = &prog.bufs[id];
             let heads = if tensor.is_kv() { self.shape.kv_heads } else { self.shape.heads };
             if d.tokens != *self.layout.tokens(tensor, self.rank) || d.heads != (0..heads) {
@@ -258,12 +264,33 @@ impl RankAttention {
     {
         let prog = self.program(Pass::Forward, dtype)?;
         let (run, completion) = self.run(&prog, backend, comm, [(Tensor::Q, q), (Tensor::K, k), (Tensor::V, v)])?;
-        Ok(Deferred { outputs: take_outputs(&prog, run.outputs, [Tensor::O, Tensor::Lse])?, completion })
+        let outputs = take_outputs(&prog, run.outputs, [Tensor::O, Tensor::Lse])?;
+        Ok(Deferred { outputs, saved: run.saved, completion })
+    }
+
+    /// What this rank's forward keeps for its backward, in the order of [`Deferred::saved`]:
+    /// with [`PlanOptions::keep_head_sharded`], Ulysses and hybrid keep the head-sharded Q, K,
+    /// V (`[b, tokens, heads, d]`, of the inputs' dtype) and LSE (f32, `[b, heads, tokens]`)
+    /// they computed with; otherwise nothing. The backward then takes these buffers as its Q,
+    /// K, V and LSE, so only dO and D cross the links again.
+    pub fn kept(&self, dtype: DType) -> Result<Vec<(Tensor, Vec<usize>)>> {
+        let prog = self.program(Pass::Forward, dtype)?;
+        let dims = |d: &BufDesc| {
+            let (b, n, h) = (self.shape.batch, d.tokens.len(), d.heads.len());
+            if d.tensor.is_stats() {
+                vec![b, h, n]
+            } else {
+                vec![b, n, h, self.shape.head_dim]
+            }
+        };
+        Ok(prog.saved.iter().map(|&(t, id)| (t, dims(&prog.bufs[id]))).collect())
     }
 
     /// dQ, dK, dV (like this rank's shards; f32, or `dtype` with [`PlanOptions::narrow_outputs`])
     /// from its shards of Q, K, V and dO (of `dtype`), the forward's LSE and D = rowsum(dO ∘ O)
-    /// of its rows (f32, `[b, h, n_local]`). Every rank of the world calls it together.
+    /// of its rows (f32, `[b, h, n_local]`). Where the forward kept buffers
+    /// ([`RankAttention::kept`]), Q, K, V and LSE are those instead. Every rank of the world calls
+    /// it together.
     #[allow(clippy::too_many_arguments)] // one buffer per tensor of a backward pass
     pub fn backward<B, C>(
         &self,
@@ -313,7 +340,8 @@ impl RankAttention {
             (Tensor::Delta, delta),
         ];
         let (run, completion) = self.run(&prog, backend, comm, given)?;
-        Ok(Deferred { outputs: take_outputs(&prog, run.outputs, [Tensor::DQ, Tensor::DK, Tensor::DV])?, completion })
+        let outputs = take_outputs(&prog, run.outputs, [Tensor::DQ, Tensor::DK, Tensor::DV])?;
+        Ok(Deferred { outputs, saved: run.saved, completion })
     }
 
     /// Issues `prog` on `given` (its inputs, in any order): its outputs in program order and the
@@ -350,16 +378,24 @@ impl RankAttention {
 }
 
 /// A call's outputs, returned once its run is issued (valid in the backend's compute order),
-/// and the run's completion, which the caller waits for or hands to the transport.
+/// what a forward keeps for its backward, and the run's completion, which the caller waits for
+/// or hands to the transport.
 pub struct Deferred<B: Backend, const N: usize> {
     pub outputs: [B::Buf; N],
+    /// A forward's buffers for its backward ([`RankAttention::kept`] says which); empty for
+    /// the others.
+    pub saved: Vec<B::Buf>,
     pub completion: Completion<B::Event>,
 }
 
 impl<B: Backend, const N: usize> Deferred<B, N> {
-    /// The outputs once the run has completed on the device (what the waiting calls return).
+    /// The outputs once the run has completed on the device (what the waiting calls return);
+    /// the saved buffers are released.
     pub fn wait<C: Communicator>(self, backend: &B, comm: &C) -> Result<[B::Buf; N]> {
         self.completion.wait(backend, comm)?;
+        for buf in self.saved {
+            backend.free(Lane::Compute, buf);
+        }
         Ok(self.outputs)
     }
 }

@@ -4,8 +4,8 @@
 
 use distattn::plan::{Pass, TokenSet};
 use distattn::{
-    run_ranks, AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, Mask, RankAttention, Strategy,
-    ThreadComm,
+    run_ranks, AttnShape, Backend, Communicator, CpuBackend, DType, Error, HostData, Mask, PlanOptions, RankAttention,
+    Strategy, ThreadComm,
 };
 use distattn_testkit::{cast, reference, rel_err, seeded_rng, uniform};
 use std::time::Duration;
@@ -46,16 +46,58 @@ fn stat_rows(x: &[f32], shape: &AttnShape, tokens: &TokenSet) -> Vec<f32> {
     out
 }
 
-#[test]
-fn every_strategy_from_local_shards_matches_f64() {
-    let (mut rng, seed) = seeded_rng("rank_attention");
-    let shape = AttnShape::new(2, 203, 203, 4, 2, 16).unwrap();
-    let mask = Mask::causal(203, 203).unwrap();
+/// Seeded random Q, K, V, dO of `shape` (f32) and the f64 forward and backward under `mask`.
+struct Problem {
+    seed: u64,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    d_o: Vec<f32>,
+    want: reference::RefForward,
+    want_g: reference::RefGrads,
+}
+
+impl Problem {
+    /// Rank-local Q, K, V (rows `t`) uploaded to the CPU backend.
+    fn shards(&self, shape: &AttnShape, t: &TokenSet) -> Result<[HostData; 3], Error> {
+        let (h, hkv) = (shape.heads, shape.kv_heads);
+        let [q, k, v] =
+            [(&self.q, h), (&self.k, hkv), (&self.v, hkv)].map(|(x, n)| CpuBackend.upload(&rows(x, shape, n, t)));
+        Ok([q?, k?, v?])
+    }
+}
+
+fn problem(name: &str, shape: &AttnShape, mask: &Mask) -> Problem {
+    let (mut rng, seed) = seeded_rng(name);
     let [q, k, v, d_o] = [shape.q_elems(), shape.kv_elems(), shape.kv_elems(), shape.q_elems()]
         .map(|n| cast::<f32>(&uniform(&mut rng, n, -1.0, 1.0)));
     let opts = Default::default();
-    let want = reference::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
-    let want_g = reference::backward(&q, &k, &v, &d_o, &shape, &mask, &opts).unwrap();
+    let want = reference::forward(&q, &k, &v, shape, mask, &opts).unwrap();
+    let want_g = reference::backward(&q, &k, &v, &d_o, shape, mask, &opts).unwrap();
+    Problem { seed, q, k, v, d_o, want, want_g }
+}
+
+/// dQ, dK, dV gathered from every rank's `(tokens, [dq, dk, dv])` match the f64 gradients.
+fn assert_grads(case: &str, shape: &AttnShape, ranks: &[(TokenSet, &[Vec<f32>])], p: &Problem) {
+    let (mut dq, mut dk, mut dv) =
+        (vec![0f32; shape.q_elems()], vec![0f32; shape.kv_elems()], vec![0f32; shape.kv_elems()]);
+    for (t, g) in ranks {
+        put_rows(&g[0], shape, shape.heads, t, &mut dq);
+        put_rows(&g[1], shape, shape.kv_heads, t, &mut dk);
+        put_rows(&g[2], shape, shape.kv_heads, t, &mut dv);
+    }
+    for (name, got, r) in [("dq", &dq, &p.want_g.dq), ("dk", &dk, &p.want_g.dk), ("dv", &dv, &p.want_g.dv)] {
+        let e = rel_err(got, r);
+        assert!(e < 1e-4, "{case}: {name} error {e}");
+    }
+}
+
+#[test]
+fn every_strategy_from_local_shards_matches_f64() {
+    let shape = AttnShape::new(2, 203, 203, 4, 2, 16).unwrap();
+    let mask = Mask::causal(203, 203).unwrap();
+    let p = problem("rank_attention", &shape, &mask);
+    let (seed, d_o, want) = (p.seed, &p.d_o, &p.want);
     let o_full: Vec<f32> = want.o.iter().map(|&x| x as f32).collect();
     let lse_full: Vec<f32> = want.lse.iter().map(|&x| x as f32).collect();
     for world in [2, 3, 4] {
@@ -67,19 +109,13 @@ fn every_strategy_from_local_shards_matches_f64() {
             let results = run_ranks(world, Duration::from_secs(30), |comm: &ThreadComm| {
                 let me = RankAttention::new(shape, mask.clone(), strategy, world, comm.rank())?;
                 let t = me.tokens().clone();
-                let (h, hkv) = (shape.heads, shape.kv_heads);
+                let h = shape.heads;
                 let cpu = CpuBackend;
                 let up = |x: Vec<f32>| cpu.upload(&x);
-                let [o, lse] = me.forward(
-                    &cpu,
-                    comm,
-                    DType::F32,
-                    up(rows(&q, &shape, h, &t))?,
-                    up(rows(&k, &shape, hkv, &t))?,
-                    up(rows(&v, &shape, hkv, &t))?,
-                )?;
+                let [qs, ks, vs] = p.shards(&shape, &t)?;
+                let [o, lse] = me.forward(&cpu, comm, DType::F32, qs, ks, vs)?;
                 // D = rowsum(dO ∘ O) of this rank's rows, from the f64 O.
-                let (o_loc, do_loc) = (rows(&o_full, &shape, h, &t), rows(&d_o, &shape, h, &t));
+                let (o_loc, do_loc) = (rows(&o_full, &shape, h, &t), rows(d_o, &shape, h, &t));
                 let n = t.len();
                 let mut delta = vec![0f32; shape.batch * h * n];
                 for b in 0..shape.batch {
@@ -91,13 +127,14 @@ fn every_strategy_from_local_shards_matches_f64() {
                         }
                     }
                 }
+                let [qs, ks, vs] = p.shards(&shape, &t)?;
                 let grads = me.backward(
                     &cpu,
                     comm,
                     DType::F32,
-                    up(rows(&q, &shape, h, &t))?,
-                    up(rows(&k, &shape, hkv, &t))?,
-                    up(rows(&v, &shape, hkv, &t))?,
+                    qs,
+                    ks,
+                    vs,
                     up(do_loc)?,
                     up(stat_rows(&lse_full, &shape, &t))?,
                     up(delta)?,
@@ -108,27 +145,67 @@ fn every_strategy_from_local_shards_matches_f64() {
             .unwrap_or_else(|e| panic!("{case}: {e}"));
             let mut o = vec![0f32; shape.q_elems()];
             let mut lse_err = 0f64;
-            let (mut dq, mut dk, mut dv) =
-                (vec![0f32; shape.q_elems()], vec![0f32; shape.kv_elems()], vec![0f32; shape.kv_elems()]);
             let mut covered = 0;
-            for (t, o_r, lse_r, g) in &results {
+            for (t, o_r, lse_r, _) in &results {
                 covered += t.len();
                 put_rows(o_r, &shape, shape.heads, t, &mut o);
                 for (a, b) in lse_r.iter().zip(stat_rows(&lse_full, &shape, t)) {
                     lse_err = lse_err.max((a - b).abs() as f64);
                 }
-                put_rows(&g[0], &shape, shape.heads, t, &mut dq);
-                put_rows(&g[1], &shape, shape.kv_heads, t, &mut dk);
-                put_rows(&g[2], &shape, shape.kv_heads, t, &mut dv);
             }
             assert_eq!(covered, shape.q_len, "{case}: the ranks' tokens are not a partition");
             assert!(rel_err(&o, &want.o) < 1e-5, "{case}: O error {}", rel_err(&o, &want.o));
             assert!(lse_err < 1e-4, "{case}: LSE error {lse_err}");
-            for (name, got, r) in [("dq", &dq, &want_g.dq), ("dk", &dk, &want_g.dk), ("dv", &dv, &want_g.dv)] {
-                let e = rel_err(got, r);
-                assert!(e < 1e-4, "{case}: {name} error {e}");
-            }
+            let grads: Vec<_> = results.iter().map(|(t, _, _, g)| (t.clone(), g.as_slice())).collect();
+            assert_grads(&case, &shape, &grads, &p);
         }
+    }
+}
+
+/// With `keep_head_sharded`, a Ulysses or hybrid forward hands back the head-sharded Q, K, V and
+/// LSE it computed with (`RankAttention::kept` gives their shapes); the backward given those,
+/// not the shards, matches f64. A strategy without head sharding keeps nothing.
+#[test]
+fn a_backward_from_the_forwards_kept_buffers_matches_f64() {
+    let shape = AttnShape::new(1, 97, 97, 8, 4, 16).unwrap();
+    let mask = Mask::causal(97, 97).unwrap();
+    let p = problem("rank_attention_kept", &shape, &mask);
+    let (seed, d_o, want) = (p.seed, &p.d_o, &p.want);
+    let keep = PlanOptions { keep_head_sharded: true, ..PlanOptions::default() };
+    for (strategy, world, n_kept) in
+        [(Strategy::Ulysses, 4, 4), (Strategy::Hybrid { ulysses_degree: 2 }, 4, 4), (Strategy::Zigzag, 2, 0)]
+    {
+        let case = format!("{strategy} on {world} ranks (seed {seed})");
+        let results = run_ranks(world, Duration::from_secs(30), |comm: &ThreadComm| {
+            let me = RankAttention::with_options(shape, mask.clone(), strategy, world, comm.rank(), keep.clone())?;
+            let t = me.tokens().clone();
+            let cpu = CpuBackend;
+            let [qs, ks, vs] = p.shards(&shape, &t)?;
+            let run = me.forward_deferred(&cpu, comm, DType::F32, qs, ks, vs)?;
+            run.completion.wait(&cpu, comm)?;
+            let [o, _] = run.outputs;
+            let kept = me.kept(DType::F32)?;
+            assert_eq!(kept.len(), n_kept, "{strategy}: {kept:?}");
+            for ((_, dims), buf) in kept.iter().zip(&run.saved) {
+                assert_eq!(dims.iter().product::<usize>(), buf.len(), "{strategy}: {dims:?}");
+            }
+            let d_o_local = cpu.upload(&rows(d_o, &shape, shape.heads, &t))?;
+            let delta = cpu.row_delta(&o, &d_o_local, &me.local_shape())?;
+            let (q_b, k_b, v_b, lse_b) = if n_kept == 0 {
+                let lse = stat_rows(&want.lse.iter().map(|&x| x as f32).collect::<Vec<_>>(), &shape, &t);
+                let [qs, ks, vs] = p.shards(&shape, &t)?;
+                (qs, ks, vs, cpu.upload(&lse)?)
+            } else {
+                let [q_b, k_b, v_b, lse_b]: [HostData; 4] =
+                    run.saved.try_into().map_err(|_| Error::Internal("four kept buffers".into()))?;
+                (q_b, k_b, v_b, lse_b)
+            };
+            let grads = me.backward(&cpu, comm, DType::F32, q_b, k_b, v_b, d_o_local, lse_b, delta)?;
+            Ok((t, grads.iter().map(|b| cpu.download_f32(b)).collect::<Result<Vec<_>, Error>>()?))
+        })
+        .unwrap_or_else(|e| panic!("{case}: {e}"));
+        let grads: Vec<_> = results.iter().map(|(t, g)| (t.clone(), g.as_slice())).collect();
+        assert_grads(&case, &shape, &grads, &p);
     }
 }
 
