@@ -121,8 +121,9 @@ pub const TRAINING_CANDIDATES: [Strategy; 5] = [
 /// (then the first), for a training step. A candidate that cannot plan the problem (Ulysses
 /// with heads the world does not divide, say) is passed over; if none can, the last error.
 /// On 4 × H200 (32/8 heads, d 128; causal, full and packed documents at 32k and 128k) the
-/// choice was within 3.6% of the fastest measured strategy in every case: the estimate has no
-/// per-kernel fixed cost, so zigzag's P blocks a rank tie with all-gather's two.
+/// choice was within 5.3% of the fastest measured strategy in every case: the estimate has no
+/// per-kernel fixed cost, so zigzag's P blocks a rank tie with all-gather's two and beat
+/// Ulysses' one, whose all-to-alls it counts in full.
 pub fn fastest_training(
     candidates: &[Strategy],
     world: usize,
