@@ -80,12 +80,14 @@ struct BenchArgs {
     /// Skip the single-GPU reference rows.
     #[arg(long)]
     no_single: bool,
-    /// Ulysses head chunks (default: the planner's).
+    /// Ulysses head chunks (default: the planner's; more than one needs `--keep-head-sharded
+    /// false`).
     #[arg(long)]
     head_chunks: Option<usize>,
     /// Ulysses and hybrid keep the forward's head-sharded Q, K, V, LSE for the backward
-    /// (`PlanOptions::keep_head_sharded`).
-    #[arg(long)]
+    /// (`PlanOptions::keep_head_sharded`), as the Python package runs them and as the
+    /// all-to-all baseline's autograd keeps its tensors.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     keep_head_sharded: bool,
 }
 
