@@ -614,7 +614,8 @@ cp_backward = torch.library.custom_op("distattn::cp_backward", _cp_backward_impl
 @cp_forward.register_fake
 def _(q, k, v, cp_id, seq_len, softmax_scale, keep):
     b, n, h, _ = q.shape
-    return (q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32), *_kept_outputs(q, k, cp_id, seq_len, keep))
+    o, lse = q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
+    return (o, lse, *_kept_outputs(q, k, cp_id, seq_len, keep))
 
 
 @cp_backward.register_fake
