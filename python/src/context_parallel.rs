@@ -441,7 +441,7 @@ impl CpRank {
             if !kept.is_empty() {
                 io.check_kept(&keeps, &kept.iter().collect::<Vec<_>>())?;
             }
-            let kept_dtypes = keeps.iter().map(|&(t, _)| if t == Tensor::Lse { DType::F32 } else { io.dtype });
+            let kept_dtypes = keeps.iter().map(|&(t, _)| t.dtype(io.dtype));
             match &*self.transport {
                 Transport::Host(comm) => {
                     let cpu = CpuBackend;
@@ -609,8 +609,7 @@ impl Io {
             ));
         }
         for ((t, dims), desc) in keeps.iter().zip(ts) {
-            let dtype = if *t == Tensor::Lse { DType::F32 } else { self.dtype };
-            self.check(&format!("kept {}", kept_name(*t)), desc, dims, dtype)?;
+            self.check(&format!("kept {}", kept_name(*t)), desc, dims, t.dtype(self.dtype))?;
         }
         Ok(())
     }

@@ -411,34 +411,18 @@ impl CudaBackend {
         dk: &mut impl DevicePtrMut<T>,
         dv: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
-        let cfg = self.backward_config(T::DTYPE, shape, mask)?;
+        self.backward_config(T::DTYPE, shape, mask)?;
         let s = self.stream();
-        // SAFETY: the row delta, launched on `s` by launch_backward, writes all lse_elems() values
-        // before the dK/dV kernel, later on `s`, reads them; nothing else sees the buffer.
+        let (o, d_o_ptr) =
+            (self.checked_ptr("o", o, shape.q_elems(), shape)?, self.checked_ptr("d_o", d_o, shape.q_elems(), shape)?);
+        // SAFETY: the row delta launched below on `s` writes all lse_elems() values before the
+        // backward, later on `s`, reads them; nothing else sees the buffer.
         let delta = unsafe { s.alloc::<f32>(shape.lse_elems()) }.map_err(driver_err("allocating delta"))?;
-        let dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).map_err(driver_err("allocating the dQ accumulator"))?;
-        let t = BackwardPtrs {
-            o: self.checked_ptr("o", o, shape.q_elems(), shape)?,
-            dq: self.checked_mut_ptr("dq", dq, shape.q_elems(), shape)?,
-            dkdv: self.dkdv_ptrs(
-                q,
-                k,
-                v,
-                d_o,
-                lse,
-                delta.device_ptr(s).0,
-                dq_acc.device_ptr(s).0,
-                dk,
-                dv,
-                false,
-                shape,
-            )?,
-        };
-        // SAFETY: the caller's addresses were checked above; delta and dq_acc were allocated
-        // above (lse_elems() and q_elems() f32, dq_acc zeroed), all in this context and used on
-        // `s` only; cfg comes from backward_config.
-        unsafe { self.launch_backward(s, T::DTYPE, cfg, &t, shape, mask, opts) }
-        // The workspace buffers are freed in stream order (async free) when they drop here.
+        // SAFETY: o and d_o hold q_elems() values of `T` (checked above), delta lse_elems() f32,
+        // all 16-byte aligned, in this context and used on `s`.
+        unsafe { self.aux(T::DTYPE)?.row_delta(s, o, T::DTYPE, d_o_ptr, delta.device_ptr(s).0, shape) }?;
+        // Every gradient of a whole backward is final. (delta is freed in stream order.)
+        self.backward_block_final(q, k, v, d_o, lse, &delta, shape, mask, opts, dq, dk, dv)
     }
 
     /// Launches the whole backward on `s`: the row delta, the dK/dV kernel (accumulating dQ in

@@ -208,11 +208,8 @@ impl RankAttention {
     /// a backward's inputs that the forward kept ([`RankAttention::kept`]).
     fn check_shards(&self, plan: &Plan) -> Result<()> {
         let prog = &plan.ranks[self.rank];
-        let kept = |t: Tensor| {
-            plan.pass == Pass::Backward
-                && self.plan_opts.keep_head_sharded
-                && matches!(t, Tensor::Q | Tensor::K | Tensor::V | Tensor::Lse)
-        };
+        let kept =
+            |t: Tensor| plan.pass == Pass::Backward && self.plan_opts.keep_head_sharded && t.is_kept_head_sharded();
         for &(tensor, id) in prog.inputs.iter().chain(&prog.outputs).filter(|&&(t, _)| !kept(t)) {
             let d = &prog.bufs[id];
             let heads = if tensor.is_kv() { self.shape.kv_heads } else { self.shape.heads };

@@ -37,6 +37,12 @@ impl Tensor {
         matches!(self, Tensor::Q | Tensor::K | Tensor::V | Tensor::DO)
     }
 
+    /// Handed from a Ulysses or hybrid forward to its backward in the head-sharded layout it
+    /// computed with ([`PlanOptions::keep_head_sharded`]).
+    pub fn is_kept_head_sharded(self) -> bool {
+        matches!(self, Tensor::Q | Tensor::K | Tensor::V | Tensor::Lse)
+    }
+
     /// A gradient (a backward's output).
     pub fn is_grad(self) -> bool {
         matches!(self, Tensor::DQ | Tensor::DK | Tensor::DV)

@@ -201,7 +201,7 @@ impl Groups {
 
     /// Whether inputs of `t` come head-sharded already (kept by the forward; one chunk).
     fn is_kept(&self, t: Tensor) -> bool {
-        self.kept_inputs && matches!(t, Tensor::Q | Tensor::K | Tensor::V | Tensor::Lse)
+        self.kept_inputs && t.is_kept_head_sharded()
     }
 
     /// Rank `r`'s input of `t` where it comes head-sharded already.
@@ -252,12 +252,13 @@ impl Groups {
         gathered.map_outputs(|r, t, _| {
             let (g, u) = self.group(r);
             let desc = BufDesc::new(t, self.group_tokens(g, t), self.heads(t, u, c));
-            let acc = b.alloc(r, step, desc, accumulator_fill(t));
+            let acc = if one_block && t.is_grad() && b.narrows(t) {
+                b.alloc(r, step + 1, desc, Fill::Overwritten)
+            } else {
+                b.alloc(r, step, desc, accumulator_fill(t))
+            };
             if one_block && (t == Tensor::O || t.is_grad()) {
                 b.hold_narrowed(r, acc);
-            }
-            if one_block && t.is_grad() && b.narrows(t) {
-                b.allocate_at(r, acc, step + 1, Fill::Overwritten);
             }
             acc
         })
