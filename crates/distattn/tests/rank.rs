@@ -241,10 +241,11 @@ fn a_serving_step_runs_the_plan_chosen_by_the_time_model() {
     use distattn::PlanOptions;
     let (mut rng, seed) = seeded_rng("serving_step_plan");
     let world = 3;
+    // Caches long enough that moving them (ring) costs more than a transfer group's latency.
     let requests = [
-        StepRequest { home: 0, cached: 130, new: 1 },
+        StepRequest { home: 0, cached: 20000, new: 1 },
         StepRequest { home: 2, cached: 7, new: 1 },
-        StepRequest { home: 1, cached: 260, new: 1 },
+        StepRequest { home: 1, cached: 26000, new: 1 },
     ];
     let placement = KvPlacement::interleaved(16, world).unwrap();
     let step = ServingStep::new(&placement, &requests, Queries::AtHome, 4, 2, 16).unwrap();

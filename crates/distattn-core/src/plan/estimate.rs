@@ -1,12 +1,17 @@
 //! A plan's run time estimated without hardware: every rank's program replayed on its two lanes
 //! (compute, comm) as [`crate::schedule`] issues it, each op starting when its lane is free and
-//! the buffers it reads are written. A block costs its FLOPs at the compute rate or the bytes
-//! of its buffers at the memory rate, whichever is more (a decode block reads its keys); a transfer
-//! group starts when this rank and every peer in it have reached it and lasts the larger of the
-//! bytes it sends and receives at the link rate; copies, adds and merges cost their bytes at
-//! the memory rate. Steps are not barriers: a rank that received its block computes while
-//! another still works on its own, which is what separates pass-q from pass-KV when the new
-//! tokens sit on one rank.
+//! the buffers it reads are written. A block costs its FLOPs at the pass's compute rate plus a
+//! fixed cost per tile of 128 rows and head it launches work for (query rows in the forward, key
+//! rows in the backward: loading the tile, filling the pipeline, writing its outputs), or the
+//! bytes of its buffers at the memory rate, whichever is more (a decode block reads its keys);
+//! a transfer group starts when this rank and every peer in it have reached it and lasts a
+//! fixed latency plus the larger of the bytes it sends and receives at the link rate; copies,
+//! adds and merges cost their bytes at the memory rate. Steps are not barriers: a rank that
+//! received its block computes while another still works on its own, which is what separates
+//! pass-q from pass-KV when the new tokens sit on one rank.
+//!
+//! The per-tile cost is what separates strategies of equal FLOPs: a ring's P blocks a rank, each
+//! over a P-th of the keys, launch P times the tiles of one block over all keys.
 
 use super::cost::op_flops;
 use super::{Op, Plan};
@@ -16,21 +21,61 @@ use std::collections::BTreeMap;
 /// The rates an estimate assumes.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Rates {
-    /// Attention FLOP/s of one device.
+    /// Forward attention FLOP/s of one device.
     pub flops_per_s: f64,
+    /// Backward attention FLOP/s of one device, counting 2.5 times the forward's FLOPs.
+    pub backward_flops_per_s: f64,
+    /// Seconds of one device per forward tile (128 query rows of one head) a block launches,
+    /// beyond its FLOPs.
+    pub tile_s: f64,
+    /// Seconds of one device per backward tile (128 key rows of one query head).
+    pub backward_tile_s: f64,
     /// Bytes per second one device sends (and, at once, receives) to its peers.
     pub link_bytes_per_s: f64,
+    /// Seconds a transfer group takes beyond its bytes.
+    pub group_latency_s: f64,
     /// Bytes per second one device's memory moves (copies, adds, merges: read and write).
     pub memory_bytes_per_s: f64,
 }
 
-impl Default for Rates {
-    /// One H100/H200 on NVLink, as measured on 2 H200s (2026-11-26): the forward kernel at
-    /// 600+ TFLOP/s at d 128, Ulysses' all-to-alls at about 250 GB/s each way.
-    fn default() -> Self {
-        Rates { flops_per_s: 600e12, link_bytes_per_s: 250e9, memory_bytes_per_s: 3e12 }
+impl Rates {
+    /// Rates of a device that computes at `flops_per_s` in both passes, with the given link and
+    /// memory rates and no fixed costs.
+    pub fn flat(flops_per_s: f64, link_bytes_per_s: f64, memory_bytes_per_s: f64) -> Self {
+        Rates {
+            flops_per_s,
+            backward_flops_per_s: flops_per_s,
+            tile_s: 0.0,
+            backward_tile_s: 0.0,
+            link_bytes_per_s,
+            group_latency_s: 0.0,
+            memory_bytes_per_s,
+        }
     }
 }
+
+impl Default for Rates {
+    /// One H100/H200 on NVLink. The kernels' rates and tile costs fit distattn's one-GPU
+    /// kernels on an H200 at 32k and 128k tokens (causal, 32/8 heads, d 128, 2026-11-27): the
+    /// per-FLOP time at 32k is about 3% above 128k's in both passes, which a fixed cost per tile
+    /// explains (9 µs of one SM a forward tile, 22 µs a backward one, over 132 SMs). Transfers:
+    /// Ulysses' all-to-alls at about 250 GB/s each way; a group of NCCL sends on distattn's
+    /// non-blocking communicators takes about 0.1 ms more than its bytes.
+    fn default() -> Self {
+        Rates {
+            flops_per_s: 667e12,
+            backward_flops_per_s: 556e12,
+            tile_s: 0.07e-6,
+            backward_tile_s: 0.17e-6,
+            link_bytes_per_s: 250e9,
+            group_latency_s: 0.1e-3,
+            memory_bytes_per_s: 3e12,
+        }
+    }
+}
+
+/// Rows of one kernel tile (query rows in the forward, key rows in the backward).
+const TILE_ROWS: usize = 128;
 
 /// A plan's estimated time.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -98,7 +143,8 @@ impl Plan {
                     list.iter().map(|&(_, b)| prog.bufs[b].bytes(&self.shape, self.dtype)).sum()
                 };
                 let begin = sends.iter().chain(recvs).filter_map(|&(peer, _)| start_of(peer)).fold(own, f64::max);
-                let end = begin + bytes(sends).max(bytes(recvs)) as f64 / rates.link_bytes_per_s;
+                let end =
+                    begin + rates.group_latency_s + bytes(sends).max(bytes(recvs)) as f64 / rates.link_bytes_per_s;
                 let rep = &mut ranks[r];
                 rep.lane_free[Lane::Comm.index()] = end;
                 for &(_, b) in recvs {
@@ -126,10 +172,22 @@ impl Plan {
             let (op, lane) = rep.ops[rep.next];
             rep.next += 1;
             let (reads, writes) = reads_writes(op, &prog.bufs);
+            let tiles =
+                |rows: usize, q: usize| (rows.div_ceil(TILE_ROWS) * prog.bufs[q].heads.len() * self.shape.batch) as f64;
             let cost = match op {
-                Op::Fwd { .. } | Op::Bwd { .. } => {
+                Op::Fwd { q, .. } | Op::Bwd { q, .. } => {
                     let bytes: f64 = reads.iter().map(|&b| mem_bytes(b)).sum();
-                    (op_flops(op, prog, &self.shape) / rates.flops_per_s).max(bytes / rates.memory_bytes_per_s)
+                    let compute = match op {
+                        Op::Bwd { k, .. } => {
+                            op_flops(op, prog, &self.shape) / rates.backward_flops_per_s
+                                + tiles(prog.bufs[*k].tokens.len(), *q) * rates.backward_tile_s
+                        }
+                        _ => {
+                            op_flops(op, prog, &self.shape) / rates.flops_per_s
+                                + tiles(prog.bufs[*q].tokens.len(), *q) * rates.tile_s
+                        }
+                    };
+                    compute.max(bytes / rates.memory_bytes_per_s)
                 }
                 Op::Copy { src, dst } | Op::Add { src, dst } => {
                     2.0 * mem_bytes(*src).min(mem_bytes(*dst)) / rates.memory_bytes_per_s

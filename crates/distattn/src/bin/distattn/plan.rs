@@ -99,10 +99,11 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     } else {
         print!("{plan}");
         let rates = distattn::plan::Rates::default();
+        let flops = if plan.pass == Pass::Backward { rates.backward_flops_per_s } else { rates.flops_per_s };
         println!(
             "estimate: {:.3} ms at {:.0} TFLOP/s and {:.0} GB/s links per device",
             plan.estimate(&rates).ms,
-            rates.flops_per_s / 1e12,
+            flops / 1e12,
             rates.link_bytes_per_s / 1e9
         );
     }
@@ -113,8 +114,10 @@ pub fn plan(args: PlanArgs) -> Result<()> {
 fn choose(args: &PlanArgs, seq: usize) -> Result<()> {
     let shape = AttnShape::new(args.batch, seq, seq, args.heads, args.kv_heads.unwrap_or(args.heads), args.head_dim)?;
     let mask = args.mask.build(seq, seq)?;
-    // As the Python package plans: O and the gradients travel in the inputs' dtype.
-    let opts = PlanOptions { narrow_outputs: true, ..args.strategy.plan_options(&args.mask, seq) };
+    // As the Python package plans: O and the gradients travel in the inputs' dtype, and the
+    // backward gets the forward's head-sharded Q, K, V and LSE.
+    let opts =
+        PlanOptions { narrow_outputs: true, keep_head_sharded: true, ..args.strategy.plan_options(&args.mask, seq) };
     let rates = distattn::plan::Rates::default();
     let pick = fastest_training(&TRAINING_CANDIDATES, args.world, &shape, &mask, args.dtype, &opts, &rates)?;
     println!("{:<10} {:>10} {:>10} {:>10} {:>10}", "strategy", "fwd ms", "bwd ms", "total ms", "imbalance");
@@ -131,8 +134,9 @@ fn choose(args: &PlanArgs, seq: usize) -> Result<()> {
         }
     }
     println!(
-        "auto takes {pick} (estimates at {:.0} TFLOP/s and {:.0} GB/s links per device)",
+        "auto takes {pick} (estimates at {:.0} / {:.0} TFLOP/s forward / backward and {:.0} GB/s links per device)",
         rates.flops_per_s / 1e12,
+        rates.backward_flops_per_s / 1e12,
         rates.link_bytes_per_s / 1e9
     );
     Ok(())
