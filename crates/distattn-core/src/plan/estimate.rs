@@ -172,22 +172,19 @@ impl Plan {
             let (op, lane) = rep.ops[rep.next];
             rep.next += 1;
             let (reads, writes) = reads_writes(op, &prog.bufs);
-            let tiles =
-                |rows: usize, q: usize| (rows.div_ceil(TILE_ROWS) * prog.bufs[q].heads.len() * self.shape.batch) as f64;
             let cost = match op {
                 Op::Fwd { q, .. } | Op::Bwd { q, .. } => {
                     let bytes: f64 = reads.iter().map(|&b| mem_bytes(b)).sum();
-                    let compute = match op {
+                    // Tiles of 128 rows a query head: query rows forward, key rows backward.
+                    let (flops_per_s, tile_s, rows) = match op {
                         Op::Bwd { k, .. } => {
-                            op_flops(op, prog, &self.shape) / rates.backward_flops_per_s
-                                + tiles(prog.bufs[*k].tokens.len(), *q) * rates.backward_tile_s
+                            (rates.backward_flops_per_s, rates.backward_tile_s, prog.bufs[*k].tokens.len())
                         }
-                        _ => {
-                            op_flops(op, prog, &self.shape) / rates.flops_per_s
-                                + tiles(prog.bufs[*q].tokens.len(), *q) * rates.tile_s
-                        }
+                        _ => (rates.flops_per_s, rates.tile_s, prog.bufs[*q].tokens.len()),
                     };
-                    compute.max(bytes / rates.memory_bytes_per_s)
+                    let tiles = (rows.div_ceil(TILE_ROWS) * prog.bufs[*q].heads.len() * self.shape.batch) as f64;
+                    (op_flops(op, prog, &self.shape) / flops_per_s + tiles * tile_s)
+                        .max(bytes / rates.memory_bytes_per_s)
                 }
                 Op::Copy { src, dst } | Op::Add { src, dst } => {
                     2.0 * mem_bytes(*src).min(mem_bytes(*dst)) / rates.memory_bytes_per_s
