@@ -381,6 +381,10 @@ pub struct Plan {
     /// One label per step (for the table).
     pub step_labels: Vec<String>,
     pub ranks: Vec<RankProgram>,
+    /// Ranks per node, consecutive ranks sharing one ([`PlanOptions::ranks_per_node`]): what
+    /// the estimate sends over the network rather than NVLink. `None`: one node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks_per_node: Option<usize>,
 }
 
 impl Plan {

@@ -5,10 +5,11 @@
 //! rows in the backward: loading the tile, filling the pipeline, writing its outputs), or the
 //! bytes of its buffers at the memory rate, whichever is more (a decode block reads its keys);
 //! a transfer group starts when this rank and every peer in it have reached it and lasts a
-//! fixed latency plus the larger of the bytes it sends and receives at the link rate; copies,
-//! adds and merges cost their bytes at the memory rate. Steps are not barriers: a rank that
-//! received its block computes while another still works on its own, which is what separates
-//! pass-q from pass-KV when the new tokens sit on one rank.
+//! fixed latency plus the larger of the bytes it sends and receives at the link rate (NVLink to
+//! peers on its node and the network to the others, both at once); copies, adds and merges cost
+//! their bytes at the memory rate. Steps are not barriers: a rank that received its block
+//! computes while another still works on its own, which is what separates pass-q from pass-KV
+//! when the new tokens sit on one rank.
 //!
 //! The per-tile cost is what separates strategies of equal FLOPs: a ring's P blocks a rank, each
 //! over a P-th of the keys, launch P times the tiles of one block over all keys.
@@ -30,8 +31,11 @@ pub struct Rates {
     pub tile_s: f64,
     /// Seconds of one device per backward tile (128 key rows of one query head).
     pub backward_tile_s: f64,
-    /// Bytes per second one device sends (and, at once, receives) to its peers.
+    /// Bytes per second one device sends (and, at once, receives) to its peers on its node.
     pub link_bytes_per_s: f64,
+    /// Bytes per second one device sends (and, at once, receives) to ranks on other nodes
+    /// ([`Plan::ranks_per_node`]), beside its node's traffic.
+    pub network_bytes_per_s: f64,
     /// Seconds a transfer group takes beyond its bytes.
     pub group_latency_s: f64,
     /// Bytes per second one device's memory moves (copies, adds, merges: read and write).
@@ -48,6 +52,7 @@ impl Rates {
             tile_s: 0.0,
             backward_tile_s: 0.0,
             link_bytes_per_s,
+            network_bytes_per_s: link_bytes_per_s,
             group_latency_s: 0.0,
             memory_bytes_per_s,
         }
@@ -60,7 +65,9 @@ impl Default for Rates {
     /// per-FLOP time at 32k is about 3% above 128k's in both passes, which a fixed cost per tile
     /// explains (9 µs of one SM a forward tile, 22 µs a backward one, over 132 SMs). Transfers:
     /// Ulysses' all-to-alls at about 250 GB/s each way; a group of NCCL sends on distattn's
-    /// non-blocking communicators takes about 0.1 ms more than its bytes.
+    /// non-blocking communicators takes about 0.1 ms more than its bytes. Between nodes, one
+    /// 400 Gb/s network port a GPU (as in an H100 HGX/DGX cluster): 50 GB/s, assumed, not
+    /// measured here.
     fn default() -> Self {
         Rates {
             flops_per_s: 667e12,
@@ -68,6 +75,7 @@ impl Default for Rates {
             tile_s: 0.07e-6,
             backward_tile_s: 0.17e-6,
             link_bytes_per_s: 250e9,
+            network_bytes_per_s: 50e9,
             group_latency_s: 0.1e-3,
             memory_bytes_per_s: 3e12,
         }
@@ -139,12 +147,17 @@ impl Plan {
             for (&(r, i), &own) in members.iter().zip(&starts) {
                 let Op::Comm { sends, recvs, .. } = ranks[r].ops[i].0 else { continue };
                 let prog = &self.ranks[r];
-                let bytes = |list: &[(usize, usize)]| -> u64 {
-                    list.iter().map(|&(_, b)| prog.bufs[b].bytes(&self.shape, self.dtype)).sum()
+                // Bytes to or from peers on this rank's node (`true`) or on others.
+                let bytes = |list: &[(usize, usize)], here: bool| -> u64 {
+                    list.iter()
+                        .filter(|&&(peer, _)| self.same_node(r, peer) == here)
+                        .map(|&(_, b)| prog.bufs[b].bytes(&self.shape, self.dtype))
+                        .sum()
                 };
                 let begin = sends.iter().chain(recvs).filter_map(|&(peer, _)| start_of(peer)).fold(own, f64::max);
-                let end =
-                    begin + rates.group_latency_s + bytes(sends).max(bytes(recvs)) as f64 / rates.link_bytes_per_s;
+                let node = bytes(sends, true).max(bytes(recvs, true)) as f64 / rates.link_bytes_per_s;
+                let network = bytes(sends, false).max(bytes(recvs, false)) as f64 / rates.network_bytes_per_s;
+                let end = begin + rates.group_latency_s + node.max(network);
                 let rep = &mut ranks[r];
                 rep.lane_free[Lane::Comm.index()] = end;
                 for &(_, b) in recvs {
@@ -161,6 +174,11 @@ impl Plan {
             })
             .collect();
         Estimate { ms: per_rank_ms.iter().fold(0.0, |a: f64, &b| a.max(b)), per_rank_ms }
+    }
+
+    /// Whether ranks `a` and `b` share a node.
+    fn same_node(&self, a: usize, b: usize) -> bool {
+        self.ranks_per_node.is_none_or(|n| a / n == b / n)
     }
 
     /// Replays rank `r`'s ops before op `end` (a transfer group, or the end), none of which is

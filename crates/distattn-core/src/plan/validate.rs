@@ -290,6 +290,7 @@ mod tests {
             dtype: DType::F32,
             layout: Layout::contiguous(8, 8, 2),
             step_labels: vec!["send".into()],
+            ranks_per_node: None,
             ranks: vec![
                 program(
                     vec![k0.clone()],

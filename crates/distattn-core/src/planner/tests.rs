@@ -382,6 +382,40 @@ fn estimates_charge_each_tile_and_each_transfer_group_a_fixed_cost() {
 }
 
 #[test]
+fn estimates_send_between_nodes_at_the_network_rate() {
+    use crate::plan::Rates;
+    let rates = Rates { network_bytes_per_s: 1e8, ..Rates::flat(1e12, 1e9, f64::INFINITY) };
+    // Two ranks of a full-mask ring forward: each computes its own block while its K and V
+    // (1 MiB) cross, then the received block; on two nodes the transfer is ten times longer.
+    let shape = AttnShape::new(1, 1024, 1024, 8, 8, 64).unwrap();
+    let mask = Mask::full(1024, 1024).unwrap();
+    let ms = |per_node: Option<usize>| {
+        let opts = PlanOptions { ranks_per_node: per_node, ..PlanOptions::forward() };
+        let plan = build(Strategy::Ring, 2, &shape, &mask, DType::BF16, &opts).unwrap();
+        assert_eq!(plan.ranks_per_node, per_node.filter(|&n| n < 2));
+        plan.estimate(&rates).ms
+    };
+    let block = 4.0 * 512.0 * 512.0 * 64.0 * 8.0 / 1e12 * 1e3;
+    let close = |got: f64, want: f64| assert!((got - want).abs() < 1e-9, "{got} ms against {want} ms");
+    close(ms(None), 1_048_576.0 / 1e9 * 1e3 + block);
+    close(ms(Some(2)), 1_048_576.0 / 1e9 * 1e3 + block);
+    close(ms(Some(1)), 1_048_576.0 / 1e8 * 1e3 + block);
+    // With a slow network between nodes, auto keeps Ulysses' all-to-alls off it where it can:
+    // on one node of 8 ranks it takes Ulysses, on 2 nodes of 4 hybrid (all-to-alls inside
+    // nodes, a ring across). (On 8 nodes of one rank Ulysses still moves the fewest bytes.)
+    let shape = AttnShape::new(1, 32768, 32768, 32, 8, 128).unwrap();
+    let causal = Mask::causal(32768, 32768).unwrap();
+    let slow = Rates { network_bytes_per_s: 5e9, ..Rates::default() };
+    let opts = PlanOptions { narrow_outputs: true, keep_head_sharded: true, ..PlanOptions::default() };
+    let pick = |per_node| {
+        let opts = PlanOptions { ranks_per_node: per_node, ..opts.clone() };
+        fastest_training(&TRAINING_CANDIDATES, 8, &shape, &causal, DType::BF16, &opts, &slow).unwrap()
+    };
+    assert_eq!(pick(None), Strategy::Ulysses);
+    assert_eq!(pick(Some(4)), Strategy::Hybrid { ulysses_degree: 0 });
+}
+
+#[test]
 fn pass_q_sends_queries_at_once_and_returns_small_partials_together() {
     use crate::plan::Op;
     // 4 ranks, causal, contiguous: rank r's queries attend ranks 0..=r, so every step from 1

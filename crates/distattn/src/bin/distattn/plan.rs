@@ -133,8 +133,12 @@ fn choose(args: &PlanArgs, seq: usize) -> Result<()> {
             (Err(e), _) | (_, Err(e)) => println!("{:<10} cannot plan this problem: {e}", s.to_string()),
         }
     }
+    let network = match opts.ranks_per_node {
+        Some(n) => format!(", {:.0} GB/s between nodes of {n} ranks", rates.network_bytes_per_s / 1e9),
+        None => String::new(),
+    };
     println!(
-        "auto takes {pick} (estimates at {:.0} / {:.0} TFLOP/s forward / backward and {:.0} GB/s links per device)",
+        "auto takes {pick} (estimates at {:.0} / {:.0} TFLOP/s forward / backward and {:.0} GB/s links per device{network})",
         rates.flops_per_s / 1e12,
         rates.backward_flops_per_s / 1e12,
         rates.link_bytes_per_s / 1e9
