@@ -115,18 +115,8 @@ fn every_strategy_from_local_shards_matches_f64() {
                 let [qs, ks, vs] = p.shards(&shape, &t)?;
                 let [o, lse] = me.forward(&cpu, comm, DType::F32, qs, ks, vs)?;
                 // D = rowsum(dO ∘ O) of this rank's rows, from the f64 O.
-                let (o_loc, do_loc) = (rows(&o_full, &shape, h, &t), rows(d_o, &shape, h, &t));
-                let n = t.len();
-                let mut delta = vec![0f32; shape.batch * h * n];
-                for b in 0..shape.batch {
-                    for i in 0..n {
-                        for hh in 0..h {
-                            let at = ((b * n + i) * h + hh) * shape.head_dim;
-                            delta[(b * h + hh) * n + i] =
-                                (0..shape.head_dim).map(|x| o_loc[at + x] * do_loc[at + x]).sum();
-                        }
-                    }
-                }
+                let d_o_local = up(rows(d_o, &shape, h, &t))?;
+                let delta = cpu.row_delta(&up(rows(&o_full, &shape, h, &t))?, &d_o_local, &me.local_shape())?;
                 let [qs, ks, vs] = p.shards(&shape, &t)?;
                 let grads = me.backward(
                     &cpu,
@@ -135,9 +125,9 @@ fn every_strategy_from_local_shards_matches_f64() {
                     qs,
                     ks,
                     vs,
-                    up(do_loc)?,
+                    d_o_local,
                     up(stat_rows(&lse_full, &shape, &t))?,
-                    up(delta)?,
+                    delta,
                 )?;
                 let f32s = |b: &HostData| cpu.download_f32(b);
                 Ok((t, f32s(&o)?, f32s(&lse)?, grads.iter().map(f32s).collect::<Result<Vec<_>, Error>>()?))

@@ -365,6 +365,11 @@ impl PlanOptions {
     pub fn pass(&self) -> Pass {
         self.pass.unwrap_or(Pass::Forward)
     }
+
+    /// The ranks per node on `world` ranks when they span more than one node, else `None`.
+    pub fn ranks_per_node_of(&self, world: usize) -> Option<usize> {
+        self.ranks_per_node.filter(|&n| n > 0 && n < world)
+    }
 }
 
 /// A complete distributed schedule (serialisable: `serde_json::to_string(&plan)` gives every

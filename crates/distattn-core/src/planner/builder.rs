@@ -718,7 +718,7 @@ impl<'a> Builder<'a> {
             layout,
             step_labels: labels,
             ranks: self.progs,
-            ranks_per_node: self.opts.ranks_per_node.filter(|&n| n > 0 && n < self.world),
+            ranks_per_node: self.opts.ranks_per_node_of(self.world),
         };
         debug_assert!(plan.validate().is_ok(), "{:?}", plan.validate());
         Ok(plan)

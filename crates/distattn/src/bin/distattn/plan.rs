@@ -133,7 +133,7 @@ fn choose(args: &PlanArgs, seq: usize) -> Result<()> {
             (Err(e), _) | (_, Err(e)) => println!("{:<10} cannot plan this problem: {e}", s.to_string()),
         }
     }
-    let network = match opts.ranks_per_node {
+    let network = match opts.ranks_per_node_of(args.world) {
         Some(n) => format!(", {:.0} GB/s between nodes of {n} ranks", rates.network_bytes_per_s / 1e9),
         None => String::new(),
     };
