@@ -155,9 +155,15 @@ struct FwdHalf : FwdConsumers<FWD_WARPS / 4> { // (3 at d 64, where 2 leave the 
     __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) { wg_gemm_rs_nD<BN>(o, pa, vs); }
 };
 
+// Where tile i of a block's list lives: stage i % FW_STAGES, whose barriers are then in phase
+// (i / FW_STAGES) & 1.
+struct FwdSlot {
+    int stage, phase;
+    __device__ __forceinline__ static FwdSlot of(int i) { return {i % FW_STAGES, (i / FW_STAGES) & 1}; }
+};
+
 // The shared-memory pipeline of a forward block: the query tile, FW_STAGES key and value tiles,
-// and their mbarriers (8 bytes each). Tile i of a block's list lives in stage i % FW_STAGES,
-// whose barriers are in phase (i / FW_STAGES) & 1. (3 stages were no faster than 2.)
+// and their mbarriers (8 bytes each), addressed by FwdSlot. (3 stages were no faster than 2.)
 template <class Ops>
 struct FwdPipe {
     u32 Qs, Ks, Vs, full_q, full_k, full_v, free_k, free_v;
@@ -171,15 +177,13 @@ struct FwdPipe {
         free_k = full_v + 8 * FW_STAGES;
         free_v = free_k + 8 * FW_STAGES;
     }
-    __device__ __forceinline__ static int stage(int i) { return i % FW_STAGES; }
-    __device__ __forceinline__ static int phase(int i) { return (i / FW_STAGES) & 1; }
-    __device__ __forceinline__ u32 k_tile(int i) const { return Ks + stage(i) * Ops::TILE_BYTES; }
-    __device__ __forceinline__ u32 v_tile(int i) const { return Vs + stage(i) * Ops::TILE_BYTES; }
-    __device__ __forceinline__ void wait_k(int i) const { mbar_wait(full_k + 8 * stage(i), phase(i)); }
-    __device__ __forceinline__ void wait_v(int i) const { mbar_wait(full_v + 8 * stage(i), phase(i)); }
+    __device__ __forceinline__ u32 k_tile(FwdSlot x) const { return Ks + x.stage * Ops::TILE_BYTES; }
+    __device__ __forceinline__ u32 v_tile(FwdSlot x) const { return Vs + x.stage * Ops::TILE_BYTES; }
+    __device__ __forceinline__ void wait_k(FwdSlot x) const { mbar_wait(full_k + 8 * x.stage, x.phase); }
+    __device__ __forceinline__ void wait_v(FwdSlot x) const { mbar_wait(full_v + 8 * x.stage, x.phase); }
     // One arrival per consumer warp (lane 0) once the product that read the tile completed.
-    __device__ __forceinline__ void release_k(int i, int lane) const { if (lane == 0) mbar_arrive(free_k + 8 * stage(i)); }
-    __device__ __forceinline__ void release_v(int i, int lane) const { if (lane == 0) mbar_arrive(free_v + 8 * stage(i)); }
+    __device__ __forceinline__ void release_k(FwdSlot x, int lane) const { if (lane == 0) mbar_arrive(free_k + 8 * x.stage); }
+    __device__ __forceinline__ void release_v(FwdSlot x, int lane) const { if (lane == 0) mbar_arrive(free_v + 8 * x.stage); }
 };
 
 // What a consumer thread carries: its rows' output accumulators, running max and sum.
@@ -208,65 +212,95 @@ struct FwdTurns {
 template <class Ops, class Turns>
 __device__ __forceinline__ void fwd_first_scores(const FwdPipe<Ops>& sp, const Turns& turn, float (&s)[Ops::BN / 2], int cw,
                                                  int lane) {
+    const FwdSlot first = FwdSlot::of(0);
     mbar_wait(sp.full_q, 0);
-    sp.wait_k(0);
+    sp.wait_k(first);
     turn.begin();
     wg_fence();
-    Ops::qk(s, sp.Qs, cw, sp.k_tile(0));
+    Ops::qk(s, sp.Qs, cw, sp.k_tile(first));
     wg_commit();
     turn.end();
     wg_wait<0>();
     wg_pin(s);
-    sp.release_k(0, lane);
+    sp.release_k(first, lane);
 }
 
 // O += P(n-1) V(n-1), waited for (both consumers end so).
 template <class Ops, class Turns>
 __device__ __forceinline__ void fwd_last_pv(const FwdPipe<Ops>& sp, const Turns& turn, FwdRows& r,
                                             const typename Ops::PFrag& pa, int n) {
-    sp.wait_v(n - 1);
+    const FwdSlot last = FwdSlot::of(n - 1);
+    sp.wait_v(last);
     turn.begin();
     wg_fence();
-    Ops::pv(r.o, pa, sp.v_tile(n - 1));
+    Ops::pv(r.o, pa, sp.v_tile(last));
     wg_commit();
     turn.end_last();
     wg_wait<0>();
     wg_pin(r.o);
 }
 
+// What the steps of fwd_consume share.
+template <class Ops>
+struct FwdStepState {
+    typename Ops::PFrag pa;
+    float s[Ops::BN / 2];
+};
+
+// Step i of fwd_consume (0 < i < n): S(i) = Q K(i)^T and O += P(i-1) V(i-1) issued, the
+// softmax of tile i under P(i-1) V(i-1). k: tile i's slot, v: tile i-1's.
+template <class Ops, class Turns>
+__device__ __forceinline__ void fwd_step(const FwdParams& p, const FwdPipe<Ops>& sp, const Turns& turn, FwdRows& r,
+                                         FwdStepState<Ops>& x, FwdSlot k, FwdSlot v, int mask_off, int cw, int rq,
+                                         int t, int lane, float sl2) {
+    sp.wait_k(k);
+    sp.wait_v(v);
+    turn.begin();
+    wg_fence();
+    Ops::qk(x.s, sp.Qs, cw, sp.k_tile(k));
+    wg_commit();
+    Ops::pv(r.o, x.pa, sp.v_tile(v));
+    wg_commit();
+    turn.end();
+    wg_wait<1>();
+    wg_pin(x.s);
+    sp.release_k(k, lane);
+    fwd_softmax<Ops::BN>(x.s, r.m, r.l, r.alpha, p.bits, mask_off, rq, t, sl2);
+    wg_wait<0>();
+    wg_pin(r.o);
+    sp.release_v(v, lane);
+    fwd_rescale(r.o, r.alpha);
+    Ops::pack_p(x.pa, x.s);
+}
+
 // One score tile in flight: step i issues S(i) = Q K(i)^T and O += P(i-1) V(i-1), for i =
 // 0..n, and the softmax of tile i runs under P(i-1) V(i-1). The first and last steps are
-// peeled so that no product is issued under a branch (ptxas would serialize them).
+// peeled so that no product is issued under a branch (ptxas would serialize them). At d 128 (bf16,
+// f16 and FP8) the steps between go in pairs, the first of each on an odd tile (stage 1), the second
+// on an even one (stage 0): stages known when compiling make the barriers' and tiles' addresses
+// and the products' descriptors constants of the loop (an FP8 consumer warp spent ~46 of its
+// ~250 instructions a 64-key tile on that arithmetic with stages computed at run time).
 template <class Ops>
 __device__ __forceinline__ void fwd_consume(const FwdParams& p, const FwdPipe<Ops>& sp, FwdRows& r, int e0, int n,
                                             int cw, int rq, int t, int lane, float sl2) {
-    typename Ops::PFrag pa;
+    static_assert(FW_STAGES == 2, "the steps go in pairs, one a stage");
+    FwdStepState<Ops> x;
     const FwdTurns<Ops::TURNS, Ops::NC> turn(cw);
-    float s[Ops::BN / 2];
-    fwd_first_scores(sp, turn, s, cw, lane);
-    fwd_softmax<Ops::BN>(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0].y, rq, t, sl2);
-    Ops::pack_p(pa, s);
-    for (int i = 1; i < n; ++i) {
-        sp.wait_k(i);
-        sp.wait_v(i - 1);
-        turn.begin();
-        wg_fence();
-        Ops::qk(s, sp.Qs, cw, sp.k_tile(i));
-        wg_commit();
-        Ops::pv(r.o, pa, sp.v_tile(i - 1));
-        wg_commit();
-        turn.end();
-        wg_wait<1>();
-        wg_pin(s);
-        sp.release_k(i, lane);
-        fwd_softmax<Ops::BN>(s, r.m, r.l, r.alpha, p.bits, p.tiles[e0 + i].y, rq, t, sl2);
-        wg_wait<0>();
-        wg_pin(r.o);
-        sp.release_v(i - 1, lane);
-        fwd_rescale(r.o, r.alpha);
-        Ops::pack_p(pa, s);
-    }
-    fwd_last_pv(sp, turn, r, pa, n);
+    fwd_first_scores(sp, turn, x.s, cw, lane);
+    fwd_softmax<Ops::BN>(x.s, r.m, r.l, r.alpha, p.bits, p.tiles[e0].y, rq, t, sl2);
+    Ops::pack_p(x.pa, x.s);
+    int i = 1;
+    // (At d 96, 192 and 256 ptxas then serializes the products for want of registers, at d 64
+    // it spills.)
+    if constexpr (D == 128)
+        for (; i + 1 < n; i += 2) {
+            const int ph = (i >> 1) & 1; // tiles i - 1 and i; i + 1 is in the other phase
+            fwd_step(p, sp, turn, r, x, FwdSlot{1, ph}, FwdSlot{0, ph}, p.tiles[e0 + i].y, cw, rq, t, lane, sl2);
+            fwd_step(p, sp, turn, r, x, FwdSlot{0, ph ^ 1}, FwdSlot{1, ph}, p.tiles[e0 + i + 1].y, cw, rq, t, lane, sl2);
+        }
+    for (; i < n; ++i)
+        fwd_step(p, sp, turn, r, x, FwdSlot::of(i), FwdSlot::of(i - 1), p.tiles[e0 + i].y, cw, rq, t, lane, sl2);
+    fwd_last_pv(sp, turn, r, x.pa, n);
 }
 
 // The block is warp-specialized: warp 0 of warpgroup 0 (the producer, 24 registers) streams Q
@@ -304,14 +338,14 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
             mbar_expect_tx(sp.full_q, Ops::Q_BYTES);
             Ops::load_q(sp.Qs, tq, sp.full_q, q0, h, b);
             for (int e = e0; e < e1; ++e) {
-                const int i = e - e0, st = sp.stage(i), ph = sp.phase(i);
-                const int kt = p.tiles[e].x;
-                if (i >= FW_STAGES) mbar_wait(sp.free_k + 8 * st, ph ^ 1);
-                mbar_expect_tx(sp.full_k + 8 * st, Ops::TILE_BYTES);
-                Ops::load_k(sp.k_tile(i), tk, sp.full_k + 8 * st, kt * Ops::BN, kvh, b);
-                if (i >= FW_STAGES) mbar_wait(sp.free_v + 8 * st, ph ^ 1);
-                mbar_expect_tx(sp.full_v + 8 * st, Ops::TILE_BYTES);
-                Ops::load_v(sp.v_tile(i), tv, sp.full_v + 8 * st, kt * Ops::BN, kvh, b);
+                const int i = e - e0, kt = p.tiles[e].x;
+                const FwdSlot x = FwdSlot::of(i);
+                if (i >= FW_STAGES) mbar_wait(sp.free_k + 8 * x.stage, x.phase ^ 1);
+                mbar_expect_tx(sp.full_k + 8 * x.stage, Ops::TILE_BYTES);
+                Ops::load_k(sp.k_tile(x), tk, sp.full_k + 8 * x.stage, kt * Ops::BN, kvh, b);
+                if (i >= FW_STAGES) mbar_wait(sp.free_v + 8 * x.stage, x.phase ^ 1);
+                mbar_expect_tx(sp.full_v + 8 * x.stage, Ops::TILE_BYTES);
+                Ops::load_v(sp.v_tile(x), tv, sp.full_v + 8 * x.stage, kt * Ops::BN, kvh, b);
             }
         }
         return;
