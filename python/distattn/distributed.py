@@ -108,7 +108,7 @@ class ContextParallel:
     dispatch and allgather the planner's time model estimates fastest for a forward and backward
     step (``strategy_for(seq_len)`` says which; the model counts FLOPs, bytes and each kernel
     tile's and transfer group's fixed cost; on 4 × H200 its picks, ulysses for causal and full
-    masks and dispatch for packed documents at 32k and 128k, ran within 1.4% of the fastest
+    masks and dispatch for packed documents at 32k and 128k, ran within 1.8% of the fastest
     measured strategy, and on 2 × H200 its picks within 2.1%).
     ``num_heads`` and ``num_kv_heads`` are needed by ``auto`` and by ``hybrid`` without a degree
     (which pick their plans from them); ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE``, which

@@ -122,7 +122,7 @@ pub const TRAINING_CANDIDATES: [Strategy; 5] = [
 /// with heads the world does not divide, say) is passed over; if none can, the last error.
 /// On 4 × H200 (32/8 heads, d 128; causal, full and packed documents at 32k and 128k, with the
 /// Python package's options: outputs in the inputs' dtype, kept head-sharded inputs) the choice
-/// (Ulysses on causal and full masks, dispatch on documents) was within 1.4% of the fastest
+/// (Ulysses on causal and full masks, dispatch on documents) was within 1.8% of the fastest
 /// measured strategy in every case, and on 2 × H200 (dispatch on causal masks and documents,
 /// Ulysses on full masks) within 2.1%. Without the estimate's fixed cost per tile, zigzag's P
 /// blocks a rank tied with all-gather's two and beat Ulysses' one, up to 5.3% slower than the
