@@ -119,10 +119,12 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
     constexpr int NJ = WG_BM / 8; // the score accumulators' blocks of 8 query columns
     if (total > 0) mbar_wait(full_kv, 0);
     int2 te_next = total > 0 ? p.tiles[e0] : make_int2(0, -1); // loaded an item ahead
+    int e_next = 0; // its entry, stepped (a division by ne per item costs ~20 instructions)
     for (int it = 0; it < total; ++it) {
         const int st = it % BS_STAGES, ph = (it / BS_STAGES) & 1;
         const int2 te = te_next;
-        if (it + 1 < total) te_next = p.tiles[e0 + (it + 1) % ne];
+        if (++e_next == ne) e_next = 0;
+        if (it + 1 < total) te_next = p.tiles[e0 + e_next];
         const u32 qst = Qs + st * WG_BM * DK * 2, dost = dOs + st * WG_BM * DK * 2;
         const u32 dsb = dSs + (it & 1) * WG_BN * WG_BM * 2;
         const float* lse_st = lse_s + st * WG_BM;
