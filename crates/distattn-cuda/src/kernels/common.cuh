@@ -64,6 +64,17 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return r;
 }
 
+// The two values of a pack2 word as f32, lo first.
+__device__ __forceinline__ float2 unpack2(u32 w) {
+#if DA_BF16
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+#else
+    float lo, hi;
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}" : "=f"(lo), "=f"(hi) : "r"(w));
+    return make_float2(lo, hi);
+#endif
+}
+
 // Writes a pair of dK or dV values at element `off` of `dst`: packed into the input type, or,
 // where `dst` is an f32 accumulator (a context-parallel block's, BwdParams::dkdv_acc), added
 // into it, which spares the separate add kernel and its zeroed buffer.

@@ -9,14 +9,19 @@
 // leave (one launch instead of two: 1-3% faster at d 192, the same at d 256).
 //
 // wb_dkdv (dK, dV): one block per 64-key tile and a loop over the 64-row query items of every
-// query head of the KV head (the d <= 128 kernel's tile plan and loads); the two consumer
-// warpgroups split the scores by key and the gradients by column. Consumer c:
-//   S_c = Q K_c^T, dP_c = dO V_c^T     (keys 32c..32c+31: 64 x 32, shared x shared)
-//   P_c, dS_c = P_c (dP_c - delta)     (registers -> shared memory, [query][key] tiles)
-//   dV_c += P^T dO_c, dK_c += dS^T Q_c (columns 128c..128c+127, all 64 keys: A = P^T, dS^T
-//                                       read transposed from shared memory)
-// P and dS are double-buffered, so one barrier per product (P of both consumers stored, dS of
-// both stored) orders their use and reuse.
+// query head of the KV head (the d <= 128 kernel's tile plan and loads). The two consumer
+// warpgroups split the gradients by column, dV_c += P^T dO_c and dK_c += dS^T Q_c (columns
+// 128c..128c+127; A = P^T, dS^T read transposed from [query][key] tiles in shared memory), and
+// share the score products (64 x 64, shared x shared):
+// - d 256, whole: consumer 0 computes S = Q K^T and P, consumer 1 dP = dO V^T and dS = P (dP -
+//   delta), reading P back rounded to the input type. Consumer 0 issues S before consumer 1
+//   issues dP (barrier 3), so P is computed while dP runs and dS while the dV products run.
+// - d 192, split by key: consumer c computes S_c, dP_c, P_c, dS_c over keys 32c..32c+31.
+// (A 64 x 32 product reads 3 KB of operands per k-step for 32K multiply-adds, a 64 x 64 one
+// 4 KB for 64K. On an H100 the whole products were 2-3% faster at d 256 under causal masks and
+// at 4k, the same on full masks at 8k-16k; at d 192, 1-4% slower.)
+// P and dS are double-buffered, so one barrier per product (P stored, dS stored) orders their
+// use and reuse.
 //
 // wb_dq (dQ): one block per 128-row query tile of one query head, a loop over its 32-key tiles
 // like the forward's; consumer c owns rows 64c..64c+63:
@@ -34,6 +39,7 @@
 static_assert(BWD_BM == WB_BM, "the host plans the dK/dV job's items of 64 query rows");
 #define WB_STAGES 2
 #define WB_BLOCK (64 * 128) // bytes of one 64-row column block
+#define WB_TILE (4 * WB_BLOCK) // bytes of a [64][256] bf16/f16 tile
 #define WQ_BM 128
 #define WQ_BN 32
 #define WQ_STAGES 3
@@ -80,19 +86,27 @@ __device__ __forceinline__ void wb_grad(float (&acc)[64], u32 x, u32 y, int c) {
         wgmma_ss_n128<1, 1, 1>(acc, wg_desc_add(dx, kq * 16 * 128), wg_desc_add(dy, kq * 16 * 128));
 }
 
+// Item it of a dK/dV block: its Q/dO stage and the stage's mbarrier phase, the stage's Q and dO
+// tiles, and the P and dS buffers of the item's parity.
+struct WbItem { int st, ph; u32 q, dO, p, ds; };
+__device__ __forceinline__ WbItem wb_item(int it, u32 Qs, u32 dOs, u32 Ps, u32 dSs) {
+    const int st = it % WB_STAGES;
+    return {st, (it / WB_STAGES) & 1, Qs + st * WB_TILE, dOs + st * WB_TILE, Ps + (it & 1) * WB_BLOCK,
+            dSs + (it & 1) * WB_BLOCK};
+}
+
 // dK and dV of block `block` of the key-major plan p (maps: 64-row boxes).
 __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, const TmaMap* tdo, const TmaMap* tk,
                                         const TmaMap* tv, unsigned block) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    constexpr u32 TILE = 4 * WB_BLOCK; // [64][256] bf16/f16
     const u32 raw = smem_u32(smem_raw);
     const u32 Ks = (raw + 1023) & ~1023u;
-    const u32 Vs = Ks + TILE;
-    const u32 Qs = Vs + TILE;              // WB_STAGES tiles
-    const u32 dOs = Qs + WB_STAGES * TILE; // WB_STAGES tiles
-    const u32 Ps = dOs + WB_STAGES * TILE; // 2 x [WB_BM][WB_BN]
-    const u32 dSs = Ps + 2 * WB_BLOCK;     // 2 x [WB_BM][WB_BN]
-    const u32 lse_a = dSs + 2 * WB_BLOCK;  // WB_STAGES x [WB_BM] f32
+    const u32 Vs = Ks + WB_TILE;
+    const u32 Qs = Vs + WB_TILE;              // WB_STAGES tiles
+    const u32 dOs = Qs + WB_STAGES * WB_TILE; // WB_STAGES tiles
+    const u32 Ps = dOs + WB_STAGES * WB_TILE; // 2 x [WB_BM][WB_BN]
+    const u32 dSs = Ps + 2 * WB_BLOCK;        // 2 x [WB_BM][WB_BN]
+    const u32 lse_a = dSs + 2 * WB_BLOCK;     // WB_STAGES x [WB_BM] f32
     const u32 del_a = lse_a + WB_STAGES * WB_BM * 4;
     const u32 bars = del_a + WB_STAGES * WB_BM * 4;
     const u32 full_kv = bars, full = bars + 8, freed = full + 8 * WB_STAGES;
@@ -108,8 +122,8 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
     if (wg == 0) {
         reg_dealloc<24>();
         if (wi == 0 && total > 0)
-            bwd_load<WB_BN, WB_BM, WB_STAGES>(p, tq, tdo, tk, tv, Ks, Vs, Qs, dOs, TILE, lse_s, del_s, full_kv, full,
-                                              freed, k0, kvh, b, e0, ne, total, lane);
+            bwd_load<WB_BN, WB_BM, WB_STAGES>(p, tq, tdo, tk, tv, Ks, Vs, Qs, dOs, WB_TILE, lse_s, del_s, full_kv,
+                                              full, freed, k0, kvh, b, e0, ne, total, lane);
         return;
     }
     reg_alloc<240>();
@@ -122,61 +136,148 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
 #pragma unroll
     for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
     if (total > 0) mbar_wait(full_kv, 0);
-    int ei = 0; // the item's tile entry, stepped (a division by ne per item costs ~20 instructions)
-    for (int it = 0; it < total; ++it) {
-        const int st = it % WB_STAGES, ph = (it / WB_STAGES) & 1;
-        const int2 te = p.tiles[e0 + ei]; // (query tile, bitmask offset or -1)
-        if (++ei == ne) ei = 0;
-        const u32 qst = Qs + st * TILE, dost = dOs + st * TILE;
-        const u32 pb = Ps + (it & 1) * WB_BLOCK, dsb = dSs + (it & 1) * WB_BLOCK;
-        const float* lse_st = lse_s + st * WB_BM;
-        const float* ndel_st = del_s + st * WB_BM;
-        mbar_wait(full + 8 * st, ph);
+    // This thread's elements of a [query][key] tile (P, dS): rows r0, r0 + 8, key chunk j (keys
+    // 8j..8j+7) at ((j ^ g) << 4), both rows swizzled by g.
+    const u32 row_off = r0 * 128 + 4 * t;
+    if constexpr (D == 256) { // whole score products, one per consumer
+        if (cw == 0) { // S and P
+            float s[32];
+            int ei = 0; // the item's tile entry, stepped (a division by ne per item costs ~20 instructions)
+            for (int it = 0; it < total; ++it) {
+                const auto [st, ph, qst, dost, pb, dsb] = wb_item(it, Qs, dOs, Ps, dSs);
+                const int2 te = p.tiles[e0 + ei]; // (query tile, bitmask offset or -1)
+                if (++ei == ne) ei = 0;
+                mbar_wait(full + 8 * st, ph);
+                wg_fence();
+                wg_gemm_kmajor(s, qst, WB_BM, 0, Ks, WB_BN);
+                wg_commit();
+                named_arrive(3, 256); // S is issued: consumer 1 may issue dP behind it
+                const float l0 = lse_s[st * WB_BM + r0], l1 = lse_s[st * WB_BM + r0 + 8];
+                u32 w0[2], w1[2]; // the rows' two mask words (keys 0..31, 32..63)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    w0[h] = wb_mask_word(p.bits, te.y, r0 * (WB_BN / 32) + h);
+                    w1[h] = wb_mask_word(p.bits, te.y, (r0 + 8) * (WB_BN / 32) + h);
+                }
+                wg_wait<0>(); // S, and the item before's dV and dK
+                wg_pin(s);
+                __syncwarp();
+                if (it > 0 && lane == 0) mbar_arrive(freed + 8 * ((it - 1) % WB_STAGES)); // its Q and dO are read
+                float pr[32];
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    wb_probs(*reinterpret_cast<float(*)[16]>(&pr[16 * h]),
+                             *reinterpret_cast<const float(*)[16]>(&s[16 * h]), l0, l1, w0[h], w1[h], tbit,
+                             p.scale_log2);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const u32 a = pb + row_off + ((j ^ g) << 4);
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(pack2(pr[4 * j], pr[4 * j + 1])));
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128),
+                                 "r"(pack2(pr[4 * j + 2], pr[4 * j + 3])));
+                }
+                fence_async_smem();
+                named_sync(1, 256); // P is stored
+                wg_fence();
+                wb_grad(dv, pb, dost, 0); // dV_0 += P^T dO_0
+                wg_commit();
+                named_sync(2, 256); // dS is stored
+                wg_fence();
+                wb_grad(dk, dsb, qst, 0); // dK_0 += dS^T Q_0
+                wg_commit();
+            }
+        } else { // dP and dS
+            float dp[32];
+            for (int it = 0; it < total; ++it) {
+                const auto [st, ph, qst, dost, pb, dsb] = wb_item(it, Qs, dOs, Ps, dSs);
+                mbar_wait(full + 8 * st, ph);
+                named_sync(3, 256); // S is issued
+                wg_fence();
+                wg_gemm_kmajor(dp, dost, WB_BM, 0, Vs, WB_BN);
+                wg_commit();
+                const float nd0 = del_s[st * WB_BM + r0], nd1 = del_s[st * WB_BM + r0 + 8];
+                named_sync(1, 256); // P is stored
+                wg_fence();
+                wb_grad(dv, pb, dost, 1); // dV_1 += P^T dO_1
+                wg_commit();
+                wg_wait<1>(); // dP, and the item before's dK (dV may run)
+                wg_pin(dp);
+                __syncwarp();
+                if (it > 0 && lane == 0) mbar_arrive(freed + 8 * ((it - 1) % WB_STAGES)); // its Q and dO are read
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const u32 a = pb + row_off + ((j ^ g) << 4);
+                    u32 p0, p1;
+                    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(p0) : "r"(a));
+                    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(p1) : "r"(a + 8 * 128));
+                    const float2 q0 = unpack2(p0), q1 = unpack2(p1);
+                    const u32 d = dsb + row_off + ((j ^ g) << 4);
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(d),
+                                 "r"(pack2(q0.x * (dp[4 * j] + nd0), q0.y * (dp[4 * j + 1] + nd0))));
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(d + 8 * 128),
+                                 "r"(pack2(q1.x * (dp[4 * j + 2] + nd1), q1.y * (dp[4 * j + 3] + nd1))));
+                }
+                fence_async_smem();
+                named_sync(2, 256); // dS is stored
+                wg_fence();
+                wb_grad(dk, dsb, qst, 1); // dK_1 += dS^T Q_1
+                wg_commit();
+            }
+        }
+    } else { // d 192: both products split by key
+        int ei = 0; // the item's tile entry, stepped (a division by ne per item costs ~20 instructions)
+        for (int it = 0; it < total; ++it) {
+            const auto [st, ph, qst, dost, pb, dsb] = wb_item(it, Qs, dOs, Ps, dSs);
+            const int2 te = p.tiles[e0 + ei]; // (query tile, bitmask offset or -1)
+            if (++ei == ne) ei = 0;
+            const float* lse_st = lse_s + st * WB_BM;
+            const float* ndel_st = del_s + st * WB_BM;
+            mbar_wait(full + 8 * st, ph);
 
-        const u32 w0 = wb_mask_word(p.bits, te.y, r0 * (WB_BN / 32) + cw);
-        const u32 w1 = wb_mask_word(p.bits, te.y, (r0 + 8) * (WB_BN / 32) + cw);
-        float s[16], dp[16];
-        wg_fence();
-        wg_gemm_kmajor(s, qst, WB_BM, 0, Ks + 32 * cw * 128, WB_BN);
-        wg_commit();
-        wg_gemm_kmajor(dp, dost, WB_BM, 0, Vs + 32 * cw * 128, WB_BN);
-        wg_commit();
-        const float l0 = lse_st[r0], l1 = lse_st[r0 + 8];
-        wg_wait<2>(); // the previous item's dV and dK
-        __syncwarp();
-        if (it > 0 && lane == 0) mbar_arrive(freed + 8 * ((it - 1) % WB_STAGES)); // its Q and dO are read
-        wg_wait<1>(); // S (dP may run)
-        wg_pin(s);
-        float pr[16];
-        wb_probs(pr, s, l0, l1, w0, w1, tbit, p.scale_log2);
-        // P -> [query][key] tile: key chunk 4c + j of rows r0, r0 + 8 (both swizzled by g).
-        const u32 row_off = r0 * 128 + 4 * t;
+            const u32 w0 = wb_mask_word(p.bits, te.y, r0 * (WB_BN / 32) + cw);
+            const u32 w1 = wb_mask_word(p.bits, te.y, (r0 + 8) * (WB_BN / 32) + cw);
+            float s[16], dp[16];
+            wg_fence();
+            wg_gemm_kmajor(s, qst, WB_BM, 0, Ks + 32 * cw * 128, WB_BN);
+            wg_commit();
+            wg_gemm_kmajor(dp, dost, WB_BM, 0, Vs + 32 * cw * 128, WB_BN);
+            wg_commit();
+            const float l0 = lse_st[r0], l1 = lse_st[r0 + 8];
+            wg_wait<2>(); // the previous item's dV and dK
+            __syncwarp();
+            if (it > 0 && lane == 0) mbar_arrive(freed + 8 * ((it - 1) % WB_STAGES)); // its Q and dO are read
+            wg_wait<1>(); // S (dP may run)
+            wg_pin(s);
+            float pr[16];
+            wb_probs(pr, s, l0, l1, w0, w1, tbit, p.scale_log2);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u32 a = pb + row_off + (((4 * cw + j) ^ g) << 4);
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(pack2(pr[4 * j], pr[4 * j + 1])));
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(pack2(pr[4 * j + 2], pr[4 * j + 3])));
-        }
-        fence_async_smem();
-        named_sync(1, 256); // P of both consumers is stored
-        wg_fence();
-        wb_grad(dv, pb, dost, cw); // dV += P^T dO
-        wg_commit();
-        wg_wait<1>(); // dP (dV may run)
-        wg_pin(dp);
-        const float nd0 = ndel_st[r0], nd1 = ndel_st[r0 + 8];
+            for (int j = 0; j < 4; ++j) {
+                const u32 a = pb + row_off + (((4 * cw + j) ^ g) << 4);
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(pack2(pr[4 * j], pr[4 * j + 1])));
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(pack2(pr[4 * j + 2], pr[4 * j + 3])));
+            }
+            fence_async_smem();
+            named_sync(1, 256); // P of both consumers is stored
+            wg_fence();
+            wb_grad(dv, pb, dost, cw); // dV += P^T dO
+            wg_commit();
+            wg_wait<1>(); // dP (dV may run)
+            wg_pin(dp);
+            const float nd0 = ndel_st[r0], nd1 = ndel_st[r0 + 8];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const u32 a = dsb + row_off + (((4 * cw + j) ^ g) << 4);
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(pack2(pr[4 * j] * (dp[4 * j] + nd0), pr[4 * j + 1] * (dp[4 * j + 1] + nd0))));
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128),
-                         "r"(pack2(pr[4 * j + 2] * (dp[4 * j + 2] + nd1), pr[4 * j + 3] * (dp[4 * j + 3] + nd1))));
+            for (int j = 0; j < 4; ++j) {
+                const u32 a = dsb + row_off + (((4 * cw + j) ^ g) << 4);
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a),
+                             "r"(pack2(pr[4 * j] * (dp[4 * j] + nd0), pr[4 * j + 1] * (dp[4 * j + 1] + nd0))));
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128),
+                             "r"(pack2(pr[4 * j + 2] * (dp[4 * j + 2] + nd1), pr[4 * j + 3] * (dp[4 * j + 3] + nd1))));
+            }
+            fence_async_smem();
+            named_sync(2, 256); // dS of both consumers is stored
+            wg_fence();
+            wb_grad(dk, dsb, qst, cw); // dK += dS^T Q
+            wg_commit();
         }
-        fence_async_smem();
-        named_sync(2, 256); // dS of both consumers is stored
-        wg_fence();
-        wb_grad(dk, dsb, qst, cw); // dK += dS^T Q
-        wg_commit();
     }
     wg_wait<0>();
     wg_pin(dk);
