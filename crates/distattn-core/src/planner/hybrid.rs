@@ -7,16 +7,16 @@
 
 use super::builder::{accumulator_fill, Builder, PassBufs};
 use super::ring;
-use crate::plan::{BufDesc, Fill, Layout, Op, Pass, Tensor, TokenSet};
+use crate::plan::{BufDesc, Fill, Layout, Op, Pass, PlanOptions, Tensor, TokenSet};
 use crate::{AttnShape, Result};
 use std::ops::Range;
 
 /// The Ulysses degree U picked when none is given: the largest proper divisor of `world` that
-/// divides both head counts (1 if none), the ring part then spanning P / U groups. Given the
-/// ranks per node, U also divides them, so every all-to-all stays inside a node (fast links)
-/// and only the ring crosses nodes.
-pub fn default_ulysses_degree(world: usize, shape: &AttnShape, ranks_per_node: Option<usize>) -> usize {
-    let within = ranks_per_node.filter(|&n| n > 0 && n < world && world.is_multiple_of(n));
+/// divides both head counts (1 if none), the ring part then spanning P / U groups. Where the
+/// ranks span several nodes (`opts.ranks_per_node`), U also divides the ranks per node, so every
+/// all-to-all stays inside a node (fast links) and only the ring crosses nodes.
+pub fn default_ulysses_degree(world: usize, shape: &AttnShape, opts: &PlanOptions) -> usize {
+    let within = opts.ranks_per_node_of(world).filter(|&n| world.is_multiple_of(n));
     (1..world)
         .rev()
         .find(|&u| {
@@ -35,7 +35,7 @@ fn head_slice(n: usize, parts: usize, u: usize) -> Range<usize> {
 
 pub(super) fn plan(b: &mut Builder, degree: usize) -> Result<()> {
     let p = b.world;
-    let u_deg = if degree == 0 { default_ulysses_degree(p, &b.shape, b.opts.ranks_per_node) } else { degree };
+    let u_deg = if degree == 0 { default_ulysses_degree(p, &b.shape, b.opts) } else { degree };
     if !p.is_multiple_of(u_deg) {
         return Err(b.unsupported(format!("Ulysses degree {u_deg} does not divide the world size {p}")));
     }

@@ -238,7 +238,7 @@ fn hybrid_keeps_all_to_alls_inside_nodes() {
     let mask = Mask::causal(4096, 4096).unwrap();
     for (world, per_node, want) in [(16, 4, 4), (16, 8, 8), (8, 2, 2)] {
         let opts = PlanOptions { ranks_per_node: Some(per_node), ..PlanOptions::forward() };
-        assert_eq!(super::default_ulysses_degree(world, &shape, Some(per_node)), want);
+        assert_eq!(super::default_ulysses_degree(world, &shape, &opts), want);
         let plan = build(Strategy::Hybrid { ulysses_degree: 0 }, world, &shape, &mask, DType::BF16, &opts).unwrap();
         plan.validate().unwrap();
         // Step 0 is the all-to-all inside each Ulysses group: no transfer crosses a node.
@@ -253,7 +253,7 @@ fn hybrid_keeps_all_to_alls_inside_nodes() {
         }
     }
     // Without the node structure, 16 ranks pick U = 8.
-    assert_eq!(super::default_ulysses_degree(16, &shape, None), 8);
+    assert_eq!(super::default_ulysses_degree(16, &shape, &PlanOptions::forward()), 8);
 }
 
 #[test]

@@ -77,6 +77,17 @@ __device__ __forceinline__ void wb_probs(float (&p)[16], const float (&s)[16], f
     }
 }
 
+// A thread's two words of key chunk j (keys 8j..8j+7) of a [query][key] tile (P, dS): rows r0
+// and r0 + 8, at a = tile + r0 * 128 + 4t + ((j ^ g) << 4) and 8 rows on (both swizzled by g).
+__device__ __forceinline__ void wb_put_rows(u32 a, u32 lo, u32 hi) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(lo));
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(hi));
+}
+__device__ __forceinline__ void wb_get_rows(u32 a, u32& lo, u32& hi) {
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(lo) : "r"(a));
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(hi) : "r"(a + 8 * 128));
+}
+
 // acc (64 x 128) += X^T Y: X a [query][key] tile (read transposed: M = keys), Y's column blocks
 // 2c, 2c + 1 (N-major), K = the 64 queries.
 __device__ __forceinline__ void wb_grad(float (&acc)[64], u32 x, u32 y, int c) {
@@ -136,9 +147,7 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
 #pragma unroll
     for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
     if (total > 0) mbar_wait(full_kv, 0);
-    // This thread's elements of a [query][key] tile (P, dS): rows r0, r0 + 8, key chunk j (keys
-    // 8j..8j+7) at ((j ^ g) << 4), both rows swizzled by g.
-    const u32 row_off = r0 * 128 + 4 * t;
+    const u32 row_off = r0 * 128 + 4 * t; // this thread's words in a [query][key] tile (wb_put_rows)
     if constexpr (D == 256) { // whole score products, one per consumer
         if (cw == 0) { // S and P
             float s[32];
@@ -171,10 +180,8 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
                              p.scale_log2);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    const u32 a = pb + row_off + ((j ^ g) << 4);
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(pack2(pr[4 * j], pr[4 * j + 1])));
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128),
-                                 "r"(pack2(pr[4 * j + 2], pr[4 * j + 3])));
+                    wb_put_rows(pb + row_off + ((j ^ g) << 4), pack2(pr[4 * j], pr[4 * j + 1]),
+                                pack2(pr[4 * j + 2], pr[4 * j + 3]));
                 }
                 fence_async_smem();
                 named_sync(1, 256); // P is stored
@@ -206,16 +213,11 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
                 if (it > 0 && lane == 0) mbar_arrive(freed + 8 * ((it - 1) % WB_STAGES)); // its Q and dO are read
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    const u32 a = pb + row_off + ((j ^ g) << 4);
                     u32 p0, p1;
-                    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(p0) : "r"(a));
-                    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(p1) : "r"(a + 8 * 128));
+                    wb_get_rows(pb + row_off + ((j ^ g) << 4), p0, p1);
                     const float2 q0 = unpack2(p0), q1 = unpack2(p1);
-                    const u32 d = dsb + row_off + ((j ^ g) << 4);
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(d),
-                                 "r"(pack2(q0.x * (dp[4 * j] + nd0), q0.y * (dp[4 * j + 1] + nd0))));
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(d + 8 * 128),
-                                 "r"(pack2(q1.x * (dp[4 * j + 2] + nd1), q1.y * (dp[4 * j + 3] + nd1))));
+                    wb_put_rows(dsb + row_off + ((j ^ g) << 4), pack2(q0.x * (dp[4 * j] + nd0), q0.y * (dp[4 * j + 1] + nd0)),
+                                pack2(q1.x * (dp[4 * j + 2] + nd1), q1.y * (dp[4 * j + 3] + nd1)));
                 }
                 fence_async_smem();
                 named_sync(2, 256); // dS is stored
@@ -252,9 +254,8 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
             wb_probs(pr, s, l0, l1, w0, w1, tbit, p.scale_log2);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const u32 a = pb + row_off + (((4 * cw + j) ^ g) << 4);
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(pack2(pr[4 * j], pr[4 * j + 1])));
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128), "r"(pack2(pr[4 * j + 2], pr[4 * j + 3])));
+                wb_put_rows(pb + row_off + (((4 * cw + j) ^ g) << 4), pack2(pr[4 * j], pr[4 * j + 1]),
+                            pack2(pr[4 * j + 2], pr[4 * j + 3]));
             }
             fence_async_smem();
             named_sync(1, 256); // P of both consumers is stored
@@ -266,11 +267,9 @@ __device__ __forceinline__ void wb_dkdv(const BwdParams& p, const TmaMap* tq, co
             const float nd0 = ndel_st[r0], nd1 = ndel_st[r0 + 8];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const u32 a = dsb + row_off + (((4 * cw + j) ^ g) << 4);
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a),
-                             "r"(pack2(pr[4 * j] * (dp[4 * j] + nd0), pr[4 * j + 1] * (dp[4 * j + 1] + nd0))));
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a + 8 * 128),
-                             "r"(pack2(pr[4 * j + 2] * (dp[4 * j + 2] + nd1), pr[4 * j + 3] * (dp[4 * j + 3] + nd1))));
+                wb_put_rows(dsb + row_off + (((4 * cw + j) ^ g) << 4),
+                            pack2(pr[4 * j] * (dp[4 * j] + nd0), pr[4 * j + 1] * (dp[4 * j + 1] + nd0)),
+                            pack2(pr[4 * j + 2] * (dp[4 * j + 2] + nd1), pr[4 * j + 3] * (dp[4 * j + 3] + nd1)));
             }
             fence_async_smem();
             named_sync(2, 256); // dS of both consumers is stored
