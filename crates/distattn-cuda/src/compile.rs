@@ -116,7 +116,7 @@ pub struct KernelConfig {
     pub bwd_stages: usize,
     /// Forward on warpgroup MMAs, warp-specialized with TMA loads (`flash_fwd_ws`; sm_90a,
     /// every head dim): a producer warp and consumer warpgroups of 64 rows (`fwd_warps / 4`:
-    /// 3 at d 64, else 2), 128-key tiles (192 at d 128, 96 at d 192, 80 at d 256).
+    /// 3 at d 64, else 2), 128-key tiles (192 at d 96 and 128, 96 at d 192, 80 at d 256).
     pub fwd_wg: bool,
     /// Warps of the decode kernel (`flash_decode`), 16 keys of each K/V tile each.
     pub dec_warps: usize,
@@ -256,13 +256,13 @@ impl KernelConfig {
                 self.fwd_warps = if self.head_dim == 64 { 12 } else { 8 };
             }
             self.fwd_mr = 1;
-            // From d 128, as many keys as two stages of K and V fit beside Q in the shared
-            // memory (227 KB), in whole 16-key steps (at d 128, 192 against 128 keys: 16k 2.5%
-            // faster without a mask, 1.5% causal). At d 64 the three consumers' registers take
-            // no more than 128 keys.
+            // From d 96, as many keys as two stages of K and V fit beside Q in the shared
+            // memory (227 KB), in whole 16-key steps (192 against 128 keys, 16k: d 128 2.5%
+            // faster without a mask, 1.5% causal; d 96 3.5-3.9% and 3.2%). At d 64 the three
+            // consumers' registers take no more than 128 keys.
             if !o.contains_key("fwd_bn") {
                 self.fwd_bn = match self.head_dim {
-                    128 => 192,
+                    96 | 128 => 192,
                     192 => 96,
                     256 => 80,
                     _ => 128,

@@ -353,9 +353,9 @@ __device__ __forceinline__ void wb_dq(const BwdParams& p, const TmaMap* tq, cons
     const int rq = 64 * cw + 16 * wi + g; // this thread's rows in the tile: rq, rq + 8
     const u32 tbit = 1u << (2 * t);
 
-    float dq[DK / 2];
+    float dq[D / 2];
 #pragma unroll
-    for (int i = 0; i < DK / 2; ++i) dq[i] = 0.f;
+    for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
     mbar_wait(full_q, 0);
     const float l0 = lse_s[rq], l1 = lse_s[rq + 8], nd0 = del_s[rq], nd1 = del_s[rq + 8];
     const u32 qa = Qs + 64 * cw * 128, doa = dOs + 64 * cw * 128;

@@ -5,9 +5,10 @@
 // ---------------------------------------------------------------- forward (sm_90a)
 // One block per query tile of 64 rows per consumer warpgroup (Ops::NC of them; bf16/f16:
 // FWD_WARPS / 4, 3 at d 64, where two do not keep the tensor cores busy through the softmax,
-// else 2; FP8: 3; d 96: tiles of DK = 128 columns, see primitives.cuh). Per key tile (Ops::BN keys; in bf16/f16 FWD_BN: 128 at
-// d 64 and 96, 192 at d 128; above d 128, where O takes 96 or 128 registers a thread, as many as
-// two stages of K and V fit beside Q in the shared memory: 96 at d 192, 80 at d 256) and
+// else 2; FP8: 3; d 96: tiles of DK = 128 columns, products over the 96, see primitives.cuh).
+// Per key tile (Ops::BN keys; in bf16/f16 FWD_BN: 128 at d 64, 192 at d 96 and 128; above d 128,
+// where O takes 96 or 128 registers a thread, as many as two stages of K and V fit beside Q in
+// the shared memory: 96 at d 192, 80 at d 256) and
 // consumer warpgroup: S = Q K^T (shared x shared), online softmax in registers,
 // O += P V with P as the register A operand and V read N-major. The P V product of tile e-1
 // runs on the tensor cores while the softmax of tile e runs on the other pipes.
@@ -72,10 +73,10 @@ __device__ __forceinline__ void fwd_softmax(float (&s)[BN / 2], float (&m)[2], f
     }
 }
 
-__device__ __forceinline__ void fwd_rescale(float (&o)[DK / 2], const float (&alpha)[2]) {
+__device__ __forceinline__ void fwd_rescale(float (&o)[D / 2], const float (&alpha)[2]) {
     if (LAZY_MAX && !__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) return; // (the usual case)
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) { // (O's padded columns, past D, stay 0)
+    for (int i = 0; i < D / 8; ++i) {
         o[4 * i] *= alpha[0]; o[4 * i + 1] *= alpha[0];
         o[4 * i + 2] *= alpha[1]; o[4 * i + 3] *= alpha[1];
     }
@@ -86,7 +87,7 @@ __device__ __forceinline__ void fwd_rescale(float (&o)[DK / 2], const float (&al
 // partial result of these rows, and the rows are merged into it by LSE weights instead (what the
 // executor's separate merge kernel would do). O's element-type copy is skipped where p.o is null
 // (merging only).
-__device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[DK / 2], const float (&m)[2],
+__device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D / 2], const float (&m)[2],
                                           const float (&l)[2], int b, int h, int row0, int t, float o_scale) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -152,7 +153,7 @@ struct FwdHalf : FwdConsumers<FWD_WARPS / 4> { // (3 at d 64, where 2 leave the 
         wg_gemm_kmajor(s, qs, BM, 64 * cw, ks, BN);
     }
     __device__ static __forceinline__ void pack_p(PFrag& pa, const float (&s)[BN / 2]) { wg_pack_a<BN>(pa, s); }
-    __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) { wg_gemm_rs_nD<BN>(o, pa, vs); }
+    __device__ static __forceinline__ void pv(float (&o)[D / 2], const PFrag& pa, u32 vs) { wg_gemm_rs_nD<BN>(o, pa, vs); }
 };
 
 // Where tile i of a block's list lives: stage i % FW_STAGES, whose barriers are then in phase
@@ -188,7 +189,7 @@ struct FwdPipe {
 
 // What a consumer thread carries: its rows' output accumulators, running max and sum.
 struct FwdRows {
-    float o[DK / 2];
+    float o[D / 2];
     float m[2], l[2], alpha[2];
 };
 
@@ -357,7 +358,7 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
 
     FwdRows r;
 #pragma unroll
-    for (int i = 0; i < DK / 2; ++i) r.o[i] = 0.f;
+    for (int i = 0; i < D / 2; ++i) r.o[i] = 0.f;
     r.m[0] = r.m[1] = NEG_INF;
     r.l[0] = r.l[1] = 0.f;
     const int n = e1 - e0;

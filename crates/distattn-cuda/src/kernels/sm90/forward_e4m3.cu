@@ -60,7 +60,7 @@ struct FwdE4m3 : FwdConsumers<NC> {
         }
     }
     // k-step kk: 32 keys, half a 64-key block of V^T.
-    __device__ static __forceinline__ void pv(float (&o)[DK / 2], const PFrag& pa, u32 vs) {
+    __device__ static __forceinline__ void pv(float (&o)[D / 2], const PFrag& pa, u32 vs) {
 #pragma unroll
         for (int kk = 0; kk < BN / 32; ++kk)
             wgmma_e4m3_rs_n128(o, pa[kk], wg_desc(vs + (kk >> 1) * VT_BLOCK + 32 * (kk & 1), 16, 512, WG_SW64));
