@@ -28,6 +28,17 @@
 #define WG_BM BWD_BM
 #define BS_STAGES BWD_STAGES
 static_assert(WG_BM == (DK == 64 ? 128 : 64), "the host plans 128-row items at d 64, 64-row ones above");
+// The 32-column boxes of consumer c's staged dQ block: 2, but 1 for consumer 1 at d 96, whose
+// columns 64..95 are the head dim's last (an N = 32 product).
+__device__ __forceinline__ constexpr int bwd_dq_boxes(int c) { return D == 96 && c == 1 ? 1 : 2; }
+// dQ's block of a consumer, dS K over the tile's 128 keys into dq (N = 2 NA: 64, or 32 for one
+// box), A and B the k-step 0 descriptors.
+template <int NA>
+__device__ __forceinline__ void bwd_dq_product(float (&dq)[NA], u64 dds, u64 dk_b) {
+#pragma unroll
+    for (int kk = 0; kk < WG_BN / 16; ++kk)
+        wgmma_ss_step<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
+}
 // Adds a swizzled f32 tile of 64 rows x 32 columns (128-byte rows) at src into rows r0.. and
 // columns c0.. of (head h, batch b) of an f32 tensor (its map's boxes); rows past its end are
 // dropped.
@@ -88,7 +99,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
 #pragma unroll 1
                 for (int c = 0; c < 2; ++c) {
                     mbar_wait(dq_full + 8 * c, it & 1);
-                    for (int cb = 0; cb < (D == 96 && c == 1 ? 1 : 2); ++cb) // (d 96: columns < 96)
+                    for (int cb = 0; cb < bwd_dq_boxes(c); ++cb)
                         tma_reduce_add(&tdq, dQs + (2 * c + cb) * 64 * 128, (DK == 128 ? 64 * c : 0) + 32 * cb,
                                        qt * WG_BM + (WG_BM == 128 ? 64 * c : 0), h, b);
                     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
@@ -208,19 +219,11 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
         // rows are keys; d 64: query block cw), B = K (N-major; d 128: column block cw).
         const u64 dds = wg_desc(dsb + (WG_BM == 128 ? cw : 0) * WG_BN * 128, WG_BN * 128, 1024);
         const u64 dk_b = wg_desc(Ks + (DK == 128 ? cw : 0) * WG_BN * 128, WG_BN * 128, 1024);
-        // At d 96 warpgroup 1's columns are 64..95: an N = 32 product (dq[0..15]), one box staged.
-        const bool dq_half = D == 96 && cw == 1;
         wg_fence();
-        if (!dq_half) {
-#pragma unroll
-            for (int kk = 0; kk < WG_BN / 16; ++kk)
-                wgmma_ss_step<1, 1>(dq, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
-        } else {
-            float(&dq32)[16] = *reinterpret_cast<float(*)[16]>(&dq[0]);
-#pragma unroll
-            for (int kk = 0; kk < WG_BN / 16; ++kk)
-                wgmma_ss_step<1, 1>(dq32, wg_desc_add(dds, kk * 16 * 128), wg_desc_add(dk_b, kk * 16 * 128), kk);
-        }
+        if (bwd_dq_boxes(cw) == 2)
+            bwd_dq_product(dq, dds, dk_b);
+        else // (dq[0..15])
+            bwd_dq_product(*reinterpret_cast<float(*)[16]>(&dq[0]), dds, dk_b);
         wg_commit();
         // dK += dS^T Q, issued after dQ: dQ is staged while dK runs on the tensor cores.
         const u64 dq_b = wg_desc(qst, WG_BM * 128, 1024);
@@ -236,7 +239,7 @@ flash_bwd_ws(const BwdParams p, const __grid_constant__ TmaMap tq, const __grid_
 #pragma unroll
         for (int k = 0; k < 32; ++k) dqr[k] = dq_rot ? dq[k ^ 8] : dq[k];
 #pragma unroll
-        for (int k = 0; k < (dq_half ? 4 : 8); ++k) {
+        for (int k = 0; k < 4 * bwd_dq_boxes(cw); ++k) { // (4 stores a box)
             const int i = (k & 4) | ((k & 3) ^ dq_rot);
             const u32 a = dq_row + (k >> 2) * 64 * 128 + (((2 * (i & 3) + (t >> 1)) ^ g) << 4);
 #pragma unroll

@@ -20,8 +20,10 @@
 // %0..%63).
 #define WG_ACC64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
-// ... of a 32-register (m64n64) and a 96-register (m64n192) one (operands %0..%31, %0..%95).
+// ... of a 32-register (m64n64), a 48-register (m64n96) and a 96-register (m64n192) one
+// (operands %0..%31, %0..%47, %0..%95).
 #define WG_ACC32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_ACC48 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
 #define WG_ACC96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
 
 // Shared-memory matrix descriptor; layout: the swizzle, WG_SW128 (the tiles' usual one) or
@@ -143,46 +145,27 @@ __device__ __forceinline__ void named_arrive(int id, int n) { asm volatile("bar.
 WG_SS_PRODUCT(32, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", 16, 17, 18, 19, WG_BIND16)
 WG_SS_PRODUCT(64, WG_ACC32, 32, 33, 34, 35, WG_BIND32)
 WG_SS_PRODUCT(80, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}", 40, 41, 42, 43, WG_BIND40)
-WG_SS_PRODUCT(96, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}", 48, 49, 50, 51, WG_BIND48)
+WG_SS_PRODUCT(96, WG_ACC48, 48, 49, 50, 51, WG_BIND48)
 WG_SS_PRODUCT(128, WG_ACC64, 64, 65, 66, 67, WG_BIND64)
 WG_SS_PRODUCT(192, WG_ACC96, 96, 97, 98, 99, WG_BIND96)
 
-// D[64 x 64] += A[64 x 16] B[16 x 64], A from registers (mma.sync A-fragment layout per warp), B from shared memory.
-template <int TB>
-__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const u32 (&a)[4], u64 db, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32" WG_AB " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
-}
-
-// D[64 x 128] += A[64 x 16] B[16 x 128], A from registers (mma.sync A-fragment layout per warp), B from shared memory.
-template <int TB>
-__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const u32 (&a)[4], u64 db, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32" WG_AB " "
-        WG_ACC64 ", "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-        : WG_BIND64(WG_RW8)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
-}
-
-// D[64 x 96] += A[64 x 16] B[16 x 96], A from registers, B from shared memory: the d 96 tiles'
-// head-dim products (B's 96 columns are one 64-column block and half of the next).
-template <int TB>
-__device__ __forceinline__ void wgmma_rs_n96(float (&d)[48], const u32 (&a)[4], u64 db, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n96k16.f32" WG_AB " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
-        "{%48, %49, %50, %51}, %52, p, 1, 1, %54;\n}\n"
-        : WG_BIND48(WG_RW8)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));
-}
+// wgmma_rs_n<N>: D[64 x N] += A[64 x 16] B[16 x N], A from registers (mma.sync A-fragment
+// layout per warp), B from shared memory; acc = 0: D's earlier values are not read. REGS: D's
+// N / 2 registers; A0..A3, DB, ACC_, TB_: the operand numbers after them.
+#define WG_RS_PRODUCT(N, REGS, A0, A1, A2, A3, DB, ACC_, TB_, BIND)                                                \
+    template <int TB>                                                                                         \
+    __device__ __forceinline__ void wgmma_rs_n##N(float (&d)[N / 2], const u32 (&a)[4], u64 db, int acc) {    \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #ACC_ ", 0;\n"                                       \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32" WG_AB " " REGS ", "                      \
+                     "{%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #DB ", p, 1, 1, %" #TB_ ";\n}\n"            \
+                     : BIND(WG_RW8)                                                                           \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB));               \
+    }
+// N = 64, 128: the head-dim products (and their halves above d 128); 96: d 96's (B's 96 columns
+// are one 64-column block and half of the next).
+WG_RS_PRODUCT(64, WG_ACC32, 32, 33, 34, 35, 36, 37, 38, WG_BIND32)
+WG_RS_PRODUCT(96, WG_ACC48, 48, 49, 50, 51, 52, 53, 54, WG_BIND48)
+WG_RS_PRODUCT(128, WG_ACC64, 64, 65, 66, 67, 68, 69, 70, WG_BIND64)
 
 // The shared x shared product whose D has NA accumulators (N = 2 NA), from a WG_SS_PRODUCT.
 template <int NA, int ACC, int TA, int TB>
