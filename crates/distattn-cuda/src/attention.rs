@@ -128,15 +128,16 @@ impl CudaBackend {
         opts: &AttnOptions,
     ) -> Result<()> {
         let kern = self.kernels(dtype, shape.head_dim)?;
+        let (cfg, f) = self.fwd_tiling(cfg, &kern, shape);
         let tiles = self.tiles(mask, cfg.fwd_bm(), cfg.fwd_bn, false)?;
         let p = fwd_params(s, t, &tiles, shape, opts, self.sm_count())?;
-        let launch_cfg = fwd_grid(&tiles, shape, kern.cfg.fwd_threads(), kern.cfg.fwd_smem())?;
-        let mut launch = s.launch_builder(&kern.fwd);
+        let launch_cfg = fwd_grid(&tiles, shape, cfg.fwd_threads(), cfg.fwd_smem())?;
+        let mut launch = s.launch_builder(f);
         launch.arg(&p);
         let maps;
-        if kern.cfg.fwd_wg {
+        if cfg.fwd_wg {
             // The warp-specialized kernel loads Q, K and V through TMA tensor maps.
-            let (bm, bn) = (kern.cfg.fwd_bm() as u32, kern.cfg.fwd_bn as u32);
+            let (bm, bn) = (cfg.fwd_bm() as u32, cfg.fwd_bn as u32);
             let kv_rows = tma::RowsTensor::of_keys(shape);
             maps = [
                 tma::TensorMap::rows(p.q, tma::RowsTensor::of_queries(shape), dtype, bm)?,

@@ -59,14 +59,11 @@ impl E4m3Tiling {
     pub const TALL: E4m3Tiling = E4m3Tiling { rows: 192, keys: 64 };
     /// Two consumers over 128-key tiles: more, smaller blocks for short grids.
     pub const SHORT: E4m3Tiling = E4m3Tiling { rows: 128, keys: 128 };
-    /// Below this many waves of TALL blocks (one block an SM), the last wave's idle SMs cost
-    /// more than SHORT's slower blocks (H100, 2026-11-27: 4k, 2.7 waves, SHORT 8-16% faster;
-    /// 16k, 10 waves and more, TALL 3-7% faster).
-    pub const SHORT_BELOW_WAVES: usize = 6;
-
-    /// The tiling for a forward of `blocks_of(rows)` blocks on `sms` multiprocessors.
+    /// The tiling for a forward of `blocks_of(rows)` blocks on `sms` multiprocessors: SHORT
+    /// on a short grid of TALL blocks ([`short_grid`]; H100, 2026-11-27: 4k, 2.7 waves, SHORT
+    /// 8-16% faster; 16k, 10 waves and more, TALL 3-7% faster).
     pub fn for_grid(sms: usize, blocks_of: impl Fn(usize) -> usize) -> E4m3Tiling {
-        if blocks_of(Self::TALL.rows) < Self::SHORT_BELOW_WAVES * sms {
+        if short_grid(sms, blocks_of(Self::TALL.rows)) {
             Self::SHORT
         } else {
             Self::TALL
@@ -89,6 +86,18 @@ impl E4m3Tiling {
     pub fn smem(&self, d: usize) -> usize {
         (self.rows + 4 * self.keys) * d + 1024 + 9 * 8
     }
+}
+
+/// Below this many waves of a forward's blocks in its tiling for long grids (one block an SM),
+/// the last wave's idle SMs cost more than the slower blocks of its tiling for short grids
+/// (taller blocks, fewer of them, are the faster per block where a forward has two: FP8's
+/// [`E4m3Tiling`], d 96's [`KernelConfig::fwd_short`]).
+pub const SHORT_GRID_WAVES: usize = 6;
+
+/// Whether a forward grid of `blocks` blocks (of its long-grid tiling) on `sms` multiprocessors
+/// makes fewer than [`SHORT_GRID_WAVES`] waves.
+pub fn short_grid(sms: usize, blocks: usize) -> bool {
+    blocks < SHORT_GRID_WAVES * sms
 }
 
 /// Head dimensions the kernels support, forward and backward.
@@ -116,8 +125,13 @@ pub struct KernelConfig {
     pub bwd_stages: usize,
     /// Forward on warpgroup MMAs, warp-specialized with TMA loads (`flash_fwd_ws`; sm_90a,
     /// every head dim): a producer warp and consumer warpgroups of 64 rows (`fwd_warps / 4`:
-    /// 3 at d 64, else 2), 128-key tiles (192 at d 96 and 128, 96 at d 192, 80 at d 256).
+    /// 3 at d 64 and 96, else 2), 128-key tiles (96 at d 96, 192 at d 128, 96 at d 192, 80 at
+    /// d 256).
     pub fwd_wg: bool,
+    /// The warps and keys per tile of the warp-specialized forward's second tiling, for short
+    /// grids (`flash_fwd_ws_short`, see [`KernelConfig::fwd_short`]), or 0 where it has none.
+    pub fwd_short_warps: usize,
+    pub fwd_short_bn: usize,
     /// Warps of the decode kernel (`flash_decode`), 16 keys of each K/V tile each.
     pub dec_warps: usize,
     /// K/V tile stages of the decode kernel: as many as fit the arch's shared memory, 2 to 6.
@@ -126,7 +140,9 @@ pub struct KernelConfig {
 
 /// Tuning overrides from `DISTATTN_KCFG` ("key=value,..." with numeric values, e.g.
 /// "fwd_warps=8,fwd_mr=1,bwd_bm=64" or "fwd_wg=0,bwd_wg=0"; `e4m3_rows=128` or `192` fixes the
-/// FP8 forward's tiling, see `CudaBackend::set_e4m3_tiling`); malformed entries are ignored.
+/// FP8 forward's tiling, see `CudaBackend::set_e4m3_tiling`; `fwd_short=0` or `1` whether the
+/// bf16/f16 forward takes its short-grid tiling, see `CudaBackend::set_fwd_short`, and
+/// `fwd_short_warps` / `fwd_short_bn` set that tiling, 0 for none); malformed entries are ignored.
 pub(crate) fn kcfg_overrides() -> std::collections::HashMap<String, usize> {
     std::env::var("DISTATTN_KCFG")
         .unwrap_or_default()
@@ -173,6 +189,8 @@ impl KernelConfig {
             bwd_wg: false,
             bwd_stages: 2,
             fwd_wg: false,
+            fwd_short_warps: 0,
+            fwd_short_bn: 0,
             dec_warps: if head_dim > 128 { 4 } else { 8 },
             dec_stages: 2,
         };
@@ -249,27 +267,47 @@ impl KernelConfig {
         }
         if hopper && !off("fwd_wg") {
             self.fwd_wg = true;
-            // At d 64 a third consumer warpgroup: two leave the tensor cores idle through
-            // their softmax (a d 64 profile: tensor pipe 45%, MUFU 48%, no eligible warp in
-            // 59% of cycles).
+            // At d 64 and 96 a third consumer warpgroup: two leave the tensor cores idle
+            // through their softmax (a d 64 profile: tensor pipe 45%, MUFU 48%, no eligible
+            // warp in 59% of cycles; d 96 on an H100 at 16k, 5.0-6.7% faster).
             if !o.contains_key("fwd_warps") {
-                self.fwd_warps = if self.head_dim == 64 { 12 } else { 8 };
+                self.fwd_warps = if matches!(self.head_dim, 64 | 96) { 12 } else { 8 };
             }
             self.fwd_mr = 1;
-            // From d 96, as many keys as two stages of K and V fit beside Q in the shared
+            // From d 128, as many keys as two stages of K and V fit beside Q in the shared
             // memory (227 KB), in whole 16-key steps (192 against 128 keys, 16k: d 128 2.5%
-            // faster without a mask, 1.5% causal; d 96 3.5-3.9% and 3.2%). At d 64 the three
-            // consumers' registers take no more than 128 keys.
+            // faster without a mask, 1.5% causal). Three consumers' registers (160 a thread)
+            // take no more than 128 keys at d 64 and 96 at d 96.
             if !o.contains_key("fwd_bn") {
                 self.fwd_bn = match self.head_dim {
-                    96 | 128 => 192,
-                    192 => 96,
+                    96 | 192 => 96,
+                    128 => 192,
                     256 => 80,
                     _ => 128,
                 };
             }
+            // d 96's three-consumer blocks of 192 rows lose on grids of few waves (H100, full
+            // masks: 4k 16 heads, 2.7 waves, 7% slower; 8k, 5.2 waves, 3%), where two consumers
+            // over 192 keys (128 rows) run instead.
+            let (warps, bn) = if self.head_dim == 96 { (8, 192) } else { (0, 0) };
+            self.fwd_short_warps = o.get("fwd_short_warps").copied().unwrap_or(warps);
+            self.fwd_short_bn = o.get("fwd_short_bn").copied().unwrap_or(bn);
         }
         self
+    }
+
+    /// The warp-specialized forward's tiling for short grids (`flash_fwd_ws_short`), as a
+    /// configuration whose `fwd_warps` and `fwd_bn` are that tiling's, where the module has one
+    /// (d 96 on sm_90a). A launch takes it where its grid of `fwd_bm()`-row blocks would make
+    /// fewer than [`SHORT_GRID_WAVES`] waves; both compute the same result.
+    pub fn fwd_short(&self) -> Option<KernelConfig> {
+        (self.fwd_wg && self.fwd_short_warps > 0 && self.fwd_short_bn > 0).then_some(KernelConfig {
+            fwd_warps: self.fwd_short_warps,
+            fwd_bn: self.fwd_short_bn,
+            fwd_short_warps: 0,
+            fwd_short_bn: 0,
+            ..*self
+        })
     }
 
     /// Name of the forward kernel of this configuration.
@@ -416,6 +454,8 @@ impl KernelConfig {
             format!("-DFWD_WARPS={}", self.fwd_warps),
             format!("-DFWD_MR={}", self.fwd_mr),
             format!("-DFWD_BN={}", self.fwd_bn),
+            format!("-DFWD_SHORT_WARPS={}", self.fwd_short().map_or(0, |c| c.fwd_warps)),
+            format!("-DFWD_SHORT_BN={}", self.fwd_short().map_or(0, |c| c.fwd_bn)),
             format!("-DBWD_WARPS={}", self.bwd_warps),
             format!("-DBWD_BM={}", self.bwd_bm),
             format!("-DBWD_V2={}", self.bwd_v2 as u8),
@@ -821,7 +861,19 @@ mod tests {
             assert!(h.bwd_smem() <= 227 * 1024, "{h:?} bwd smem {}", h.bwd_smem());
             assert_eq!(h.bwd_dq_by_query(), c.head_dim > 128);
             assert_eq!(c.fwd_bn % 32, 0);
+            // A tiling for short grids at d 96 on Hopper only, itself without one.
+            assert_eq!(h.fwd_short().is_some(), c.head_dim == 96, "{h:?}");
+            assert!(c.for_arch("sm_80").fwd_short().is_none());
+            if let Some(s) = h.fwd_short() {
+                assert!(s.fwd_smem() <= 227 * 1024, "{s:?} fwd smem {}", s.fwd_smem());
+                assert_eq!(s.fwd_short(), None);
+                assert!(s.fwd_bm() < h.fwd_bm());
+                assert!(h.defines().contains(&format!("-DFWD_SHORT_WARPS={}", s.fwd_warps)));
+            } else {
+                assert!(h.defines().contains(&"-DFWD_SHORT_WARPS=0".to_string()));
+            }
         }
+        assert!(!short_grid(132, 6 * 132) && short_grid(132, 6 * 132 - 1));
         assert!(matches!(KernelConfig::new(DType::BF16, 80), Err(Error::UnsupportedHeadDim { .. })));
         assert!(matches!(KernelConfig::new(DType::F32, 64), Err(Error::UnsupportedDType(_))));
     }

@@ -8,7 +8,7 @@ use crate::driver_err;
 use crate::tiles::TilePlan;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr};
 use distattn_core::schedule::Lane;
-use distattn_core::{DType, Error, Mask, Result};
+use distattn_core::{AttnShape, DType, Error, Mask, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -17,6 +17,9 @@ pub(crate) struct Kernels {
     pub cfg: KernelConfig,
     _module: Arc<CudaModule>,
     pub fwd: CudaFunction,
+    /// The forward in the configuration's tiling for short grids, where it has one
+    /// (`KernelConfig::fwd_short`).
+    pub fwd_short: Option<CudaFunction>,
     pub dkdv: Option<CudaFunction>,
     pub decode: CudaFunction,
     /// The FP8 forward and its V transpose, where the configuration has them.
@@ -80,6 +83,9 @@ pub struct CudaBackend {
     indices: Mutex<HashMap<IndexKey, Arc<CudaSlice<i64>>>>,
     /// The FP8 forward's tiling, where one is fixed (else picked by the grid's size).
     e4m3_tiling: Mutex<Option<E4m3Tiling>>,
+    /// Whether forwards take their short-grid tiling, where fixed (else picked by the grid's
+    /// size).
+    fwd_short: Mutex<Option<bool>>,
 }
 
 fn mask_key(mask: &Mask) -> u64 {
@@ -152,6 +158,7 @@ impl CudaBackend {
             tiles: Mutex::new(HashMap::new()),
             indices: Mutex::new(HashMap::new()),
             e4m3_tiling: Mutex::new(compile::kcfg_overrides().get("e4m3_rows").and_then(|&r| E4m3Tiling::of_rows(r))),
+            fwd_short: Mutex::new(compile::kcfg_overrides().get("fwd_short").map(|&v| v != 0)),
         })
     }
 
@@ -206,6 +213,34 @@ impl CudaBackend {
         fixed.unwrap_or_else(|| E4m3Tiling::for_grid(self.sms, blocks_of))
     }
 
+    /// Fixes whether the bf16/f16 forwards run their tiling for short grids
+    /// ([`KernelConfig::fwd_short`], where the module has one) on every grid (`Some(true)`) or
+    /// on none (`Some(false)`), or with `None` lets each call pick by its grid's size (the
+    /// default; or what `DISTATTN_KCFG`'s `fwd_short=0|1` says). Both compute the same result;
+    /// this is for tests and measurements.
+    pub fn set_fwd_short(&self, short: Option<bool>) {
+        *self.fwd_short.lock().unwrap_or_else(|e| e.into_inner()) = short;
+    }
+
+    /// The configuration and kernel of a bf16/f16 forward of `shape` in `kern`, whose
+    /// configuration is `cfg`: its tiling for short grids where it has one and the grid of its
+    /// long-grid blocks is short ([`compile::short_grid`]), else `cfg`'s own.
+    pub(crate) fn fwd_tiling<'k>(
+        &self,
+        cfg: KernelConfig,
+        kern: &'k Kernels,
+        shape: &AttnShape,
+    ) -> (KernelConfig, &'k CudaFunction) {
+        if let (Some(short), Some(f)) = (cfg.fwd_short(), &kern.fwd_short) {
+            let fixed = *self.fwd_short.lock().unwrap_or_else(|e| e.into_inner());
+            let blocks = shape.q_len.div_ceil(cfg.fwd_bm()) * shape.heads * shape.batch;
+            if fixed.unwrap_or_else(|| compile::short_grid(self.sms, blocks)) {
+                return (short, f);
+            }
+        }
+        (cfg, &kern.fwd)
+    }
+
     /// Shared memory per SM, bytes.
     pub fn smem_per_sm(&self) -> usize {
         self.smem_per_sm
@@ -240,6 +275,7 @@ impl CudaBackend {
         let k = Kernels {
             cfg,
             fwd: f(cfg.fwd_kernel())?,
+            fwd_short: cfg.fwd_short().map(|_| f("flash_fwd_ws_short")).transpose()?,
             // (A GPU without room for the backward's tiles still runs the forward; the backward
             // says why it cannot run: CudaBackend::backward_config.)
             dkdv: if cfg.bwd_smem() <= self.max_smem { Some(f(cfg.dkdv_kernel())?) } else { None },
@@ -264,6 +300,16 @@ impl CudaBackend {
             )));
         }
         k.fwd.set_attribute(attr, cfg.fwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
+        if let (Some(f), Some(c)) = (&k.fwd_short, cfg.fwd_short()) {
+            if c.fwd_smem() > self.max_smem {
+                return Err(backend_err(format!(
+                    "the short-grid forward at head dim {head_dim} needs {} bytes of shared memory, the GPU allows {}",
+                    c.fwd_smem(),
+                    self.max_smem
+                )));
+            }
+            f.set_attribute(attr, c.fwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
+        }
         if let Some(d) = &k.dkdv {
             d.set_attribute(attr, cfg.bwd_smem() as i32).map_err(driver_err("raising the smem limit"))?;
         }

@@ -6,8 +6,8 @@
 // Compiled at run time by NVRTC, one module per (dtype, head dim, arch), from this root and the
 // files it includes (NVRTC in-memory headers, named by their path under src/kernels). The host
 // passes the compile-time parameters as defines:
-//   DA_BF16 (1 for bf16, 0 for f16), HEAD_DIM, FWD_WARPS, FWD_MR, FWD_BN, BWD_WARPS, BWD_BM,
-//   BWD_V2, BWD_WG, FWD_WG, DEC_STAGES.
+//   DA_BF16 (1 for bf16, 0 for f16), HEAD_DIM, FWD_WARPS, FWD_MR, FWD_BN, FWD_SHORT_WARPS,
+//   FWD_SHORT_BN, BWD_WARPS, BWD_BM, BWD_V2, BWD_WG, FWD_WG, DEC_STAGES.
 // The portable kernels (`mma.sync`, sm_80+) come first, then the Hopper ones (`wgmma`, compiled
 // only for sm_90a).
 #include "common.cuh"

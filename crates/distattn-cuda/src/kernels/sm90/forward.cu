@@ -4,11 +4,12 @@
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && FWD_WG && (D == 64 || D == 96 || D == 128 || D == 192 || D == 256)
 // ---------------------------------------------------------------- forward (sm_90a)
 // One block per query tile of 64 rows per consumer warpgroup (Ops::NC of them; bf16/f16:
-// FWD_WARPS / 4, 3 at d 64, where two do not keep the tensor cores busy through the softmax,
-// else 2; FP8: 3; d 96: tiles of DK = 128 columns, products over the 96, see primitives.cuh).
-// Per key tile (Ops::BN keys; in bf16/f16 FWD_BN: 128 at d 64, 192 at d 96 and 128; above d 128,
-// where O takes 96 or 128 registers a thread, as many as two stages of K and V fit beside Q in
-// the shared memory: 96 at d 192, 80 at d 256) and
+// FWD_WARPS / 4, 3 at d 64 and 96, where two do not keep the tensor cores busy through the
+// softmax, else 2; FP8: 3; d 96: tiles of DK = 128 columns, products over the 96, see
+// primitives.cuh). Per key tile (Ops::BN keys; in bf16/f16 FWD_BN: 128 at d 64, 96 at d 96 (what
+// three consumers' registers hold), 192 at d 128; above d 128, where O takes 96 or 128 registers
+// a thread, as many as two stages of K and V fit beside Q in the shared memory: 96 at d 192, 80
+// at d 256; d 96's short-grid tiling, two consumers over 192 keys) and
 // consumer warpgroup: S = Q K^T (shared x shared), online softmax in registers,
 // O += P V with P as the register A operand and V read N-major. The P V product of tile e-1
 // runs on the tensor cores while the softmax of tile e runs on the other pipes.
@@ -133,10 +134,12 @@ __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D
     }
 }
 
-// The operations of the bf16/f16 pipeline: Q, K and V tiles in [rows][DK] (DK/64 swizzled column
-// blocks), k = 16 products, P packed in pairs.
-struct FwdHalf : FwdConsumers<FWD_WARPS / 4> { // (3 at d 64, where 2 leave the tensor cores idle)
-    static constexpr int BN = FWD_BN;
+// The operations of the bf16/f16 pipeline on NC consumers over BN-key tiles: Q, K and V tiles in
+// [rows][DK] (DK/64 swizzled column blocks), k = 16 products, P packed in pairs.
+template <int NC, int BN_>
+struct FwdHalf : FwdConsumers<NC> {
+    using FwdConsumers<NC>::BM;
+    static constexpr int BN = BN_;
     static constexpr u32 Q_BYTES = BM * DK * 2, TILE_BYTES = BN * DK * 2;
     static constexpr bool TURNS = true;
     using PFrag = u32[BN / 16][4];
@@ -366,9 +369,17 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
     fwd_store(p, r.o, r.m, r.l, b, h, q0 + rq, t, o_scale);
 }
 
-extern "C" __global__ void __launch_bounds__(FwdHalf::THREADS, 1)
-flash_fwd_ws(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
-             const __grid_constant__ TmaMap tv) {
-    fwd_ws<FwdHalf>(p, fwd_block(p), &tq, &tk, &tv, p.scale_log2, 1.f);
-}
+// The module's forward on FWD_WARPS / 4 consumers over FWD_BN-key tiles (flash_fwd_ws) and, where
+// the host gives it one, a second tiling for grids of few blocks (flash_fwd_ws_short:
+// FWD_SHORT_WARPS, FWD_SHORT_BN; KernelConfig::fwd_short).
+#define FWD_HALF_KERNEL(WARPS, BN, NAME)                                                                          \
+    extern "C" __global__ void __launch_bounds__(FwdHalf<WARPS / 4, BN>::THREADS, 1)                              \
+    NAME(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                 \
+         const __grid_constant__ TmaMap tv) {                                                                     \
+        fwd_ws<FwdHalf<WARPS / 4, BN>>(p, fwd_block(p), &tq, &tk, &tv, p.scale_log2, 1.f);                        \
+    }
+FWD_HALF_KERNEL(FWD_WARPS, FWD_BN, flash_fwd_ws)
+#if FWD_SHORT_WARPS
+FWD_HALF_KERNEL(FWD_SHORT_WARPS, FWD_SHORT_BN, flash_fwd_ws_short)
+#endif
 #endif // FWD_WG && (D == 64 || D == 96 || D == 128 || D == 192 || D == 256)
