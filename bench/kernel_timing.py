@@ -4,10 +4,9 @@ per (case, implementation).
 
 The marked pass runs each call once to warm up, then once between two marker kernels (torch's
 spin kernel); run under ``ncu --clock-control none --csv --metrics gpu__time_duration.sum``, its
-report splits into the kernels of each call (`kernels_per_call`).
+report splits into the kernels of each call (`ncu_report.kernels_per_call`).
 """
 
-import csv
 import statistics
 import time
 
@@ -43,25 +42,3 @@ def marked_call(fn):
     marker()
     fn()
     marker()
-
-
-def ncu_durations(path):
-    """(kernel name, ns) of every kernel of an ncu --csv report, in launch order."""
-    with open(path) as f:
-        lines = [line for line in f if line.startswith('"')]
-    out = []
-    for r in csv.DictReader(lines):
-        if r.get("Metric Name") == "gpu__time_duration.sum":
-            out.append((r["Kernel Name"], float(r["Metric Value"].replace(",", ""))))
-    return out
-
-
-def kernels_per_call(ncu_csv, n_calls):
-    """The (kernel name, ns) lists of the first `n_calls` marked calls of a report."""
-    segments = [[]]
-    for name, ns in ncu_durations(ncu_csv):
-        if "spin_kernel" in name:
-            segments.append([])
-        else:
-            segments[-1].append((name, ns))
-    return segments[1::2][:n_calls]

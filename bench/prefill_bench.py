@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import distattn
-from kernel_timing import kernels_per_call, marked_call, timed
+from kernel_timing import marked_call, timed
+from ncu_report import kernels_per_call
 
 DT = torch.bfloat16
 SEQS = [4096, 8192, 16384, 32768, 65536]
