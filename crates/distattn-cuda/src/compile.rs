@@ -310,6 +310,17 @@ impl KernelConfig {
         })
     }
 
+    /// The configuration a forward of `blocks` blocks of this configuration's tiling on `sms`
+    /// multiprocessors runs: its tiling for short grids where it has one and the grid is short
+    /// ([`short_grid`]), or as `fixed` says (`Some(true)`: the short tiling wherever there is
+    /// one), else this one.
+    pub fn fwd_for_grid(&self, sms: usize, blocks: usize, fixed: Option<bool>) -> KernelConfig {
+        match self.fwd_short() {
+            Some(short) if fixed.unwrap_or_else(|| short_grid(sms, blocks)) => short,
+            _ => *self,
+        }
+    }
+
     /// Name of the forward kernel of this configuration.
     pub fn fwd_kernel(&self) -> &'static str {
         if self.fwd_wg {
@@ -876,6 +887,28 @@ mod tests {
         assert!(!short_grid(132, 6 * 132) && short_grid(132, 6 * 132 - 1));
         assert!(matches!(KernelConfig::new(DType::BF16, 80), Err(Error::UnsupportedHeadDim { .. })));
         assert!(matches!(KernelConfig::new(DType::F32, 64), Err(Error::UnsupportedDType(_))));
+    }
+
+    #[test]
+    fn forward_tiling_follows_the_grid_size() {
+        let sms = 132;
+        let d96 = KernelConfig::new(DType::BF16, 96).unwrap().for_arch("sm_90a");
+        let short = d96.fwd_short().expect("d 96 has a short-grid tiling on sm_90a");
+        assert_eq!((d96.fwd_bm(), d96.fwd_bn, short.fwd_bm(), short.fwd_bn), (192, 96, 128, 192));
+        let blocks = |n: usize, heads: usize| n.div_ceil(d96.fwd_bm()) * heads;
+        // 4k and 8k with 16 heads are under 6 waves of 192-row blocks (352, 688), 8k with 32
+        // heads and 16k are not (1376).
+        for (n, heads, is_short) in [(4096, 16, true), (8192, 16, true), (8192, 32, false), (16384, 16, false)] {
+            let want = if is_short { short } else { d96 };
+            assert_eq!(d96.fwd_for_grid(sms, blocks(n, heads), None), want, "{n} x {heads}");
+        }
+        assert_eq!(d96.fwd_for_grid(sms, blocks(16384, 16), Some(true)), short);
+        assert_eq!(d96.fwd_for_grid(sms, blocks(4096, 16), Some(false)), d96);
+        // Without a short tiling (d 128; d 96 off Hopper) the configuration is its own.
+        let d128 = KernelConfig::new(DType::BF16, 128).unwrap().for_arch("sm_90a");
+        assert_eq!(d128.fwd_for_grid(sms, 1, Some(true)), d128);
+        let d96_80 = KernelConfig::new(DType::BF16, 96).unwrap().for_arch("sm_80");
+        assert_eq!(d96_80.fwd_for_grid(sms, 1, None), d96_80);
     }
 
     #[test]

@@ -223,22 +223,20 @@ impl CudaBackend {
     }
 
     /// The configuration and kernel of a bf16/f16 forward of `shape` in `kern`, whose
-    /// configuration is `cfg`: its tiling for short grids where it has one and the grid of its
-    /// long-grid blocks is short ([`compile::short_grid`]), else `cfg`'s own.
+    /// configuration is `cfg`: [`KernelConfig::fwd_for_grid`] of its grid on this GPU.
     pub(crate) fn fwd_tiling<'k>(
         &self,
         cfg: KernelConfig,
         kern: &'k Kernels,
         shape: &AttnShape,
     ) -> (KernelConfig, &'k CudaFunction) {
-        if let (Some(short), Some(f)) = (cfg.fwd_short(), &kern.fwd_short) {
-            let fixed = *self.fwd_short.lock().unwrap_or_else(|e| e.into_inner());
-            let blocks = shape.q_len.div_ceil(cfg.fwd_bm()) * shape.heads * shape.batch;
-            if fixed.unwrap_or_else(|| compile::short_grid(self.sms, blocks)) {
-                return (short, f);
-            }
+        let fixed = *self.fwd_short.lock().unwrap_or_else(|e| e.into_inner());
+        let blocks = shape.q_len.div_ceil(cfg.fwd_bm()) * shape.heads * shape.batch;
+        let chosen = cfg.fwd_for_grid(self.sms, blocks, fixed);
+        match &kern.fwd_short {
+            Some(f) if chosen != cfg => (chosen, f),
+            _ => (cfg, &kern.fwd),
         }
-        (cfg, &kern.fwd)
     }
 
     /// Shared memory per SM, bytes.
