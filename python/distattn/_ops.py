@@ -104,10 +104,12 @@ def _backward_impl(
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     delta = dq_acc = None
     if q.is_cuda:
-        # The kernels' workspace, from torch's allocator: row sums of dO*O and dQ accumulated
-        # in f32 (zeroed: the kernels add into it).
+        # The kernels' workspace, from torch's allocator: row sums of dO*O and, where the
+        # kernels add dQ up over key blocks, its f32 sums (zeroed). Above d 128 on Hopper each
+        # dQ row is computed whole and written as it is.
         delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        if _native.backward_dq_workspace(_desc(q)):
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     _native.backward(
         _desc(q), _desc(k), _desc(v), _desc(o), _desc(lse), _desc(d_o),
         _desc(dq), _desc(dk), _desc(dv),

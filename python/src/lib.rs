@@ -14,7 +14,7 @@ mod problem;
 
 use distattn::{DType, Error};
 use kvcache::DecodeCall;
-use problem::{Problem, Seqlens, TensorDesc};
+use problem::{dtype_of, gpu, Problem, Seqlens, TensorDesc};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -191,9 +191,24 @@ fn decode_plan(
     })
 }
 
+/// Whether a GPU backward of Q's dtype and head dim needs the zeroed f32 dQ workspace
+/// (`dq_acc` of `backward`); `False` on the CPU.
+#[pyfunction]
+fn backward_dq_workspace(py: Python<'_>, q: TensorDesc) -> PyResult<bool> {
+    let mut needed = false;
+    guarded(py, || {
+        if q.4 >= 0 {
+            let head_dim = q.1.last().copied().ok_or_else(|| Error::invalid("q", "has no dimensions"))?;
+            needed = gpu(q.4)?.backward_dq_workspace(dtype_of("q", &q)?, head_dim)?;
+        }
+        Ok(())
+    })?;
+    Ok(needed)
+}
+
 /// Backward: writes dQ, dK, dV (like Q, K, V) from the forward's inputs, O, LSE and dO. On a
-/// GPU, `delta` (`[b, h, nq]` f32) and `dq_acc` (`[b, nq, h, d]` f32, zeroed) are the
-/// workspace; on the CPU they are `None`.
+/// GPU, `delta` (`[b, h, nq]` f32) is workspace, and so is `dq_acc` (`[b, nq, h, d]` f32,
+/// zeroed) where `backward_dq_workspace` says so (else `None`); on the CPU both are `None`.
 #[pyfunction]
 #[pyo3(signature = (q, k, v, o, lse, d_o, dq, dk, dv, delta, dq_acc, mask, softmax_scale, seqlens, stream))]
 #[allow(clippy::too_many_arguments)] // one descriptor per tensor the kernels touch
@@ -226,13 +241,15 @@ fn backward(
         p.expect("dv", &dv, &kv_dims, p.dtype)?;
         p.expect("lse", &lse, &p.lse_dims(), DType::F32)?;
         let workspace = match (&delta, &dq_acc) {
-            (Some(delta), Some(dq_acc)) => {
+            (Some(delta), dq_acc) => {
                 p.expect("delta", delta, &p.lse_dims(), DType::F32)?;
-                p.expect("dq_acc", dq_acc, &q_dims, DType::F32)?;
-                Some((delta, dq_acc))
+                if let Some(dq_acc) = dq_acc {
+                    p.expect("dq_acc", dq_acc, &q_dims, DType::F32)?;
+                }
+                Some((delta, dq_acc.as_ref()))
             }
             (None, None) => None,
-            _ => return Err(Error::invalid("workspace", "give both delta and dq_acc, or neither")),
+            (None, Some(_)) => return Err(Error::invalid("workspace", "dq_acc was given without delta")),
         };
         p.backward([&q, &k, &v, &o, &lse, &d_o], [&dq, &dk, &dv], workspace, stream)
     })
@@ -253,6 +270,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode, m)?)?;
     m.add_function(wrap_pyfunction!(decode_plan, m)?)?;
     m.add_function(wrap_pyfunction!(backward, m)?)?;
+    m.add_function(wrap_pyfunction!(backward_dq_workspace, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::nccl_unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(context_parallel::cp_layout, m)?)?;

@@ -249,12 +249,13 @@ impl Problem {
         }
     }
 
-    /// Runs the backward pass into `dq`, `dk`, `dv`; a GPU needs the workspace `(delta, dq_acc)`.
+    /// Runs the backward pass into `dq`, `dk`, `dv`; a GPU needs the workspace `(delta, dq_acc)`,
+    /// `dq_acc` where [`CudaBackend::backward_dq_workspace`] says so.
     pub fn backward(
         &self,
         [q, k, v, o, lse, d_o]: [&TensorDesc; 6],
         [dq, dk, dv]: [&TensorDesc; 3],
-        workspace: Option<(&TensorDesc, &TensorDesc)>,
+        workspace: Option<(&TensorDesc, Option<&TensorDesc>)>,
         stream: u64,
     ) -> Result<()> {
         if self.device >= 0 {
@@ -271,11 +272,12 @@ impl Problem {
                 dk: dk.0,
                 dv: dv.0,
                 delta: delta.0,
-                dq_acc: dq_acc.0,
+                dq_acc: dq_acc.map_or(0, |d| d.0),
             };
             let gpu = gpu(self.device)?;
             // SAFETY: as in `forward`: every descriptor was checked against this problem, and
-            // dq_acc is zeroed (the Python layer's contract).
+            // dq_acc, where given, is zeroed (the Python layer's contract; backward_external
+            // rejects a missing one that the backward needs).
             return unsafe {
                 gpu.backward_external(&gpu.borrow_stream(stream), self.dtype, &t, &self.shape, &self.mask, &self.opts)
             };

@@ -220,8 +220,9 @@ impl CudaBackend {
 
     /// Backward of one block whose gradients are final (no other block adds to them): writes
     /// dQ (`[b, nq, h, d]`), dK and dV (`[b, nk, h_kv, d]`) in `T`, rounded once. dQ is
-    /// accumulated in an f32 workspace and converted, as in [`CudaBackend::backward`]; dK and
-    /// dV come straight from the kernel. What a Ulysses rank computes: its gradients are sent
+    /// accumulated in an f32 workspace and converted, as in [`CudaBackend::backward`], where
+    /// [`CudaBackend::backward_dq_workspace`] says so; otherwise it comes straight from the
+    /// kernel, as dK and dV do. What a Ulysses rank computes: its gradients are sent
     /// back from these buffers, with no f32 accumulators to zero and round.
     #[allow(clippy::too_many_arguments)] // one buffer per tensor of a backward block
     pub fn backward_block_final<T: CudaElement>(
@@ -242,14 +243,25 @@ impl CudaBackend {
         let cfg = self.backward_config(T::DTYPE, shape, mask)?;
         let s = self.stream();
         let dq_out = self.checked_mut_ptr("dq", dq, shape.q_elems(), shape)?;
-        let dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).map_err(driver_err("allocating the dQ accumulator"))?;
+        let dq_acc = match cfg.bwd_dq_by_query() {
+            false => Some(s.alloc_zeros::<f32>(shape.q_elems()).map_err(driver_err("allocating the dQ accumulator"))?),
+            true => None,
+        };
         let delta = self.checked_ptr("delta", delta, shape.lse_elems(), shape)?;
-        let t = self.dkdv_ptrs(q, k, v, d_o, lse, delta, dq_acc.device_ptr(s).0, dk, dv, false, shape)?;
+        let dq_acc_ptr = dq_acc.as_ref().map_or(0, |a| a.device_ptr(s).0);
+        let t = self.dkdv_ptrs(q, k, v, d_o, lse, delta, dq_acc_ptr, dk, dv, false, shape)?;
         // SAFETY: cfg comes from backward_config; the caller's addresses were checked above to
-        // hold what `shape` says (dq, dk, dv of `T`), 16-byte aligned; dq_acc was allocated
-        // above (q_elems() f32, zeroed) and is freed in stream order when it drops here; all in
-        // this context and used on the compute stream.
+        // hold what `shape` says (dq, dk, dv of `T`), 16-byte aligned; dq_acc, where this
+        // configuration uses one, was allocated above (q_elems() f32, zeroed) and is freed in
+        // stream order when it drops here; all in this context and used on the compute stream.
         unsafe { self.launch_final_grads(s, T::DTYPE, cfg, &t, dq_out, shape, mask, opts) }
+    }
+
+    /// Whether a whole backward of `dtype` at `head_dim` on this GPU needs the zeroed f32 dQ
+    /// workspace of [`crate::external::ExternalBackward`] (`dq_acc`). Where it does not, its kernel computes
+    /// each dQ row whole and writes it in `dtype` (above d 128 on Hopper).
+    pub fn backward_dq_workspace(&self, dtype: DType, head_dim: usize) -> Result<bool> {
+        Ok(!KernelConfig::new(dtype, head_dim)?.for_arch(self.arch()).bwd_dq_by_query())
     }
 
     /// The addresses of a dK/dV launch over `shape`: Q, K, V, dO (of `T`), LSE, and dK, dV (f32
@@ -278,6 +290,7 @@ impl CudaBackend {
             lse: self.checked_ptr("lse", lse, shape.lse_elems(), shape)?,
             delta,
             dq_acc,
+            dq: 0,
             dk: self.checked_mut_ptr("dk", dk, shape.kv_elems(), shape)?,
             dv: self.checked_mut_ptr("dv", dv, shape.kv_elems(), shape)?,
             dkdv_acc,
@@ -289,7 +302,8 @@ impl CudaBackend {
     /// # Safety
     /// `cfg` is what [`CudaBackend::backward_config`] returned for `dtype`, `shape` and `mask`.
     /// The addresses of `t` are, in this context, 16-byte aligned buffers holding what `shape`
-    /// says (q, d_o: q_elems() of `dtype`; dq_acc: q_elems() f32; k, v: kv_elems() of `dtype`;
+    /// says (q, d_o: q_elems() of `dtype`; dq_acc: q_elems() f32, unless `t.dq` is set and `cfg`
+    /// computes dQ by query, which writes it there; k, v: kv_elems() of `dtype`;
     /// dk, dv: kv_elems() f32 where `t.dkdv_acc`, else of `dtype`; lse, delta: lse_elems() f32),
     /// not used by another stream while the kernel runs.
     pub(crate) unsafe fn launch_dkdv(
@@ -313,6 +327,7 @@ impl CudaBackend {
             lse: t.lse,
             delta: t.delta,
             dq_acc: t.dq_acc,
+            dq: 0,
             dk: t.dk,
             dv: t.dv,
             tile_ptr: tiles.ptr.device_ptr(s).0,
@@ -350,6 +365,7 @@ impl CudaBackend {
                 let (qm, qn) = cfg.dq_tile();
                 let qt = self.tiles(mask, qm, qn, false)?;
                 let bq = BwdParams {
+                    dq: t.dq,
                     tile_ptr: qt.ptr.device_ptr(s).0,
                     tiles: qt.tiles.device_ptr(s).0,
                     bits: qt.bits.device_ptr(s).0,
@@ -426,13 +442,13 @@ impl CudaBackend {
         self.backward_block_final(q, k, v, d_o, lse, &delta, shape, mask, opts, dq, dk, dv)
     }
 
-    /// Launches the whole backward on `s`: the row delta, the dK/dV kernel (accumulating dQ in
-    /// f32) and dQ's conversion to `dtype`.
+    /// Launches the whole backward on `s`: the row delta and the kernels of
+    /// [`CudaBackend::launch_final_grads`].
     ///
     /// # Safety
-    /// `cfg` and the addresses of `t.dkdv` are as [`CudaBackend::launch_dkdv`] requires, with
-    /// `dq_acc` zeroed; `t.o` and `t.dq` are 16-byte aligned buffers of q_elems() of `dtype`; none is used
-    /// by another stream while the kernels run.
+    /// `cfg` and the addresses of `t.dkdv` are as [`CudaBackend::launch_final_grads`] requires;
+    /// `t.o` and `t.dq` are 16-byte aligned buffers of q_elems() of `dtype`; none is used by
+    /// another stream while the kernels run.
     pub(crate) unsafe fn launch_backward(
         &self,
         s: &CudaStream,
@@ -451,12 +467,14 @@ impl CudaBackend {
         unsafe { self.launch_final_grads(s, dtype, cfg, d, t.dq, shape, mask, opts) }
     }
 
-    /// Launches the dK/dV kernel writing dK and dV (`t.dkdv_acc` false) and accumulating dQ in
-    /// f32, then dQ's conversion into `dq` (of `dtype`), on `s`.
+    /// Launches the dK/dV kernel writing dK and dV (`t.dkdv_acc` false) and dQ into `dq` (of
+    /// `dtype`), on `s`: by its by-query job where `cfg` has one, else accumulated in f32 and
+    /// converted.
     ///
     /// # Safety
-    /// As [`CudaBackend::launch_dkdv`] for `t`, with `dq_acc` zeroed; `dq` is a 16-byte aligned
-    /// buffer of q_elems() of `dtype`, not used by another stream while the kernels run.
+    /// As [`CudaBackend::launch_dkdv`] for `t`, with `dq_acc` zeroed unless `cfg` computes dQ
+    /// by query ([`KernelConfig::bwd_dq_by_query`], which does not read it); `dq` is a 16-byte
+    /// aligned buffer of q_elems() of `dtype`, not used by another stream while the kernels run.
     #[allow(clippy::too_many_arguments)] // the launch's configuration, tensors and problem
     pub(crate) unsafe fn launch_final_grads(
         &self,
@@ -469,6 +487,11 @@ impl CudaBackend {
         mask: &Mask,
         opts: &AttnOptions,
     ) -> Result<()> {
+        if cfg.bwd_dq_by_query() {
+            // SAFETY: this function's contract is launch_dkdv's for `t`, and `dq` holds
+            // q_elems() of `dtype`, 16-byte aligned, for the dQ job to write.
+            return unsafe { self.launch_dkdv(s, dtype, cfg, &DkDvPtrs { dq, ..*t }, shape, mask, opts) };
+        }
         // SAFETY: this function's contract is launch_dkdv's for `t`.
         unsafe { self.launch_dkdv(s, dtype, cfg, t, shape, mask, opts) }?;
         // SAFETY: dq_acc holds q_elems() f32 and dq q_elems() of `dtype`, 16-byte aligned; the
@@ -628,6 +651,10 @@ pub(crate) struct DkDvPtrs {
     pub lse: u64,
     pub delta: u64,
     pub dq_acc: u64,
+    /// dQ's final destination, of the input dtype, where the launch writes it (the by-query dQ
+    /// job of a whole backward, [`KernelConfig::bwd_dq_by_query`]); 0 where dQ is added into
+    /// `dq_acc`, which such a launch does not use.
+    pub dq: u64,
     pub dk: u64,
     pub dv: u64,
     /// `dk` and `dv` are f32 accumulators the kernel adds into (a context-parallel block's);

@@ -27,7 +27,8 @@ pub struct ExternalForward {
 
 /// Addresses of a backward's tensors, all allocated by the caller: the forward's inputs, O and
 /// LSE, the output gradient dO, the gradients dQ, dK, dV (like Q, K, V), and the workspace:
-/// `delta` (`[b, h, nq]` f32, any contents) and `dq_acc` (`[b, nq, h, d]` f32, **zeroed**).
+/// `delta` (`[b, h, nq]` f32, any contents) and `dq_acc` (`[b, nq, h, d]` f32, **zeroed**), or 0
+/// where [`CudaBackend::backward_dq_workspace`] says the backward needs none.
 #[derive(Debug, Clone, Copy)]
 pub struct ExternalBackward {
     pub q: u64,
@@ -108,7 +109,7 @@ impl CudaBackend {
     ///
     /// # Safety
     /// As [`CudaBackend::forward_external`], for the tensors [`ExternalBackward`] lists (with
-    /// `dq_acc` zeroed).
+    /// `dq_acc` zeroed where the backward needs it).
     pub unsafe fn backward_external(
         &self,
         stream: &CudaStream,
@@ -120,6 +121,10 @@ impl CudaBackend {
     ) -> Result<()> {
         let dtype = attention_dtype(dtype)?;
         let cfg = self.backward_config(dtype, shape, mask)?;
+        let dq_acc = match cfg.bwd_dq_by_query() {
+            true => 0,
+            false => aligned("dq_acc", t.dq_acc)?,
+        };
         let p = BackwardPtrs {
             dkdv: DkDvPtrs {
                 q: aligned("q", t.q)?,
@@ -128,7 +133,8 @@ impl CudaBackend {
                 d_o: aligned("d_o", t.d_o)?,
                 lse: aligned("lse", t.lse)?,
                 delta: aligned("delta", t.delta)?,
-                dq_acc: aligned("dq_acc", t.dq_acc)?,
+                dq_acc,
+                dq: 0,
                 dk: aligned("dk", t.dk)?,
                 dv: aligned("dv", t.dv)?,
                 dkdv_acc: false,

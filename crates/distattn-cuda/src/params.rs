@@ -95,6 +95,9 @@ kernel_params! {
         lse: u64,
         delta: u64,
         dq_acc: u64,
+        // dQ of the input dtype, written by the by-query dQ job of a whole backward; 0: added
+        // into dq_acc
+        dq: u64,
         dk: u64,
         dv: u64,
         tile_ptr: u64,
@@ -270,7 +273,7 @@ mod tests {
     fn layout_asserts_cover_every_field() {
         let header = compile::KERNEL_HEADERS.iter().find(|(n, _)| *n == "params.cuh").unwrap().1;
         let structs = cpp_structs(header);
-        assert_eq!(structs["BwdParams"].len(), 22, "{:?}", structs["BwdParams"]);
+        assert_eq!(structs["BwdParams"].len(), 23, "{:?}", structs["BwdParams"]);
         assert_eq!(structs["TmaMap"], ["v"]);
         let roots = [ModuleKind::Flash(KernelConfig::new(DType::BF16, 128).unwrap()), ModuleKind::Aux(DType::BF16)]
             .map(|k| k.root().1);

@@ -175,6 +175,72 @@ fn merge_of_key_halves_equals_the_whole() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn backward_blocks_over_key_halves_add_up_to_the_whole() {
+    // What a context-parallel rank's backward does: each block adds its dQ into one f32
+    // accumulator (above d 128 from the by-query dQ job, which a whole backward has write dQ
+    // instead) and its dK, dV into its own keys' accumulators.
+    let gpu = gpu();
+    let (mut rng, seed) = seeded_rng("backward_blocks_over_key_halves_add_up_to_the_whole");
+    let s = gpu.stream();
+    let opts = AttnOptions::default();
+    for d in [128, 256] {
+        let (nq, nk, h, hkv, split) = (300usize, 410usize, 4usize, 2usize, 170usize);
+        let mask = Mask::causal(nq, nk).unwrap();
+        let shape = AttnShape::new(1, nq, nk, h, hkv, d).unwrap();
+        let q: Vec<bf16> = cast(&randn(&mut rng, shape.q_elems(), 1.0));
+        let k: Vec<bf16> = cast(&randn(&mut rng, shape.kv_elems(), 1.0));
+        let v: Vec<bf16> = cast(&randn(&mut rng, shape.kv_elems(), 1.0));
+        let d_o: Vec<bf16> = cast(&randn(&mut rng, shape.q_elems(), 1.0));
+        let r = reference::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+        let g = reference::backward(&q, &k, &v, &d_o, &shape, &mask, &opts).unwrap();
+        // The global LSE and D = rowsum(dO * O) (`[b, h, nq]`), from the reference's O.
+        let lse: Vec<f32> = r.lse.iter().map(|&x| x as f32).collect();
+        let mut delta = vec![0f32; shape.lse_elems()];
+        for n in 0..nq {
+            for hh in 0..h {
+                let at = (n * h + hh) * d;
+                delta[hh * nq + n] = (0..d).map(|i| d_o[at + i].to_f64() * r.o[at + i]).sum::<f64>() as f32;
+            }
+        }
+        let (gq, gd_o) = (s.clone_htod(&q).unwrap(), s.clone_htod(&d_o).unwrap());
+        let (glse, gdelta) = (s.clone_htod(&lse).unwrap(), s.clone_htod(&delta).unwrap());
+        let mut dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).unwrap();
+        let (mut dk, mut dv) = (Vec::new(), Vec::new());
+        for (a, b) in [(0, split), (split, nk)] {
+            let sub = AttnShape::new(1, nq, b - a, h, hkv, d).unwrap();
+            let row = hkv * d;
+            let (gk, gv) = (s.clone_htod(&k[a * row..b * row]).unwrap(), s.clone_htod(&v[a * row..b * row]).unwrap());
+            let mut dk_acc = s.alloc_zeros::<f32>(sub.kv_elems()).unwrap();
+            let mut dv_acc = s.alloc_zeros::<f32>(sub.kv_elems()).unwrap();
+            let part = mask.restrict(0..nq, a..b).unwrap();
+            gpu.backward_block(
+                &gq,
+                &gk,
+                &gv,
+                &gd_o,
+                &glse,
+                &gdelta,
+                &sub,
+                &part,
+                &opts,
+                &mut dq_acc,
+                &mut dk_acc,
+                &mut dv_acc,
+            )
+            .unwrap();
+            dk.extend(s.clone_dtoh(&dk_acc).unwrap());
+            dv.extend(s.clone_dtoh(&dv_acc).unwrap());
+        }
+        let dq: Vec<f32> = s.clone_dtoh(&dq_acc).unwrap();
+        let errs = [("dQ", rel_err(&dq, &g.dq)), ("dK", rel_err(&dk, &g.dk)), ("dV", rel_err(&dv, &g.dv))];
+        let line = errs.iter().map(|(w, e)| format!("{w} {e:.2e}")).collect::<Vec<_>>().join(", ");
+        println!("backward of two key halves, d{d}: {line}");
+        assert!(errs.iter().all(|&(_, e)| e <= TOL), "d{d}: {line} (DISTATTN_SEED={seed})");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn bad_inputs_are_typed_errors() {
     let gpu = gpu();
     let opts = AttnOptions::default();

@@ -86,6 +86,8 @@ struct BwdParams {
     const float* lse;
     const float* delta;
     float* dq_acc;
+    elem_t* dq; // dQ in the input type, written where one block computes each row whole (the
+                // by-query dQ job of a whole backward), else null: dQ is added into dq_acc
     elem_t* dk;
     elem_t* dv;
     const int* tile_ptr; // per key tile

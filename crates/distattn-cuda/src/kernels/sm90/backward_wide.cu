@@ -26,7 +26,8 @@
 // wb_dq (dQ): one block per 128-row query tile of one query head, a loop over its 32-key tiles
 // like the forward's; consumer c owns rows 64c..64c+63:
 //   S = Q K^T, dP = dO V^T (64 x 32), dS = P (dP - delta), dQ += dS K (dS as the register A
-//   operand), then dq_acc += scale dQ.
+//   operand), then scale dQ written in the input type (a whole backward: the block has each row's
+//   every key) or added into dq_acc (a context-parallel block's).
 // Recomputing S and dP (7 products per 64 x 64 x d block instead of 5) costs less than adding
 // dQ into dq_acc from the dK/dV blocks: with 64-key tiles that is 64 KB of f32 reductions per
 // item, which bound such a kernel (the L2 at 84% of its throughput; on an H100 at 16k, 18.2 ms
@@ -321,7 +322,16 @@ __device__ __forceinline__ void wb_dq(const BwdParams& p, const TmaMap* tq, cons
     const int qt = p.n_tiles - 1 - slot.rank, kvh = slot.pair % p.kv_heads, b = slot.pair / p.kv_heads;
     const int h = kvh * G + slot.sub, q0 = qt * WQ_BM;
     const int e0 = p.tile_ptr[qt], n = p.tile_ptr[qt + 1] - e0;
-    if (n == 0) return; // no key reaches the tile: nothing to add
+    if (n == 0) { // no key reaches the tile: nothing to add, or zeros to write
+        if (p.dq)
+            for (int i = threadIdx.x; i < WQ_BM * D / 8; i += blockDim.x) {
+                const int row = q0 + i / (D / 8);
+                if (row < p.q_len)
+                    *(uint4*)(p.dq + (((size_t)b * p.q_len + row) * p.heads + h) * D + 8 * (i % (D / 8))) =
+                        make_uint4(0, 0, 0, 0);
+            }
+        return;
+    }
     const int tid = threadIdx.x, wg = warpgroup_index(), wi = (tid >> 5) & 3, lane = tid & 31;
 
     wb_init_barriers<WQ_STAGES>(full_q, full, freed);
@@ -389,19 +399,16 @@ __device__ __forceinline__ void wb_dq(const BwdParams& p, const TmaMap* tq, cons
     }
     wg_wait<0>();
     wg_pin(dq);
-    // dq_acc += scale dQ: rows rq, rq + 8; columns 8i + 2t, +1.
+    // scale dQ, written to dq or added into dq_acc: rows rq, rq + 8; columns 8i + 2t, +1.
+    elem_t* const dst = p.dq ? p.dq : reinterpret_cast<elem_t*>(p.dq_acc);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = q0 + rq + 8 * r;
         if (row >= p.q_len) continue;
-        float* dst = p.dq_acc + (((size_t)b * p.q_len + row) * p.heads + h) * D + 2 * t;
+        const size_t off = (((size_t)b * p.q_len + row) * p.heads + h) * D + 2 * t;
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-            float2 v = *(float2*)(dst + 8 * i);
-            v.x += dq[4 * i + 2 * r] * p.scale;
-            v.y += dq[4 * i + 2 * r + 1] * p.scale;
-            *(float2*)(dst + 8 * i) = v;
-        }
+        for (int i = 0; i < D / 8; ++i)
+            put_grad_pair(dst, !p.dq, off + 8 * i, dq[4 * i + 2 * r] * p.scale, dq[4 * i + 2 * r + 1] * p.scale);
     }
 }
 // Both jobs in one launch: the key-major plan pk's blocks first, then the by-query plan pq's,
