@@ -91,6 +91,17 @@ pub struct AuxKernels {
 /// One block of 256 threads per `per_block` items.
 /// Blocks of 256 threads, `per_block` items each, over `items`; `None` for no items (a grid of
 /// no blocks is a launch error: a rank holding no rows of a step has nothing to launch).
+/// Lanes of the row delta's warps that read one row of `head_dim` values, 8 each: head_dim / 8
+/// rounded up to a power of two; the kernel takes multiples of 8 up to 256.
+fn delta_lanes(head_dim: usize) -> Result<usize> {
+    if head_dim == 0 || !head_dim.is_multiple_of(8) || head_dim > 256 {
+        return Err(backend_err(format!(
+            "the row delta reads rows of 8-value chunks, up to 256 values; head dim {head_dim} is not one"
+        )));
+    }
+    Ok((head_dim / 8).next_power_of_two())
+}
+
 fn blocks_of_256(items: usize, per_block: usize) -> Option<LaunchConfig> {
     (items > 0).then(|| LaunchConfig {
         grid_dim: (items.div_ceil(per_block) as u32, 1, 1),
@@ -149,12 +160,13 @@ impl AuxKernels {
 
     /// Row delta `delta = rowsum(dO ∘ O)` (`[b, h, nq]`, f32) of O and dO (`[b, nq, h, d]`), O
     /// of `o_dtype` (f32 or the module's type) and dO of the module's type. The kernel reads
-    /// rows in pairs of values, so an odd head dim is an error.
+    /// rows in 16-byte chunks of 8 values, so a head dim that is not a multiple of 8, or above
+    /// 256, is an error.
     ///
     /// # Safety
     /// `o`, `dout` and `delta` are addresses, in the context of `s`, of buffers holding that
-    /// many elements of those types (O 8-byte aligned if f32, else 4; dO 4-byte aligned), not
-    /// written by another stream while the kernel runs.
+    /// many elements of those types (O and dO 16-byte aligned), not written by another stream
+    /// while the kernel runs.
     pub unsafe fn row_delta(
         &self,
         s: &CudaStream,
@@ -170,9 +182,7 @@ impl AuxKernels {
             self.check_elem("row delta's O", o_dtype)?;
             &self.delta_o_elem
         };
-        if !shape.head_dim.is_multiple_of(2) {
-            return Err(backend_err(format!("the row delta reads pairs; head dim {} is odd", shape.head_dim)));
-        }
+        let lanes = delta_lanes(shape.head_dim)?;
         let rows = shape.batch * shape.q_len * shape.heads;
         let p = DeltaParams {
             o,
@@ -182,14 +192,15 @@ impl AuxKernels {
             head_dim: shape.head_dim as i32,
             q_len: shape.q_len as i32,
             heads: shape.heads as i32,
-            pad_: 0,
+            lanes: lanes as i32,
         };
-        let Some(cfg) = blocks_of_256(rows, 8) else { return Ok(()) };
+        // 8 warps a block, each DELTA_GROUPS (4) groups of 32 / lanes rows.
+        let Some(cfg) = blocks_of_256(rows, 8 * 4 * (32 / lanes)) else { return Ok(()) };
         // SAFETY: the kernels take one DeltaParams by value (its layout is asserted against
-        // params.cuh at every compile); each warp reads one row of head_dim values, an even
-        // number (checked above), of O and dO and writes one f32 of delta, rows < `rows` only
-        // (the grid of 8 rows per block covers them); the addresses are the caller's, under this
-        // function's contract.
+        // params.cuh at every compile); `lanes` lanes read one row of head_dim values (a
+        // multiple of 8 up to 256: checked by delta_lanes) of O and dO in 16-byte loads, the
+        // rows 16-byte aligned (as the buffers are, under this function's contract), and one writes its f32 of delta, rows < `rows` only (the
+        // grid covers them); the addresses are the caller's, under this function's contract.
         unsafe { s.launch_builder(f).arg(&p).launch(cfg) }.map_err(drv("launching the row delta"))?;
         Ok(())
     }
@@ -321,6 +332,17 @@ impl AuxKernels {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn row_delta_lanes_cover_each_head_dim() {
+        for (d, lanes) in [(8, 1), (64, 8), (96, 16), (128, 16), (192, 32), (256, 32)] {
+            assert_eq!(delta_lanes(d).unwrap(), lanes, "d {d}");
+            assert!(8 * lanes >= d && 32 % lanes == 0);
+        }
+        for d in [0, 4, 100, 264, 512] {
+            assert!(delta_lanes(d).is_err(), "d {d}");
+        }
+    }
 
     #[test]
     fn aux_kernels_compile_when_nvrtc_is_present() {

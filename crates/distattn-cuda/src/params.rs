@@ -126,7 +126,8 @@ kernel_params! {
         head_dim: i32,
         q_len: i32,
         heads: i32,
-        pad_: i32,
+        // lanes a row: head_dim / 8 rounded up to a power of two (delta_lanes)
+        lanes: i32,
     }
 
     /// The spec merge's (`merge_pieces`).

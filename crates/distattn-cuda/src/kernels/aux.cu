@@ -13,46 +13,70 @@ __device__ __forceinline__ float to_f32(float x) { return x; }
 
 // ---------------------------------------------------------------- backward: delta = rowsum(dO * O)
 
-// Two consecutive values as f32: of the element type, or f32.
-__device__ __forceinline__ float2 load_f32x2(const elem_t* p) {
-    const u32 a = *(const u32*)p;
-    return make_float2(to_f32((elem_t)(a & 0xffff)), to_f32((elem_t)(a >> 16)));
+// 8 consecutive values (16-byte aligned) as loaded: of the element type, or f32, and their
+// dot product with another 8 as f32.
+template <typename T> struct Chunk8;
+template <> struct Chunk8<elem_t> { uint4 v; };
+template <> struct Chunk8<float> { float4 a, b; };
+__device__ __forceinline__ void load8(Chunk8<elem_t>& x, const elem_t* p) { x.v = *(const uint4*)p; }
+__device__ __forceinline__ void load8(Chunk8<float>& x, const float* p) {
+    x.a = ((const float4*)p)[0];
+    x.b = ((const float4*)p)[1];
 }
-__device__ __forceinline__ float2 load_f32x2(const float* p) { return *(const float2*)p; }
+__device__ __forceinline__ void zero8(Chunk8<elem_t>& x) { x.v = make_uint4(0, 0, 0, 0); }
+__device__ __forceinline__ void zero8(Chunk8<float>& x) { x.a = x.b = make_float4(0.f, 0.f, 0.f, 0.f); }
+__device__ __forceinline__ void as_f32x8(float (&f)[8], const Chunk8<elem_t>& x) {
+    const u32 w[4] = {x.v.x, x.v.y, x.v.z, x.v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = to_f32((elem_t)(w[i] & 0xffff));
+        f[2 * i + 1] = to_f32((elem_t)(w[i] >> 16));
+    }
+}
+__device__ __forceinline__ void as_f32x8(float (&f)[8], const Chunk8<float>& x) {
+    f[0] = x.a.x, f[1] = x.a.y, f[2] = x.a.z, f[3] = x.a.w, f[4] = x.b.x, f[5] = x.b.y, f[6] = x.b.z, f[7] = x.b.w;
+}
 
-// One warp per row (head_dim is even). O of type OT: the element type (a forward's output) or f32
-// (the merged O of the multi-GPU backward).
+// Row groups a warp takes, every load issued before the first product.
+#define DELTA_GROUPS 4
+// p.lanes lanes a row (a power of two, head_dim / 8 rounded up: some idle at d 96 and 192), 8
+// columns a lane, 16-byte loads; a warp takes DELTA_GROUPS groups of 32 / p.lanes rows, so that
+// enough bytes are in flight to run at the memory's rate. (One warp a row, 4 bytes a lane, ran
+// at a third of it at d 64 and half at d 128.) O of type OT: the element type (a forward's
+// output) or f32 (the merged O of the multi-GPU backward).
 template <typename OT>
 __device__ __forceinline__ void row_delta(const DeltaParams& p) {
-    const long long row = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= p.rows) return;
-    const OT* o = (const OT*)p.o + row * p.head_dim;
-    const elem_t* d = p.dout + row * p.head_dim;
-    // Up to head dim 256, every load of the row is issued before the first product (a loop
-    // with a run-time bound would wait for each pair in turn); wider rows finish in a loop.
-    float2 a[4], g[4];
+    const int lane = threadIdx.x & 31, sub = lane & (p.lanes - 1), c = 8 * sub, per_group = 32 / p.lanes;
+    const long long row0 = ((long long)blockIdx.x * 8 + (threadIdx.x >> 5)) * DELTA_GROUPS * per_group + lane / p.lanes;
+    Chunk8<OT> o[DELTA_GROUPS];
+    Chunk8<elem_t> g[DELTA_GROUPS];
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const int c = lane * 2 + 64 * j;
-        a[j] = c < p.head_dim ? load_f32x2(o + c) : make_float2(0.f, 0.f);
-        g[j] = c < p.head_dim ? load_f32x2(d + c) : make_float2(0.f, 0.f);
-    }
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; j++) acc += a[j].x * g[j].x + a[j].y * g[j].y;
-    for (int c = lane * 2 + 256; c < p.head_dim; c += 64) {
-        const float2 x = load_f32x2(o + c), y = load_f32x2(d + c);
-        acc += x.x * y.x + x.y * y.y;
+    for (int u = 0; u < DELTA_GROUPS; u++) {
+        const long long row = row0 + u * per_group;
+        if (row < p.rows && c < p.head_dim) {
+            load8(o[u], (const OT*)p.o + row * p.head_dim + c);
+            load8(g[u], p.dout + row * p.head_dim + c);
+        } else {
+            zero8(o[u]);
+            zero8(g[u]);
+        }
     }
 #pragma unroll
-    for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, s);
-    if (lane == 0) {
-        const int h = (int)(row % p.heads);
-        const long long bi = row / p.heads; // b * q_len + i
-        const int i = (int)(bi % p.q_len);
-        const long long bb = bi / p.q_len;
-        p.delta[(bb * p.heads + h) * p.q_len + i] = acc;
+    for (int u = 0; u < DELTA_GROUPS; u++) {
+        float x[8], y[8], acc = 0.f;
+        as_f32x8(x, o[u]);
+        as_f32x8(y, g[u]);
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc += x[i] * y[i];
+        for (int s = p.lanes >> 1; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, s);
+        const long long row = row0 + u * per_group;
+        if (sub == 0 && row < p.rows) {
+            const int h = (int)(row % p.heads);
+            const long long bi = row / p.heads; // b * q_len + i
+            const int i = (int)(bi % p.q_len);
+            const long long bb = bi / p.q_len;
+            p.delta[(bb * p.heads + h) * p.q_len + i] = acc;
+        }
     }
 }
 extern "C" __global__ void __launch_bounds__(256) delta_o_elem(const DeltaParams p) { row_delta<elem_t>(p); }

@@ -112,7 +112,8 @@ struct DeltaParams {
     const elem_t* dout;
     float* delta;
     long long rows; // batch * q_len * heads
-    int head_dim, q_len, heads, pad_;
+    int head_dim, q_len, heads;
+    int lanes; // lanes a row: head_dim / 8 rounded up to a power of two, at most 32
 };
 
 // A merge of a partial (O, LSE) into accumulators (f32, O rows of d values): rows (b, h, t) for
