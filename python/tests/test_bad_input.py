@@ -74,3 +74,19 @@ def test_a_failed_call_leaves_the_library_usable():
     with pytest.raises(ValueError):
         distattn.attention(Q, K, V, mask="docs:1")
     assert torch.isfinite(distattn.attention(Q, K, V, mask="causal")).all()
+
+
+def test_backward_workspace_contract():
+    # A CPU backward takes no workspace; a GPU one takes delta, and the f32 dQ sums only where
+    # backward_dq_workspace asks for them: never the sums without delta.
+    from distattn import _native
+    from distattn._ops import _desc
+
+    assert _native.backward_dq_workspace(_desc(Q)) is False
+    o, d_o, dq = (torch.zeros_like(Q) for _ in range(3))
+    dk, dv = torch.zeros_like(K), torch.zeros_like(V)
+    lse = torch.zeros(Q.shape[0], Q.shape[2], Q.shape[1])
+    dq_acc = torch.zeros_like(Q)
+    descs = [_desc(t) for t in (Q, K, V, o, lse, d_o, dq, dk, dv)]
+    with pytest.raises(ValueError, match="without delta"):
+        _native.backward(*descs, None, _desc(dq_acc), "full", None, None, 0)
