@@ -88,10 +88,10 @@ impl E4m3Tiling {
     }
 }
 
-/// Below this many waves of a forward's blocks in its tiling for long grids (one block an SM),
-/// the last wave's idle SMs cost more than the slower blocks of its tiling for short grids
-/// (taller blocks, fewer of them, are the faster per block where a forward has two: FP8's
-/// [`E4m3Tiling`], d 96's [`KernelConfig::fwd_short`]).
+/// Below this many waves of the FP8 forward's blocks in its tiling for long grids (one block an
+/// SM), the last wave's idle SMs cost more than the slower blocks of its tiling for short grids
+/// ([`E4m3Tiling`]: taller blocks, fewer of them, are the faster per block). (The bf16/f16
+/// forward weighs its two tilings' waves instead: [`KernelConfig::fwd_for_grid`].)
 pub const SHORT_GRID_WAVES: usize = 6;
 
 /// Whether a forward grid of `blocks` blocks (of its long-grid tiling) on `sms` multiprocessors
@@ -132,6 +132,9 @@ pub struct KernelConfig {
     /// grids (`flash_fwd_ws_short`, see [`KernelConfig::fwd_short`]), or 0 where it has none.
     pub fwd_short_warps: usize,
     pub fwd_short_bn: usize,
+    /// That tiling's time per query row where quantization does not matter (long grids), in %
+    /// of this one's: what [`KernelConfig::fwd_for_grid`] weighs the waves of each by.
+    pub fwd_short_cost: usize,
     /// Warps of the decode kernel (`flash_decode`), 16 keys of each K/V tile each.
     pub dec_warps: usize,
     /// K/V tile stages of the decode kernel: as many as fit the arch's shared memory, 2 to 6.
@@ -142,7 +145,8 @@ pub struct KernelConfig {
 /// "fwd_warps=8,fwd_mr=1,bwd_bm=64" or "fwd_wg=0,bwd_wg=0"; `e4m3_rows=128` or `192` fixes the
 /// FP8 forward's tiling, see `CudaBackend::set_e4m3_tiling`; `fwd_short=0` or `1` whether the
 /// bf16/f16 forward takes its short-grid tiling, see `CudaBackend::set_fwd_short`, and
-/// `fwd_short_warps` / `fwd_short_bn` set that tiling, 0 for none); malformed entries are ignored.
+/// `fwd_short_warps` / `fwd_short_bn` set that tiling, 0 for none, and `fwd_short_cost` its cost
+/// per row); malformed entries are ignored.
 pub(crate) fn kcfg_overrides() -> std::collections::HashMap<String, usize> {
     std::env::var("DISTATTN_KCFG")
         .unwrap_or_default()
@@ -191,6 +195,7 @@ impl KernelConfig {
             fwd_wg: false,
             fwd_short_warps: 0,
             fwd_short_bn: 0,
+            fwd_short_cost: 100,
             dec_warps: if head_dim > 128 { 4 } else { 8 },
             dec_stages: 2,
         };
@@ -286,38 +291,54 @@ impl KernelConfig {
                     _ => 128,
                 };
             }
-            // d 96's three-consumer blocks of 192 rows lose on grids of few waves (H100, full
-            // masks: 4k 16 heads, 2.7 waves, 7% slower; 8k, 5.2 waves, 3%), where two consumers
-            // over 192 keys (128 rows) run instead.
-            let (warps, bn) = if self.head_dim == 96 { (8, 192) } else { (0, 0) };
+            // Where three consumers' blocks of 192 rows leave the last wave's SMs idle, a second
+            // tiling (H100, kernel time, against the long-grid tiling on long grids):
+            // - d 96: two consumers over 192 keys (128-row blocks; 4k and 8k with 16 heads 3-7%
+            //   faster, 16k 3.6-5.9% slower);
+            // - d 64: four over 64 keys (256-row blocks, 112 registers a consumer thread, which
+            //   hold no more keys; 4k-8k full masks 5-13.5% faster, 16k 4-7% slower).
+            let (warps, bn, cost) = match self.head_dim {
+                64 => (16, 64, 108),
+                96 => (8, 192, 105),
+                _ => (0, 0, 100),
+            };
             self.fwd_short_warps = o.get("fwd_short_warps").copied().unwrap_or(warps);
             self.fwd_short_bn = o.get("fwd_short_bn").copied().unwrap_or(bn);
+            self.fwd_short_cost = o.get("fwd_short_cost").copied().unwrap_or(cost);
         }
         self
     }
 
     /// The warp-specialized forward's tiling for short grids (`flash_fwd_ws_short`), as a
     /// configuration whose `fwd_warps` and `fwd_bn` are that tiling's, where the module has one
-    /// (d 96 on sm_90a). A launch takes it where its grid of `fwd_bm()`-row blocks would make
-    /// fewer than [`SHORT_GRID_WAVES`] waves; both compute the same result.
+    /// (d 64 and 96 on sm_90a). A launch takes it where [`KernelConfig::fwd_for_grid`] says;
+    /// both compute the same result.
     pub fn fwd_short(&self) -> Option<KernelConfig> {
         (self.fwd_wg && self.fwd_short_warps > 0 && self.fwd_short_bn > 0).then_some(KernelConfig {
             fwd_warps: self.fwd_short_warps,
             fwd_bn: self.fwd_short_bn,
             fwd_short_warps: 0,
             fwd_short_bn: 0,
+            fwd_short_cost: 100,
             ..*self
         })
     }
 
-    /// The configuration a forward of `blocks` blocks of this configuration's tiling on `sms`
-    /// multiprocessors runs: its tiling for short grids where it has one and the grid is short
-    /// ([`short_grid`]), or as `fixed` says (`Some(true)`: the short tiling wherever there is
-    /// one), else this one.
-    pub fn fwd_for_grid(&self, sms: usize, blocks: usize, fixed: Option<bool>) -> KernelConfig {
-        match self.fwd_short() {
-            Some(short) if fixed.unwrap_or_else(|| short_grid(sms, blocks)) => short,
-            _ => *self,
+    /// The configuration a forward of `q_len` query rows for each of `pairs` (batch entry,
+    /// query head) runs on `sms` multiprocessors: its tiling for short grids where it has one
+    /// and that takes less time by the waves each makes (a wave's time: its block's rows times
+    /// the tiling's cost per row, `fwd_short_cost`), or as `fixed` says (`Some(true)`: the
+    /// short tiling wherever there is one), else this one. (The last wave of a grid takes as
+    /// long as a full one, so the tiling with the taller blocks can win where it fills its
+    /// waves better, as d 64's does at 4k and 8k.)
+    pub fn fwd_for_grid(&self, sms: usize, q_len: usize, pairs: usize, fixed: Option<bool>) -> KernelConfig {
+        let Some(short) = self.fwd_short() else { return *self };
+        let waves_time =
+            |c: &KernelConfig, cost: usize| (q_len.div_ceil(c.fwd_bm()) * pairs).div_ceil(sms) * c.fwd_bm() * cost;
+        if fixed.unwrap_or_else(|| waves_time(&short, self.fwd_short_cost) < waves_time(self, 100)) {
+            short
+        } else {
+            *self
         }
     }
 
@@ -872,13 +893,14 @@ mod tests {
             assert!(h.bwd_smem() <= 227 * 1024, "{h:?} bwd smem {}", h.bwd_smem());
             assert_eq!(h.bwd_dq_by_query(), c.head_dim > 128);
             assert_eq!(c.fwd_bn % 32, 0);
-            // A tiling for short grids at d 96 on Hopper only, itself without one.
-            assert_eq!(h.fwd_short().is_some(), c.head_dim == 96, "{h:?}");
+            // A tiling for short grids at d 64 and 96 on Hopper only, itself without one.
+            assert_eq!(h.fwd_short().is_some(), matches!(c.head_dim, 64 | 96), "{h:?}");
             assert!(c.for_arch("sm_80").fwd_short().is_none());
             if let Some(s) = h.fwd_short() {
                 assert!(s.fwd_smem() <= 227 * 1024, "{s:?} fwd smem {}", s.fwd_smem());
                 assert_eq!(s.fwd_short(), None);
-                assert!(s.fwd_bm() < h.fwd_bm());
+                assert_ne!(s.fwd_bm(), h.fwd_bm());
+                assert!(h.fwd_short_cost > 100, "{h:?}: the long grids' tiling is the faster per row");
                 assert!(h.defines().contains(&format!("-DFWD_SHORT_WARPS={}", s.fwd_warps)));
             } else {
                 assert!(h.defines().contains(&"-DFWD_SHORT_WARPS=0".to_string()));
@@ -892,23 +914,32 @@ mod tests {
     #[test]
     fn forward_tiling_follows_the_grid_size() {
         let sms = 132;
-        let d96 = KernelConfig::new(DType::BF16, 96).unwrap().for_arch("sm_90a");
-        let short = d96.fwd_short().expect("d 96 has a short-grid tiling on sm_90a");
-        assert_eq!((d96.fwd_bm(), d96.fwd_bn, short.fwd_bm(), short.fwd_bn), (192, 96, 128, 192));
-        let blocks = |n: usize, heads: usize| n.div_ceil(d96.fwd_bm()) * heads;
-        // 4k and 8k with 16 heads are under 6 waves of 192-row blocks (352, 688), 8k with 32
-        // heads and 16k are not (1376).
-        for (n, heads, is_short) in [(4096, 16, true), (8192, 16, true), (8192, 32, false), (16384, 16, false)] {
-            let want = if is_short { short } else { d96 };
-            assert_eq!(d96.fwd_for_grid(sms, blocks(n, heads), None), want, "{n} x {heads}");
+        let hopper = |d| KernelConfig::new(DType::BF16, d).unwrap().for_arch("sm_90a");
+        let (d64, d96) = (hopper(64), hopper(96));
+        let (s64, s96) = (d64.fwd_short().expect("d 64 has one"), d96.fwd_short().expect("d 96 has one"));
+        assert_eq!((d96.fwd_bm(), d96.fwd_bn, s96.fwd_bm(), s96.fwd_bn), (192, 96, 128, 192));
+        assert_eq!((d64.fwd_bm(), d64.fwd_bn, s64.fwd_bm(), s64.fwd_bn), (192, 128, 256, 64));
+        // What H100 runs measured: 4k with 16 and 32 heads and 8k with 16 take the short tilings
+        // (d 96: 352 blocks of 192 rows, 3 waves, against 512 of 128, 4; d 64 against 256 blocks
+        // of 256 rows, 2 waves), 8k with 32 heads and 16k do not.
+        for (n, heads, is_short) in
+            [(4096, 16, true), (4096, 32, true), (8192, 16, true), (8192, 32, false), (16384, 16, false)]
+        {
+            for (long, short) in [(d64, s64), (d96, s96)] {
+                let want = if is_short { short } else { long };
+                assert_eq!(long.fwd_for_grid(sms, n, heads, None), want, "d {} {n} x {heads}", long.head_dim);
+            }
         }
-        assert_eq!(d96.fwd_for_grid(sms, blocks(16384, 16), Some(true)), short);
-        assert_eq!(d96.fwd_for_grid(sms, blocks(4096, 16), Some(false)), d96);
+        // Taller blocks fill fewer waves here: 2400 rows of 16 heads make 208 blocks of 192 rows
+        // (2 waves) and 160 of 256 (2 waves too, of longer blocks).
+        assert_eq!(d64.fwd_for_grid(sms, 2400, 16, None), d64);
+        assert_eq!(d96.fwd_for_grid(sms, 16384, 16, Some(true)), s96);
+        assert_eq!(d96.fwd_for_grid(sms, 4096, 16, Some(false)), d96);
         // Without a short tiling (d 128; d 96 off Hopper) the configuration is its own.
-        let d128 = KernelConfig::new(DType::BF16, 128).unwrap().for_arch("sm_90a");
-        assert_eq!(d128.fwd_for_grid(sms, 1, Some(true)), d128);
+        let d128 = hopper(128);
+        assert_eq!(d128.fwd_for_grid(sms, 1, 1, Some(true)), d128);
         let d96_80 = KernelConfig::new(DType::BF16, 96).unwrap().for_arch("sm_80");
-        assert_eq!(d96_80.fwd_for_grid(sms, 1, None), d96_80);
+        assert_eq!(d96_80.fwd_for_grid(sms, 1, 1, None), d96_80);
     }
 
     #[test]

@@ -231,8 +231,7 @@ impl CudaBackend {
         shape: &AttnShape,
     ) -> (KernelConfig, &'k CudaFunction) {
         let fixed = *self.fwd_short.lock().unwrap_or_else(|e| e.into_inner());
-        let blocks = shape.q_len.div_ceil(cfg.fwd_bm()) * shape.heads * shape.batch;
-        let chosen = cfg.fwd_for_grid(self.sms, blocks, fixed);
+        let chosen = cfg.fwd_for_grid(self.sms, shape.q_len, shape.heads * shape.batch, fixed);
         match &kern.fwd_short {
             Some(f) if chosen != cfg => (chosen, f),
             _ => (cfg, &kern.fwd),

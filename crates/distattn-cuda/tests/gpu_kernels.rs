@@ -91,7 +91,7 @@ fn kernels_match_the_f64_reference() {
     let mut failures = Vec::new();
     let mut n = 0;
     for d in [64, 128, 96, 192, 256] {
-        // Where the forward has a second tiling for short grids (d 96 on Hopper), every case
+        // Where the forward has a second tiling for short grids (d 64 and 96 on Hopper), every case
         // runs on both: the cases' grids are all short, so the default would test only one.
         let has_short = KernelConfig::new(DType::BF16, d).unwrap().for_arch(gpu.arch()).fwd_short().is_some();
         let tilings: &[Option<bool>] = if has_short { &[Some(true), Some(false)] } else { &[None] };

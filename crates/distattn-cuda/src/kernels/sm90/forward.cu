@@ -9,19 +9,21 @@
 // primitives.cuh). Per key tile (Ops::BN keys; in bf16/f16 FWD_BN: 128 at d 64, 96 at d 96 (what
 // three consumers' registers hold), 192 at d 128; above d 128, where O takes 96 or 128 registers
 // a thread, as many as two stages of K and V fit beside Q in the shared memory: 96 at d 192, 80
-// at d 256; d 96's short-grid tiling, two consumers over 192 keys) and
+// at d 256; the short-grid tilings: at d 96 two consumers over 192 keys, at d 64 four over 64) and
 // consumer warpgroup: S = Q K^T (shared x shared), online softmax in registers,
 // O += P V with P as the register A operand and V read N-major. The P V product of tile e-1
 // runs on the tensor cores while the softmax of tile e runs on the other pipes.
 
-// The block's consumer warpgroups (NC, 2 or 3), its query rows (BM = 64 NC) and threads, and
+// The block's consumer warpgroups (NC, 2 to 4), its query rows (BM = 64 NC) and threads, and
 // the registers a consumer thread takes from the producer warpgroup's (24 left a producer
-// thread): the most that fit the 64K of an SM, in steps of 8 (2: 240, 3: 160).
+// thread): the most that the block's registers at launch (the most of the SM's 64K that its
+// threads get, 8 at a time) hold, in steps of 8 (2: 240, 3: 160, 4: 112). setmaxnreg moves
+// registers within the block only: asking for more than it holds waits forever.
 template <int NC_>
 struct FwdConsumers {
     static constexpr int NC = NC_, BM = 64 * NC_, THREADS = 128 * (1 + NC_);
-    static constexpr int REGS = (65536 / 128 - 24) / NC_ / 8 * 8;
-    static_assert(NC_ == 2 || NC_ == 3, "2 or 3 consumer warpgroups (setmaxnreg takes at most 256)");
+    static constexpr int REGS = (65536 / THREADS / 8 * 8 * THREADS - 24 * 128) / (128 * NC_) / 8 * 8;
+    static_assert(NC_ >= 2 && NC_ <= 4, "2 to 4 consumer warpgroups (setmaxnreg takes at most 256)");
 };
 #define LAZY_MAX (D == 128) // see fwd_softmax
 #define FW_STAGES 2          // K/V stages (see FwdPipe)
