@@ -26,7 +26,7 @@ impl CudaBackend {
         if shape.q_len > i32::MAX as usize / 2 || shape.k_len > i32::MAX as usize / 2 {
             return Err(Error::invalid("sequence length", "too long for 32-bit tile indices"));
         }
-        Ok(KernelConfig::new(dtype, shape.head_dim)?.for_arch(self.arch()))
+        self.kernel_config(dtype, shape.head_dim)
     }
 
     /// The buffer's address after checking its length and alignment.
@@ -261,7 +261,7 @@ impl CudaBackend {
     /// workspace of [`crate::external::ExternalBackward`] (`dq_acc`). Where it does not, its kernel computes
     /// each dQ row whole and writes it in `dtype` (above d 128 on Hopper).
     pub fn backward_dq_workspace(&self, dtype: DType, head_dim: usize) -> Result<bool> {
-        Ok(!KernelConfig::new(dtype, head_dim)?.for_arch(self.arch()).bwd_dq_by_query())
+        Ok(!self.kernel_config(dtype, head_dim)?.bwd_dq_by_query())
     }
 
     /// The addresses of a dK/dV launch over `shape`: Q, K, V, dO (of `T`), LSE, and dK, dV (f32

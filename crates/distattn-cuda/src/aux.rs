@@ -88,9 +88,10 @@ pub struct AuxKernels {
     pub(crate) append_kv: CudaFunction,
 }
 
-/// One block of 256 threads per `per_block` items.
-/// Blocks of 256 threads, `per_block` items each, over `items`; `None` for no items (a grid of
-/// no blocks is a launch error: a rank holding no rows of a step has nothing to launch).
+/// Row groups each warp of the row delta takes, every load issued before the first product
+/// (`DELTA_GROUPS` in aux.cu, defined from this).
+pub(crate) const DELTA_GROUPS: usize = 4;
+
 /// Lanes of the row delta's warps that read one row of `head_dim` values, 8 each: head_dim / 8
 /// rounded up to a power of two; the kernel takes multiples of 8 up to 256.
 fn delta_lanes(head_dim: usize) -> Result<usize> {
@@ -102,6 +103,8 @@ fn delta_lanes(head_dim: usize) -> Result<usize> {
     Ok((head_dim / 8).next_power_of_two())
 }
 
+/// Blocks of 256 threads, `per_block` items each, over `items`; `None` for no items (a grid of
+/// no blocks is a launch error: a rank holding no rows of a step has nothing to launch).
 fn blocks_of_256(items: usize, per_block: usize) -> Option<LaunchConfig> {
     (items > 0).then(|| LaunchConfig {
         grid_dim: (items.div_ceil(per_block) as u32, 1, 1),
@@ -194,13 +197,13 @@ impl AuxKernels {
             heads: shape.heads as i32,
             lanes: lanes as i32,
         };
-        // 8 warps a block, each DELTA_GROUPS (4) groups of 32 / lanes rows.
-        let Some(cfg) = blocks_of_256(rows, 8 * 4 * (32 / lanes)) else { return Ok(()) };
+        // 8 warps a block, each DELTA_GROUPS groups of 32 / lanes rows.
+        let Some(cfg) = blocks_of_256(rows, 8 * DELTA_GROUPS * (32 / lanes)) else { return Ok(()) };
         // SAFETY: the kernels take one DeltaParams by value (its layout is asserted against
         // params.cuh at every compile); `lanes` lanes read one row of head_dim values (a
         // multiple of 8 up to 256: checked by delta_lanes) of O and dO in 16-byte loads, the
-        // rows 16-byte aligned (as the buffers are, under this function's contract), and one writes its f32 of delta, rows < `rows` only (the
-        // grid covers them); the addresses are the caller's, under this function's contract.
+        // rows 16-byte aligned (as the buffers are, under this function's contract), and one
+        // writes its f32 of delta, rows < `rows` only (the grid covers them).
         unsafe { s.launch_builder(f).arg(&p).launch(cfg) }.map_err(drv("launching the row delta"))?;
         Ok(())
     }

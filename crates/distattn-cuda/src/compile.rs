@@ -704,7 +704,10 @@ impl ModuleKind {
                 o.push("--use_fast_math".into());
                 o.extend(cfg.defines());
             }
-            ModuleKind::Aux(dtype) => o.push(dtype_define(*dtype)),
+            ModuleKind::Aux(dtype) => {
+                o.push(dtype_define(*dtype));
+                o.push(format!("-DDELTA_GROUPS={}", crate::aux::DELTA_GROUPS));
+            }
         }
         for i in includes {
             o.push(format!("--include-path={}", i.display()));

@@ -257,12 +257,17 @@ impl CudaBackend {
         self.stream.synchronize().map_err(driver_err("synchronize"))
     }
 
+    /// The kernel configuration of `dtype` and `head_dim` on this GPU's architecture.
+    pub(crate) fn kernel_config(&self, dtype: DType, head_dim: usize) -> Result<KernelConfig> {
+        Ok(KernelConfig::new(dtype, head_dim)?.for_arch(&self.arch))
+    }
+
     pub(crate) fn kernels(&self, dtype: DType, head_dim: usize) -> Result<Arc<Kernels>> {
         let mut map = self.modules.lock().map_err(|_| poisoned("kernel module"))?;
         if let Some(k) = map.get(&(dtype, head_dim)) {
             return Ok(k.clone());
         }
-        let cfg = KernelConfig::new(dtype, head_dim)?.for_arch(&self.arch);
+        let cfg = self.kernel_config(dtype, head_dim)?;
         let compiled = compile::compile_module(&ModuleKind::Flash(cfg), &self.arch, false)?;
         let module = self
             .ctx

@@ -51,13 +51,16 @@ fn cases() -> Vec<Case> {
 }
 
 /// Errors of one case: O (the dtype output and the f32 copy), LSE, dQ, dK and dV.
+/// Fresh random Q, K, V and dO of `shape` (unit normal, rounded to `T`).
+fn inputs<T: CudaElement>(rng: &mut StdRng, shape: &AttnShape) -> [Vec<T>; 4] {
+    let (nq, nk) = (shape.q_elems(), shape.kv_elems());
+    [nq, nk, nk, nq].map(|n| cast(&randn(rng, n, 1.0)))
+}
+
 fn errors<T: CudaElement>(gpu: &CudaBackend, c: &Case, d: usize, rng: &mut StdRng) -> Vec<(&'static str, f64)> {
     let shape = AttnShape::new(c.batch, c.mask.q_len(), c.mask.k_len(), c.heads, c.kv_heads, d).unwrap();
     let opts = AttnOptions::default();
-    let q: Vec<T> = cast(&randn(rng, shape.q_elems(), 1.0));
-    let k: Vec<T> = cast(&randn(rng, shape.kv_elems(), 1.0));
-    let v: Vec<T> = cast(&randn(rng, shape.kv_elems(), 1.0));
-    let d_o: Vec<T> = cast(&randn(rng, shape.q_elems(), 1.0));
+    let [q, k, v, d_o] = inputs::<T>(rng, &shape);
     let s = gpu.stream();
     let up = |x: &[T]| s.clone_htod(x).unwrap();
     let (gq, gk, gv, gd_o) = (up(&q), up(&k), up(&v), up(&d_o));
@@ -141,9 +144,7 @@ fn merge_of_key_halves_equals_the_whole() {
         let (nq, nk, h, split) = (300usize, 410usize, 4usize, 170usize);
         let mask = Mask::causal(nq, nk).unwrap();
         let shape = AttnShape::new(1, nq, nk, h, h, d).unwrap();
-        let q: Vec<bf16> = cast(&randn(&mut rng, shape.q_elems(), 1.0));
-        let k: Vec<bf16> = cast(&randn(&mut rng, shape.kv_elems(), 1.0));
-        let v: Vec<bf16> = cast(&randn(&mut rng, shape.kv_elems(), 1.0));
+        let [q, k, v, _] = inputs::<bf16>(&mut rng, &shape);
         let (mut o_parts, mut lse_parts) = (Vec::new(), Vec::new());
         for (a, b) in [(0, split), (split, nk)] {
             let sub = AttnShape::new(1, nq, b - a, h, h, d).unwrap();
@@ -187,10 +188,7 @@ fn backward_blocks_over_key_halves_add_up_to_the_whole() {
         let (nq, nk, h, hkv, split) = (300usize, 410usize, 4usize, 2usize, 170usize);
         let mask = Mask::causal(nq, nk).unwrap();
         let shape = AttnShape::new(1, nq, nk, h, hkv, d).unwrap();
-        let q: Vec<bf16> = cast(&randn(&mut rng, shape.q_elems(), 1.0));
-        let k: Vec<bf16> = cast(&randn(&mut rng, shape.kv_elems(), 1.0));
-        let v: Vec<bf16> = cast(&randn(&mut rng, shape.kv_elems(), 1.0));
-        let d_o: Vec<bf16> = cast(&randn(&mut rng, shape.q_elems(), 1.0));
+        let [q, k, v, d_o] = inputs::<bf16>(&mut rng, &shape);
         let r = reference::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
         let g = reference::backward(&q, &k, &v, &d_o, &shape, &mask, &opts).unwrap();
         // The global LSE and D = rowsum(dO * O) (`[b, h, nq]`), from the reference's O.

@@ -13,8 +13,7 @@ __device__ __forceinline__ float to_f32(float x) { return x; }
 
 // ---------------------------------------------------------------- backward: delta = rowsum(dO * O)
 
-// 8 consecutive values (16-byte aligned) as loaded: of the element type, or f32, and their
-// dot product with another 8 as f32.
+// 8 consecutive values (16-byte aligned) as loaded, of the element type or f32, and as f32.
 template <typename T> struct Chunk8;
 template <> struct Chunk8<elem_t> { uint4 v; };
 template <> struct Chunk8<float> { float4 a, b; };
@@ -37,8 +36,8 @@ __device__ __forceinline__ void as_f32x8(float (&f)[8], const Chunk8<float>& x) 
     f[0] = x.a.x, f[1] = x.a.y, f[2] = x.a.z, f[3] = x.a.w, f[4] = x.b.x, f[5] = x.b.y, f[6] = x.b.z, f[7] = x.b.w;
 }
 
-// Row groups a warp takes, every load issued before the first product.
-#define DELTA_GROUPS 4
+// DELTA_GROUPS (defined by the host, src/aux.rs): row groups a warp takes, every load issued
+// before the first product.
 // p.lanes lanes a row (a power of two, head_dim / 8 rounded up: some idle at d 96 and 192), 8
 // columns a lane, 16-byte loads; a warp takes DELTA_GROUPS groups of 32 / p.lanes rows, so that
 // enough bytes are in flight to run at the memory's rate. (One warp a row, 4 bytes a lane, ran
