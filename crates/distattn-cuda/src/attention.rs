@@ -130,31 +130,34 @@ impl CudaBackend {
         let kern = self.kernels(dtype, shape.head_dim)?;
         let (cfg, f) = self.fwd_tiling(cfg, &kern, shape);
         let tiles = self.tiles(mask, cfg.fwd_bm(), cfg.fwd_bn, false)?;
-        let p = fwd_params(s, t, &tiles, shape, opts, self.sm_count())?;
+        let p = fwd_params(s, t, &tiles, shape, opts, self.sm_count(), cfg.fwd_prefetch)?;
         let launch_cfg = fwd_grid(&tiles, shape, cfg.fwd_threads(), cfg.fwd_smem())?;
         let mut launch = s.launch_builder(f);
         launch.arg(&p);
         let maps;
         if cfg.fwd_wg {
-            // The warp-specialized kernel loads Q, K and V through TMA tensor maps.
+            // The warp-specialized kernel loads Q, K and V through TMA tensor maps and stores O
+            // by TMA in boxes of 64 rows (a consumer's) where it writes O alone (no f32 copy, no
+            // merge). Where o is 0 it writes no O and reads no map of it: Q's stands in.
             let (bm, bn) = (cfg.fwd_bm() as u32, cfg.fwd_bn as u32);
-            let kv_rows = tma::RowsTensor::of_keys(shape);
+            let (q_rows, kv_rows) = (tma::RowsTensor::of_queries(shape), tma::RowsTensor::of_keys(shape));
             maps = [
-                tma::TensorMap::rows(p.q, tma::RowsTensor::of_queries(shape), dtype, bm)?,
+                tma::TensorMap::rows(p.q, q_rows, dtype, bm)?,
                 tma::TensorMap::rows(p.k, kv_rows, dtype, bn)?,
                 tma::TensorMap::rows(p.v, kv_rows, dtype, bn)?,
+                tma::TensorMap::rows(if p.o != 0 { p.o } else { p.q }, q_rows, dtype, 64)?,
             ];
             for m in &maps {
                 launch.arg(m);
             }
         }
-        // SAFETY: the kernel takes FwdParams (and, warp-specialized, the three tensor maps) by
+        // SAFETY: the kernel takes FwdParams (and, warp-specialized, the four tensor maps) by
         // value, layouts asserted against params.cuh at every compile. Every address in it holds
         // what `shape` says, 16-byte aligned (this function's contract), with sizes that fit its
         // i32 fields (check_common); the tile plan was built for this mask and these tile sizes
         // and is complete on the device (DeviceTiles), where `tiles` keeps it alive until the
-        // launch (an evicted plan is freed after every stream's work). The maps describe q, k and
-        // v as those buffers.
+        // launch (an evicted plan is freed after every stream's work). The maps describe q, k, v
+        // and o (q where o is 0: the kernel then writes no O) as those buffers.
         unsafe { launch.launch(launch_cfg) }.map_err(driver_err("launching the forward kernel"))?;
         Ok(())
     }
@@ -562,7 +565,8 @@ impl CudaBackend {
 }
 
 /// The forward kernels' parameters for the tensors at `t`, the tile plan `tiles` and `shape`,
-/// on a GPU of `sms` multiprocessors.
+/// on a GPU of `sms` multiprocessors; `prefetch`: whether each block prefetches the Q tile of the
+/// block a wave later (the warp-specialized kernel, one block an SM).
 pub(crate) fn fwd_params(
     s: &CudaStream,
     t: &ForwardPtrs,
@@ -570,6 +574,7 @@ pub(crate) fn fwd_params(
     shape: &AttnShape,
     opts: &AttnOptions,
     sms: usize,
+    prefetch: bool,
 ) -> Result<FwdParams> {
     Ok(FwdParams {
         q: t.q,
@@ -590,6 +595,7 @@ pub(crate) fn fwd_params(
         scale_log2: opts.scale_for(shape.head_dim)? * LOG2E,
         group: launch_group(tiles, shape.heads / shape.kv_heads, shape, sms),
         merge: i32::from(t.merge),
+        prefetch: if prefetch { i32::try_from(sms).unwrap_or(0) } else { 0 },
     })
 }
 

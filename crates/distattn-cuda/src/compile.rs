@@ -135,6 +135,10 @@ pub struct KernelConfig {
     /// That tiling's time per query row where quantization does not matter (long grids), in %
     /// of this one's: what [`KernelConfig::fwd_for_grid`] weighs the waves of each by.
     pub fwd_short_cost: usize,
+    /// Whether each block of the warp-specialized forward prefetches into the L2 the Q tile of
+    /// the block a wave later in the launch order (`FwdParams::prefetch`; `fwd_prefetch=0` in
+    /// `DISTATTN_KCFG` turns it off).
+    pub fwd_prefetch: bool,
     /// Warps of the decode kernel (`flash_decode`), 16 keys of each K/V tile each.
     pub dec_warps: usize,
     /// K/V tile stages of the decode kernel: as many as fit the arch's shared memory, 2 to 6.
@@ -196,6 +200,7 @@ impl KernelConfig {
             fwd_short_warps: 0,
             fwd_short_bn: 0,
             fwd_short_cost: 100,
+            fwd_prefetch: false,
             dec_warps: if head_dim > 128 { 4 } else { 8 },
             dec_stages: 2,
         };
@@ -305,6 +310,7 @@ impl KernelConfig {
             self.fwd_short_warps = o.get("fwd_short_warps").copied().unwrap_or(warps);
             self.fwd_short_bn = o.get("fwd_short_bn").copied().unwrap_or(bn);
             self.fwd_short_cost = o.get("fwd_short_cost").copied().unwrap_or(cost);
+            self.fwd_prefetch = !off("fwd_prefetch");
         }
         self
     }

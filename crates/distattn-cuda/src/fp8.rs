@@ -201,7 +201,7 @@ impl CudaBackend {
         let tiles = self.tiles(mask, bm, bn, false)?;
         let f = ForwardPtrs { q: t.q, k: t.k, v: t.v, o: t.o, o_f32: 0, lse: t.lse, merge: false };
         let p = E4m3FwdParams {
-            f: fwd_params(s, &f, &tiles, shape, opts, self.sm_count())?,
+            f: fwd_params(s, &f, &tiles, shape, opts, self.sm_count(), kern.cfg.fwd_prefetch)?,
             q_descale: t.q_descale,
             k_descale: t.k_descale,
             v_descale: t.v_descale,

@@ -65,6 +65,8 @@ kernel_params! {
         group: i32,
         // o_f32 and lse hold a partial result to merge into (sm_90a warp-specialized kernel)
         merge: i32,
+        // launch-order distance to the block whose Q tile a block prefetches into the L2 (0: none)
+        prefetch: i32,
     }
 
     /// The FP8 forward's (`flash_fwd_e4m3_*`): the forward's, and per-(batch, KV head) f32
@@ -330,6 +332,6 @@ mod tests {
         let fwd = PARAM_LAYOUTS.iter().find(|l| l.name == "FwdParams").unwrap();
         let short = StructLayout { size: fwd.size - 8, fields: &fwd.fields[..fwd.fields.len() - 2], ..*fwd };
         let err = compile_with(&[short]).expect_err("a short struct must fail").to_string();
-        assert!(err.contains("FwdParams: 96 bytes on the host"), "{err}");
+        assert!(err.contains("FwdParams: 104 bytes on the host"), "{err}");
     }
 }

@@ -24,6 +24,7 @@ struct FwdParams {
     float scale_log2;
     int group; // (batch, KV head) pairs per group of the launch order (grid_slot)
     int merge; // o_f32 and lse hold a partial result to merge into (sm_90a warp-specialized kernel)
+    int prefetch; // launch-order distance to the block whose Q tile a block prefetches into the L2 (0: none)
 };
 
 // The launch order of the attention kernels' one-dimensional grids. Blocks start in launch
@@ -54,12 +55,13 @@ __device__ __forceinline__ GridSlot grid_slot(int n_ranks, int subs, int pairs, 
 // heaviest under a causal mask), subs = the G query heads of a KV head, which read the same
 // K/V tiles side by side.
 struct FwdBlock { int qt, h, kvh, b; };
-__device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p) {
+__device__ __forceinline__ FwdBlock fwd_block_at(const FwdParams& p, unsigned block) {
     const int G = p.heads / p.kv_heads;
-    const GridSlot s = grid_slot(p.n_tiles, G, p.batch * p.kv_heads, p.group);
+    const GridSlot s = grid_slot_at(block, p.n_tiles, G, p.batch * p.kv_heads, p.group);
     const int kvh = s.pair % p.kv_heads;
     return {p.n_tiles - 1 - s.rank, kvh * G + s.sub, kvh, s.pair / p.kv_heads};
 }
+__device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p) { return fwd_block_at(p, blockIdx.x); }
 
 // The FP8 forward's (`flash_fwd_e4m3_*`): the forward's (q, k, v: e4m3, v transposed; o: the
 // module's dtype), and per-(batch, KV head) f32 descales of Q, K and V (null: 1).

@@ -85,13 +85,20 @@ __device__ __forceinline__ void fwd_rescale(float (&o)[D / 2], const float (&alp
     }
 }
 
+// Where a consumer's O goes through shared memory (fwd_ws, `on`): its 64 rows of the Q tile, of
+// DK / 64 column blocks `block` bytes apart; addr: the thread's first row in column block 0, at
+// byte 4t of a 16-byte chunk (before the swizzle).
+struct FwdOTile { bool on; u32 addr, block; };
+
 // Normalises (and multiplies by o_scale) and writes the thread's two output rows (row, row + 8)
-// of O (and the optional f32 copy) and their LSE. With p.merge, o_f32 and lse hold an earlier
+// of O (and the optional f32 copy) and their LSE: O's element-type copy into the consumer's tile
+// ot where it has one, for fwd_ws to store by TMA. With p.merge, o_f32 and lse hold an earlier
 // partial result of these rows, and the rows are merged into it by LSE weights instead (what the
 // executor's separate merge kernel would do). O's element-type copy is skipped where p.o is null
 // (merging only).
 __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D / 2], const float (&m)[2],
-                                          const float (&l)[2], int b, int h, int row0, int t, float o_scale) {
+                                          const float (&l)[2], int b, int h, int row0, int t, float o_scale,
+                                          FwdOTile ot) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float lt = l[r];
@@ -113,6 +120,15 @@ __device__ __forceinline__ void fwd_store(const FwdParams& p, const float (&o)[D
         }
         if (row >= p.q_len) continue;
         if (t == 0) p.lse[li] = lse;
+        if (ot.on) {
+            // Rows r0 and r0 + 8 share the swizzle (r0 % 8 = g): column chunk i % 8 at (i % 8) ^ g.
+            const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i)
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ot.addr + (i >> 3) * ot.block + r * 8 * 128 + (((i & 7) ^ g) << 4)),
+                             "r"(pack2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv)));
+            continue;
+        }
         const size_t off = (((size_t)b * p.q_len + row) * p.heads + h) * D + 2 * t;
         // The earlier partial is read CH column pairs at a time before any of them is written:
         // the stores may alias the loads, so loads interleaved with them would each wait for
@@ -144,10 +160,12 @@ struct FwdHalf : FwdConsumers<NC> {
     static constexpr int BN = BN_;
     static constexpr u32 Q_BYTES = BM * DK * 2, TILE_BYTES = BN * DK * 2;
     static constexpr bool TURNS = true;
+    static constexpr bool O_VIA_TILE = true; // (O takes as many bytes as Q)
     using PFrag = u32[BN / 16][4];
     __device__ static __forceinline__ void load_q(u32 dst, const TmaMap* m, u32 bar, int q0, int h, int b) {
         tma_load_rows<BM>(dst, m, bar, q0, h, b);
     }
+    __device__ static __forceinline__ void prefetch_q(const TmaMap* m, int q0, int h, int b) { tma_prefetch_rows(m, q0, h, b); }
     __device__ static __forceinline__ void load_k(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
         tma_load_rows<BN>(dst, m, bar, k0, kvh, b);
     }
@@ -309,6 +327,17 @@ __device__ __forceinline__ void fwd_consume(const FwdParams& p, const FwdPipe<Op
     fwd_last_pv(sp, turn, r, x.pa, n);
 }
 
+// Prefetches into the L2 the Q tile of the block p.prefetch places later in the launch order (one
+// block an SM: the block that starts about a wave after this one), once this block's last tiles
+// are requested, so that blocks do not start by reading their Q tiles from memory all at once.
+template <class Ops>
+__device__ __forceinline__ void fwd_prefetch_q(const FwdParams& p, const TmaMap* tq) {
+    const unsigned next = blockIdx.x + (unsigned)p.prefetch;
+    if (p.prefetch <= 0 || next >= gridDim.x) return;
+    const FwdBlock f = fwd_block_at(p, next);
+    Ops::prefetch_q(tq, f.qt * Ops::BM, f.h, f.b);
+}
+
 // The block is warp-specialized: warp 0 of warpgroup 0 (the producer, 24 registers) streams Q
 // and the K/V tiles with TMA into FW_STAGES stages each, signalled by mbarriers; warpgroups 1
 // to Ops::NC (Ops::REGS registers) compute 64 rows each (fwd_consume) and release a stage as
@@ -318,7 +347,7 @@ __device__ __forceinline__ void fwd_consume(const FwdParams& p, const FwdPipe<Op
 // output.
 template <class Ops>
 __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, const TmaMap* tq, const TmaMap* tk,
-                                       const TmaMap* tv, const float sl2, const float o_scale) {
+                                       const TmaMap* tv, const TmaMap* to, const float sl2, const float o_scale) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const FwdPipe<Ops> sp(smem_u32(smem_raw));
     const int qt = fb.qt, h = fb.h, kvh = fb.kvh, b = fb.b;
@@ -353,6 +382,7 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
                 mbar_expect_tx(sp.full_v + 8 * x.stage, Ops::TILE_BYTES);
                 Ops::load_v(sp.v_tile(x), tv, sp.full_v + 8 * x.stage, kt * Ops::BN, kvh, b);
             }
+            fwd_prefetch_q<Ops>(p, tq);
         }
         return;
     }
@@ -368,7 +398,24 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
     r.l[0] = r.l[1] = 0.f;
     const int n = e1 - e0;
     if (n > 0) fwd_consume<Ops>(p, sp, r, e0, n, cw, rq, t, lane, sl2);
-    fwd_store(p, r.o, r.m, r.l, b, h, q0 + rq, t, o_scale);
+    // O of the plain forward leaves through the consumer's rows of the Q tile (its own score
+    // products, the only ones to read them, have completed) and TMA stores of whole 128-byte rows:
+    // each thread's 4-byte pairs stored directly took 2.2k cycles a block at d 128 and 7.3k at
+    // d 256 (H100).
+    const bool via_tile = Ops::O_VIA_TILE && to && p.o && !p.o_f32 && !p.merge;
+    const FwdOTile ot{via_tile, sp.Qs + rq * 128 + 4 * t, Ops::BM * 128};
+    fwd_store(p, r.o, r.m, r.l, b, h, q0 + rq, t, o_scale, ot);
+    if (via_tile) {
+        fence_async_smem();
+        named_sync(8 + cw, 128); // the consumer's rows are in shared memory
+        if ((tid & 127) == 0 && q0 + 64 * cw < p.q_len) {
+#pragma unroll
+            for (int cb = 0; cb < DK / 64; ++cb)
+                tma_store_box(to, sp.Qs + cb * Ops::BM * 128 + 64 * cw * 128, cb * 64, q0 + 64 * cw, h, b);
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); // before the block's memory goes
+        }
+    }
 }
 
 // The module's forward on FWD_WARPS / 4 consumers over FWD_BN-key tiles (flash_fwd_ws) and, where
@@ -377,8 +424,8 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
 #define FWD_HALF_KERNEL(WARPS, BN, NAME)                                                                          \
     extern "C" __global__ void __launch_bounds__(FwdHalf<WARPS / 4, BN>::THREADS, 1)                              \
     NAME(const FwdParams p, const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                 \
-         const __grid_constant__ TmaMap tv) {                                                                     \
-        fwd_ws<FwdHalf<WARPS / 4, BN>>(p, fwd_block(p), &tq, &tk, &tv, p.scale_log2, 1.f);                        \
+         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap to) {                                  \
+        fwd_ws<FwdHalf<WARPS / 4, BN>>(p, fwd_block(p), &tq, &tk, &tv, &to, p.scale_log2, 1.f);                   \
     }
 FWD_HALF_KERNEL(FWD_WARPS, FWD_BN, flash_fwd_ws)
 #if FWD_SHORT_WARPS

@@ -31,10 +31,12 @@ struct FwdE4m3 : FwdConsumers<NC> {
     static_assert(BN == 64 || BN == 128, "score products of 64 or 128 keys");
     static constexpr u32 Q_BYTES = FwdConsumers<NC>::BM * D, TILE_BYTES = BN * D, VT_BLOCK = 64 * D;
     static constexpr bool TURNS = false;
+    static constexpr bool O_VIA_TILE = false; // (an e4m3 Q tile holds half of O)
     using PFrag = u32[BN / 32][4];
     __device__ static __forceinline__ void load_q(u32 dst, const TmaMap* m, u32 bar, int q0, int h, int b) {
         tma_box(dst, m, bar, 0, q0, h, b);
     }
+    __device__ static __forceinline__ void prefetch_q(const TmaMap* m, int q0, int h, int b) { tma_prefetch_box(m, 0, q0, h, b); }
     __device__ static __forceinline__ void load_k(u32 dst, const TmaMap* m, u32 bar, int k0, int kvh, int b) {
         tma_box(dst, m, bar, 0, k0, kvh, b);
     }
@@ -76,7 +78,7 @@ __device__ __forceinline__ void fwd_e4m3(const E4m3FwdParams& p, const TmaMap* t
     const float qd = p.q_descale ? p.q_descale[bh] : 1.f;
     const float kd = p.k_descale ? p.k_descale[bh] : 1.f;
     const float vd = p.v_descale ? p.v_descale[bh] : 1.f;
-    fwd_ws<Ops>(p.f, fb, tq, tk, tvt, p.f.scale_log2 * qd * kd, vd);
+    fwd_ws<Ops>(p.f, fb, tq, tk, tvt, nullptr, p.f.scale_log2 * qd * kd, vd);
 }
 
 // The kernels are named by their blocks' query rows x keys (the host's E4m3Tiling).

@@ -88,6 +88,17 @@ __device__ __forceinline__ void tma_box(u32 dst, const TmaMap* map, u32 bar, int
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
         ::"r"(dst), "l"((u64)map), "r"(bar), "r"(c0), "r"(r0), "r"(h), "r"(b) : "memory");
 }
+// Fetches the same box into the L2 only (no shared memory, no mbarrier).
+__device__ __forceinline__ void tma_prefetch_box(const TmaMap* map, int c0, int r0, int h, int b) {
+    asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n"
+                 ::"l"((u64)map), "r"(c0), "r"(r0), "r"(h), "r"(b) : "memory");
+}
+// Writes the box of the map's tensor at element (c0, r0, h, b) from src (rows past the tensor's
+// end are dropped); completes in the thread's bulk group.
+__device__ __forceinline__ void tma_store_box(const TmaMap* map, u32 src, int c0, int r0, int h, int b) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+                 ::"l"((u64)map), "r"(src), "r"(c0), "r"(r0), "r"(h), "r"(b) : "memory");
+}
 // The head dim of the warpgroup kernels' shared-memory tiles: whole 64-column (128-byte) swizzled
 // blocks. At d 96 the tiles are padded to 128 columns (TMA fills the columns past the tensor's
 // end with zeros); the products over the head dim take its 96 columns only (wg_gemm_kmajor's
@@ -100,6 +111,11 @@ template <int R>
 __device__ __forceinline__ void tma_load_rows(u32 dst, const TmaMap* map, u32 bar, int r0, int h, int b) {
 #pragma unroll
     for (int cb = 0; cb < DK / 64; ++cb) tma_box(dst + cb * R * 128, map, bar, cb * 64, r0, h, b);
+}
+// The same rows into the L2 only.
+__device__ __forceinline__ void tma_prefetch_rows(const TmaMap* map, int r0, int h, int b) {
+#pragma unroll
+    for (int cb = 0; cb < DK / 64; ++cb) tma_prefetch_box(map, cb * 64, r0, h, b);
 }
 // Registers per thread handed between warpgroups (warp-specialized kernels).
 template <int N>
