@@ -50,13 +50,14 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-/// Errors of one case: O (the dtype output and the f32 copy), LSE, dQ, dK and dV.
 /// Fresh random Q, K, V and dO of `shape` (unit normal, rounded to `T`).
 fn inputs<T: CudaElement>(rng: &mut StdRng, shape: &AttnShape) -> [Vec<T>; 4] {
     let (nq, nk) = (shape.q_elems(), shape.kv_elems());
     [nq, nk, nk, nq].map(|n| cast(&randn(rng, n, 1.0)))
 }
 
+/// Errors of one case: O (alone, and with the f32 copy: the dtype output and the copy), LSE, dQ,
+/// dK and dV.
 fn errors<T: CudaElement>(gpu: &CudaBackend, c: &Case, d: usize, rng: &mut StdRng) -> Vec<(&'static str, f64)> {
     let shape = AttnShape::new(c.batch, c.mask.q_len(), c.mask.k_len(), c.heads, c.kv_heads, d).unwrap();
     let opts = AttnOptions::default();
@@ -65,15 +66,19 @@ fn errors<T: CudaElement>(gpu: &CudaBackend, c: &Case, d: usize, rng: &mut StdRn
     let up = |x: &[T]| s.clone_htod(x).unwrap();
     let (gq, gk, gv, gd_o) = (up(&q), up(&k), up(&v), up(&d_o));
     let nan_q = vec![T::from_f32(f32::NAN); shape.q_elems()];
-    let mut o = s.clone_htod(&nan_q).unwrap();
-    let mut lse = s.clone_htod(&vec![f32::NAN; shape.lse_elems()]).unwrap();
+    let nan_lse = vec![f32::NAN; shape.lse_elems()];
+    // O alone (on sm_90a stored by TMA through shared memory), then O with its f32 copy (stored
+    // by each thread).
+    let (mut o, mut lse) = (s.clone_htod(&nan_q).unwrap(), s.clone_htod(&nan_lse).unwrap());
+    gpu.forward(&gq, &gk, &gv, &shape, &c.mask, &opts, &mut o, &mut lse, None).unwrap();
+    let (mut o2, mut lse2) = (s.clone_htod(&nan_q).unwrap(), s.clone_htod(&nan_lse).unwrap());
     let mut o_f32 = s.clone_htod(&vec![f32::NAN; shape.q_elems()]).unwrap();
-    gpu.forward(&gq, &gk, &gv, &shape, &c.mask, &opts, &mut o, &mut lse, Some(&mut o_f32.as_view_mut())).unwrap();
-    let o_h: Vec<T> = s.clone_dtoh(&o).unwrap();
-    let lse_h: Vec<f32> = s.clone_dtoh(&lse).unwrap();
-    let of_h: Vec<f32> = s.clone_dtoh(&o_f32).unwrap();
+    gpu.forward(&gq, &gk, &gv, &shape, &c.mask, &opts, &mut o2, &mut lse2, Some(&mut o_f32.as_view_mut())).unwrap();
     let rf = reference::forward(&q, &k, &v, &shape, &c.mask, &opts).unwrap();
-    let mut errs = vec![("O", rel_err(&o_h, &rf.o).max(rel_err(&of_h, &rf.o))), ("LSE", lse_err(&lse_h, &rf.lse))];
+    let o_err = |x: &CudaSlice<T>| rel_err(&s.clone_dtoh(x).unwrap(), &rf.o);
+    let lse_of = |x: &CudaSlice<f32>| lse_err(&s.clone_dtoh(x).unwrap(), &rf.lse);
+    let of_err = rel_err(&s.clone_dtoh(&o_f32).unwrap(), &rf.o);
+    let mut errs = vec![("O", o_err(&o).max(o_err(&o2)).max(of_err)), ("LSE", lse_of(&lse).max(lse_of(&lse2)))];
     let nan_kv = vec![T::from_f32(f32::NAN); shape.kv_elems()];
     let (mut dq, mut dk, mut dv) =
         (s.clone_htod(&nan_q).unwrap(), s.clone_htod(&nan_kv).unwrap(), s.clone_htod(&nan_kv).unwrap());
