@@ -56,6 +56,25 @@ fn inputs<T: CudaElement>(rng: &mut StdRng, shape: &AttnShape) -> [Vec<T>; 4] {
     [nq, nk, nk, nq].map(|n| cast(&randn(rng, n, 1.0)))
 }
 
+/// The keys of a one-batch problem split at `split`: each half's shape, mask and K, V rows (what
+/// two context-parallel ranks hold).
+struct KeyHalf<'a, T> {
+    shape: AttnShape,
+    mask: Mask,
+    k: &'a [T],
+    v: &'a [T],
+}
+fn key_halves<'a, T>(shape: &AttnShape, mask: &Mask, split: usize, k: &'a [T], v: &'a [T]) -> [KeyHalf<'a, T>; 2] {
+    assert_eq!(shape.batch, 1, "key rows are sliced as one batch's");
+    let row = shape.kv_heads * shape.head_dim;
+    [(0, split), (split, shape.k_len)].map(|(a, b)| KeyHalf {
+        shape: AttnShape::new(1, shape.q_len, b - a, shape.heads, shape.kv_heads, shape.head_dim).unwrap(),
+        mask: mask.restrict(0..shape.q_len, a..b).unwrap(),
+        k: &k[a * row..b * row],
+        v: &v[a * row..b * row],
+    })
+}
+
 /// Errors of one case: O (alone, and with the f32 copy: the dtype output and the copy), LSE, dQ,
 /// dK and dV.
 fn errors<T: CudaElement>(gpu: &CudaBackend, c: &Case, d: usize, rng: &mut StdRng) -> Vec<(&'static str, f64)> {
@@ -151,19 +170,8 @@ fn merge_of_key_halves_equals_the_whole() {
         let shape = AttnShape::new(1, nq, nk, h, h, d).unwrap();
         let [q, k, v, _] = inputs::<bf16>(&mut rng, &shape);
         let (mut o_parts, mut lse_parts) = (Vec::new(), Vec::new());
-        for (a, b) in [(0, split), (split, nk)] {
-            let sub = AttnShape::new(1, nq, b - a, h, h, d).unwrap();
-            let row = h * d;
-            let part = gpu
-                .forward_host(
-                    &q,
-                    &k[a * row..b * row],
-                    &v[a * row..b * row],
-                    &sub,
-                    &mask.restrict(0..nq, a..b).unwrap(),
-                    &opts,
-                )
-                .unwrap();
+        for half in key_halves(&shape, &mask, split, &k, &v) {
+            let part = gpu.forward_host(&q, half.k, half.v, &half.shape, &half.mask, &opts).unwrap();
             o_parts.extend(part.o);
             lse_parts.extend(part.lse);
         }
@@ -209,13 +217,10 @@ fn backward_blocks_over_key_halves_add_up_to_the_whole() {
         let (glse, gdelta) = (s.clone_htod(&lse).unwrap(), s.clone_htod(&delta).unwrap());
         let mut dq_acc = s.alloc_zeros::<f32>(shape.q_elems()).unwrap();
         let (mut dk, mut dv) = (Vec::new(), Vec::new());
-        for (a, b) in [(0, split), (split, nk)] {
-            let sub = AttnShape::new(1, nq, b - a, h, hkv, d).unwrap();
-            let row = hkv * d;
-            let (gk, gv) = (s.clone_htod(&k[a * row..b * row]).unwrap(), s.clone_htod(&v[a * row..b * row]).unwrap());
-            let mut dk_acc = s.alloc_zeros::<f32>(sub.kv_elems()).unwrap();
-            let mut dv_acc = s.alloc_zeros::<f32>(sub.kv_elems()).unwrap();
-            let part = mask.restrict(0..nq, a..b).unwrap();
+        for half in key_halves(&shape, &mask, split, &k, &v) {
+            let (gk, gv) = (s.clone_htod(half.k).unwrap(), s.clone_htod(half.v).unwrap());
+            let mut dk_acc = s.alloc_zeros::<f32>(half.shape.kv_elems()).unwrap();
+            let mut dv_acc = s.alloc_zeros::<f32>(half.shape.kv_elems()).unwrap();
             gpu.backward_block(
                 &gq,
                 &gk,
@@ -223,8 +228,8 @@ fn backward_blocks_over_key_halves_add_up_to_the_whole() {
                 &gd_o,
                 &glse,
                 &gdelta,
-                &sub,
-                &part,
+                &half.shape,
+                &half.mask,
                 &opts,
                 &mut dq_acc,
                 &mut dk_acc,

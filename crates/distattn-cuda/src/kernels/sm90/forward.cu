@@ -344,7 +344,7 @@ __device__ __forceinline__ void fwd_prefetch_q(const FwdParams& p, const TmaMap*
 // soon as the product reading it has completed.
 // The tiles' layouts and products come from Ops (FwdHalf; FwdE4m3 in forward_e4m3.cu); fb is
 // the block's fwd_block, sl2 the scale of the scores in log2 units and o_scale multiplies the
-// output.
+// output; to is O's map (64-row boxes), read only where Ops::O_VIA_TILE (null for FP8).
 template <class Ops>
 __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, const TmaMap* tq, const TmaMap* tk,
                                        const TmaMap* tv, const TmaMap* to, const float sl2, const float o_scale) {
@@ -402,7 +402,7 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
     // products, the only ones to read them, have completed) and TMA stores of whole 128-byte rows:
     // each thread's 4-byte pairs stored directly took 2.2k cycles a block at d 128 and 7.3k at
     // d 256 (H100).
-    const bool via_tile = Ops::O_VIA_TILE && to && p.o && !p.o_f32 && !p.merge;
+    const bool via_tile = Ops::O_VIA_TILE && p.o && !p.o_f32 && !p.merge;
     const FwdOTile ot{via_tile, sp.Qs + rq * 128 + 4 * t, Ops::BM * 128};
     fwd_store(p, r.o, r.m, r.l, b, h, q0 + rq, t, o_scale, ot);
     if (via_tile) {
@@ -411,7 +411,7 @@ __device__ __forceinline__ void fwd_ws(const FwdParams& p, const FwdBlock& fb, c
         if ((tid & 127) == 0 && q0 + 64 * cw < p.q_len) {
 #pragma unroll
             for (int cb = 0; cb < DK / 64; ++cb)
-                tma_store_box(to, sp.Qs + cb * Ops::BM * 128 + 64 * cw * 128, cb * 64, q0 + 64 * cw, h, b);
+                tma_store_box(to, sp.Qs + cb * ot.block + 64 * cw * 128, cb * 64, q0 + 64 * cw, h, b);
             asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
             asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); // before the block's memory goes
         }

@@ -31,7 +31,7 @@ struct FwdE4m3 : FwdConsumers<NC> {
     static_assert(BN == 64 || BN == 128, "score products of 64 or 128 keys");
     static constexpr u32 Q_BYTES = FwdConsumers<NC>::BM * D, TILE_BYTES = BN * D, VT_BLOCK = 64 * D;
     static constexpr bool TURNS = false;
-    static constexpr bool O_VIA_TILE = false; // (an e4m3 Q tile holds half of O)
+    static constexpr bool O_VIA_TILE = false; // (an e4m3 Q tile holds half of O; no O map)
     using PFrag = u32[BN / 32][4];
     __device__ static __forceinline__ void load_q(u32 dst, const TmaMap* m, u32 bar, int q0, int h, int b) {
         tma_box(dst, m, bar, 0, q0, h, b);
