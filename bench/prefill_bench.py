@@ -49,7 +49,9 @@ def cases(quick, only=None, heads=None):
                 for n in SEQS:
                     out.append((f"d{d}-{h}/{hkv}-{mask}-{n // 1024}k", n, mask, h, hkv, d))
     if only:
-        out = [c for c in out if any(c[0].startswith(p) for p in only.split(","))]
+        # (Empty entries, as a trailing comma leaves, would match every case: ignored.)
+        prefixes = [p for p in only.split(",") if p]
+        out = [c for c in out if any(c[0].startswith(p) for p in prefixes)]
     elif quick:
         out = [c for c in out if c[1] == 16384 and c[5] == 128][:2]
     return out
