@@ -296,7 +296,7 @@ impl DecodeSplit {
         // worker straddles two segments (on a GPU its pipeline would restart mid-share).
         let spr = shape.segments_per_request() as u64;
         let (total, segments) = (cu_tiles[lengths.len()] * spr, (lengths.len() as u64) * spr);
-        let equal = cu_tiles[1] * lengths.len() as u64 == cu_tiles[lengths.len()];
+        let equal = cu_tiles.windows(2).all(|w| w[1] - w[0] == cu_tiles[1]);
         let workers = if total <= workers as u64 {
             total as usize
         } else if equal && segments <= workers as u64 {
@@ -479,6 +479,14 @@ mod tests {
         assert_eq!(ragged.workers(), 132);
         let sizes: Vec<u64> = (0..132).map(|c| ragged.worker_tiles(c).end - ragged.worker_tiles(c).start).collect();
         assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
+        // Ragged whose first request times the batch is the total (2 + 1 + 3 tiles = 3 x 2): every
+        // worker asked for, not a multiple of the 3 segments.
+        let three = DecodeShape::new(3, 1, 8, 1, 128).unwrap();
+        for workers in [4, 5] {
+            let split = DecodeSplit::new(&[128, 64, 192], &three, workers).unwrap();
+            assert_eq!(split.workers(), workers);
+            covers_exactly(&split);
+        }
     }
 
     #[test]

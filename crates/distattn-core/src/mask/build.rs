@@ -66,10 +66,12 @@ impl Mask {
         seq_len(q_len, "query length")?;
         seq_len(k_len, "key length")?;
         let shift = k_len as i64 - q_len as i64;
+        // Widths past i64 (say usize::MAX for "no bound") saturate rather than wrap negative.
+        let width = |w: usize| i64::try_from(w).unwrap_or(i64::MAX);
         let slices = slices_from_rows(0..q_len, |i| {
             let p = i as i64 + shift;
-            let lo = left.map_or(0, |l| (p - l as i64).max(0));
-            let hi = right.map_or(k_len as i64, |r| (p + r as i64 + 1).min(k_len as i64));
+            let lo = left.map_or(0, |l| p.saturating_sub(width(l)).max(0));
+            let hi = right.map_or(k_len as i64, |r| p.saturating_add(width(r)).saturating_add(1).min(k_len as i64));
             (lo.clamp(0, k_len as i64) as usize, hi.max(0) as usize)
         });
         Ok(Mask::new_unchecked(q_len, k_len, slices))

@@ -502,11 +502,6 @@ impl Mask {
         starts.push(self.q_len);
         Some(starts.windows(2).map(|w| w[1] - w[0]).collect())
     }
-
-    /// True if every pair of the matrix is kept by a single full slice.
-    pub fn is_full(&self) -> bool {
-        self.area() == (self.q_len * self.k_len) as u64
-    }
 }
 
 /// Compresses a row-wise description into slices: rows `q`, each keeping keys

@@ -99,12 +99,16 @@ fn sliding_window() {
         (20, 33, Some(4), Some(2)),
         (33, 20, None, Some(1)),
         (9, 9, Some(100), None),
+        // Widths past i64: no bound on that side (they once wrapped to -1: an empty mask).
+        (9, 9, Some(usize::MAX), Some(0)),
+        (9, 12, Some(0), Some(usize::MAX)),
+        (7, 5, Some(1 << 63), Some(1 << 62)),
     ] {
-        let off = k as i64 - q as i64;
+        let off = k as i128 - q as i128;
         let want = from_fn(q, k, |i, j| {
-            let p = i as i64 + off;
-            let j = j as i64;
-            l.is_none_or(|l| j >= p - l as i64) && r.is_none_or(|r| j <= p + r as i64)
+            let p = i as i128 + off;
+            let j = j as i128;
+            l.is_none_or(|l| j >= p - l as i128) && r.is_none_or(|r| j <= p + r as i128)
         });
         check(&Mask::sliding_window(q, k, l, r).unwrap(), want);
     }

@@ -362,7 +362,12 @@ pub fn sub_mask(mask: &Mask, q: &TokenSet, k: &TokenSet) -> Result<Mask> {
 
 /// `[r·n/parts, (r+1)·n/parts)` for each part: sizes differ by at most one.
 pub fn split_even(n: usize, parts: usize) -> Vec<Range<usize>> {
-    (0..parts).map(|r| r * n / parts..(r + 1) * n / parts).collect()
+    (0..parts).map(|r| even_part(n, parts, r)).collect()
+}
+
+/// Part `r` of [`split_even`]`(n, parts)`.
+pub fn even_part(n: usize, parts: usize, r: usize) -> Range<usize> {
+    r * n / parts..(r + 1) * n / parts
 }
 
 /// How tokens are placed on ranks.
@@ -509,10 +514,10 @@ impl Layout {
             let total: usize = sets.iter().map(|s| s.len()).sum();
             let union = TokenSet::union(sets.iter());
             if total != n || union != TokenSet::range(0..n) {
-                return Err(Error::InvalidMask(format!(
-                    "layout {:?} does not partition the {n} {what} tokens",
-                    self.kind
-                )));
+                return Err(Error::invalid(
+                    "layout",
+                    format!("{:?} does not partition the {n} {what} tokens", self.kind),
+                ));
             }
         }
         Ok(())

@@ -2,8 +2,8 @@
 //! buffers to send and receive, which (query set × key set) block to compute with which mask
 //! area, and how partial results merge.
 //!
-//! A [`Plan`] is built by a strategy's planner ([`crate::planner::build`]) and run by a generic
-//! executor (crate `distattn-dist`) that knows nothing about strategies. Each rank runs a
+//! A [`Plan`] is built by a strategy's planner ([`crate::planner::build`]) and run by one
+//! interpreter (crate `distattn-exec`) that knows nothing about strategies. Each rank runs a
 //! [`RankProgram`]: a list of steps, each a list of [`Op`]s over rank-local buffers
 //! ([`BufDesc`]: a tensor, a [`TokenSet`] of global tokens and a head range). Communication is
 //! point-to-point sends and receives posted together as one group ([`Op::Comm`]); every rank
@@ -25,5 +25,5 @@ mod validate;
 pub use cost::{PlanSummary, StepCost};
 pub use data::{BufDesc, BufId, Fill, Op, Pass, Plan, PlanOptions, RankProgram, RingBackward, Tensor};
 pub use estimate::{Estimate, Rates};
-pub use layout::{area, split_even, sub_mask, Layout, LayoutKind, TokenSet};
+pub use layout::{area, even_part, split_even, sub_mask, Layout, LayoutKind, TokenSet};
 pub use validate::MAX_SENDS_TO_A_PEER;

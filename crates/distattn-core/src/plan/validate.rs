@@ -11,15 +11,17 @@ use std::ops::Range;
 pub const MAX_SENDS_TO_A_PEER: usize = 16;
 
 impl Plan {
-    /// Checks structural invariants: one program per rank, every buffer an op uses is in its
-    /// rank's table, sends match receives of the same tensor part, no group sends one peer more
-    /// than [`MAX_SENDS_TO_A_PEER`] buffers, compute blocks are consistent with the shapes. A
-    /// plan may come from a file, so a broken one is an [`Error::InvalidPlan`], never a panic.
+    /// Checks structural invariants: a valid shape, one program per rank, every buffer an op
+    /// uses is in its rank's table, sends and receives match (the same tensor part), no group
+    /// sends one peer more than [`MAX_SENDS_TO_A_PEER`] buffers, compute blocks are consistent
+    /// with the shapes. A plan may come from a file, so a broken one is an
+    /// [`Error::InvalidPlan`], never a panic.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Error::InvalidPlan(format!("{}: {m}", self.strategy));
         if self.ranks.len() != self.world {
             return Err(bad(format!("{} rank programs for a world of {}", self.ranks.len(), self.world)));
         }
+        self.shape.validate().map_err(|e| bad(e.to_string()))?;
         let g = self.shape.group();
         for (r, prog) in self.ranks.iter().enumerate() {
             if prog.steps.len() != self.steps() {
@@ -68,16 +70,7 @@ impl Plan {
                         }
                         for &(to, buf) in sends {
                             let peer = self.ranks.get(to).ok_or_else(|| bad(format!("rank {r} sends to rank {to}")))?;
-                            let ok = peer.steps.iter().flatten().any(|o| match o {
-                                Op::Comm { phase: p, recvs, .. } => {
-                                    p == phase
-                                        && recvs.iter().any(|&(from, rb)| {
-                                            from == r && peer.bufs.get(rb).is_some_and(|d| d.same_part(&prog.bufs[buf]))
-                                        })
-                                }
-                                _ => false,
-                            });
-                            if !ok {
+                            if !peer_posts(peer, *phase, r, &prog.bufs[buf], |op| op.1) {
                                 return Err(bad(format!(
                                     "rank {r} sends buffer {buf} to {to}, which never receives it"
                                 )));
@@ -91,6 +84,20 @@ impl Plan {
             self.check_liveness(r, prog).map_err(bad)?;
             check_overwritten(r, prog).map_err(bad)?;
             check_inputs_only_read(r, prog).map_err(bad)?;
+        }
+        // The mirror of the sends' check, once every rank's buffers are sound: a receive that no
+        // peer sends would wait forever.
+        for (r, prog) in self.ranks.iter().enumerate() {
+            for op in prog.steps.iter().flatten() {
+                let Op::Comm { phase, recvs, .. } = op else { continue };
+                for &(from, buf) in recvs {
+                    let peer =
+                        self.ranks.get(from).ok_or_else(|| bad(format!("rank {r} receives from rank {from}")))?;
+                    if !peer_posts(peer, *phase, r, &prog.bufs[buf], |op| op.0) {
+                        return Err(bad(format!("rank {r} receives buffer {buf} from {from}, which never sends it")));
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -170,6 +177,27 @@ impl Plan {
             None => Ok(()),
         }
     }
+}
+
+/// Whether `peer`'s group of `phase` posts, towards rank `r`, the other side of a transfer of
+/// `desc`: `side` picks that group's list (`.0` its sends, `.1` its receives), whose buffer
+/// must hold the same tensor part.
+fn peer_posts<'a>(
+    peer: &'a RankProgram,
+    phase: usize,
+    r: usize,
+    desc: &BufDesc,
+    side: impl Fn((&'a Vec<(usize, BufId)>, &'a Vec<(usize, BufId)>)) -> &'a Vec<(usize, BufId)>,
+) -> bool {
+    peer.steps.iter().flatten().any(|o| match o {
+        Op::Comm { phase: p, sends, recvs } => {
+            *p == phase
+                && side((sends, recvs))
+                    .iter()
+                    .any(|&(rank, b)| rank == r && peer.bufs.get(b).is_some_and(|d| d.same_part(desc)))
+        }
+        _ => false,
+    })
 }
 
 /// Every buffer allocated [`Fill::Overwritten`] is written whole by copies into it and

@@ -7,7 +7,7 @@
 
 use super::builder::{accumulator_fill, Builder, PassBufs};
 use super::ring;
-use crate::plan::{BufDesc, Fill, Layout, Op, Pass, PlanOptions, Tensor, TokenSet};
+use crate::plan::{even_part, BufDesc, Fill, Layout, Op, Pass, PlanOptions, Tensor, TokenSet};
 use crate::{AttnShape, Result};
 use std::ops::Range;
 
@@ -26,11 +26,6 @@ pub fn default_ulysses_degree(world: usize, shape: &AttnShape, opts: &PlanOption
                 && within.is_none_or(|n| n.is_multiple_of(u))
         })
         .unwrap_or(1)
-}
-
-/// Part `u` of `parts` near-equal parts of `0..n`.
-fn head_slice(n: usize, parts: usize, u: usize) -> Range<usize> {
-    u * n / parts..(u + 1) * n / parts
 }
 
 pub(super) fn plan(b: &mut Builder, degree: usize) -> Result<()> {
@@ -177,8 +172,8 @@ impl Groups {
 
     /// Heads of `t` in chunk `c` of head slice `u`: whole KV heads, and their query heads.
     fn heads(&self, t: Tensor, u: usize, c: usize) -> Range<usize> {
-        let kv = head_slice(self.kvh, self.u_deg, u);
-        let part = head_slice(kv.len(), self.chunks, c);
+        let kv = even_part(self.kvh, self.u_deg, u);
+        let part = even_part(kv.len(), self.chunks, c);
         let (a, z) = (kv.start + part.start, kv.start + part.end);
         if t.is_kv() {
             a..z

@@ -817,3 +817,24 @@ fn a_gather_sends_few_pieces_a_peer_pair_over_many_documents() {
     let err = bad.validate().unwrap_err().to_string();
     assert!(err.contains("buffers to rank"), "{err}");
 }
+
+#[test]
+fn a_plan_with_an_unmatched_receive_or_a_broken_shape_is_invalid_not_a_hang_or_panic() {
+    let shape = AttnShape::new(1, 64, 64, 4, 2, 16).unwrap();
+    let mask = Mask::causal(64, 64).unwrap();
+    let plan = build(Strategy::Ring, 2, &shape, &mask, DType::F32, &PlanOptions::default()).unwrap();
+    plan.validate().unwrap();
+    // Rank 0 stops sending: rank 1's receives would wait forever.
+    let mut unsent = plan.clone();
+    for op in unsent.ranks[0].steps.iter_mut().flatten() {
+        if let Op::Comm { sends, .. } = op {
+            sends.clear();
+        }
+    }
+    let err = unsent.validate().unwrap_err();
+    assert!(err.to_string().contains("never sends it"), "{err}");
+    // A plan read from a file with no KV heads: an error, not a division by zero.
+    let mut headless = plan;
+    headless.shape.kv_heads = 0;
+    assert!(matches!(headless.validate(), Err(crate::Error::InvalidPlan(_))));
+}
