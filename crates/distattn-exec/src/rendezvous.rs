@@ -89,26 +89,28 @@ impl<M> Rendezvous<M> {
         Ok(())
     }
 
-    /// Records that a rank completed work (restarts the clock of [`Rendezvous::run`]'s check
-    /// for ranks left without progress).
+    /// Records that a rank completed work (restarts the clock of the waits and of
+    /// [`Rendezvous::run`]'s check for ranks left without progress).
     pub fn progress(&self) {
         self.lock().last_progress = Instant::now();
     }
 
-    /// Waits on `st` until `ready` gives a value, a rank fails or the timeout passes.
+    /// Waits on `st` until `ready` gives a value, a rank fails or the timeout passes with no
+    /// progress of any rank (since the wait began).
     fn wait<'a, T>(
         &self,
         mut st: MutexGuard<'a, State<M>>,
         what: impl Fn() -> String,
         mut ready: impl FnMut(&mut State<M>) -> Option<T>,
     ) -> Result<T> {
-        let deadline = Instant::now() + self.timeout;
+        let start = Instant::now();
         loop {
             Self::failed(&st)?;
             if let Some(v) = ready(&mut st) {
                 st.last_progress = Instant::now();
                 return Ok(v);
             }
+            let deadline = st.last_progress.max(start) + self.timeout;
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::Comm(format!("{} timed out after {:?}", what(), self.timeout)));

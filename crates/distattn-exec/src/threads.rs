@@ -248,4 +248,28 @@ mod tests {
         assert!(matches!(err, Error::RankFailed { rank: 0, .. }), "{err}");
         assert!(msg.contains("timed out") || msg.contains("made no progress"), "{err}");
     }
+
+    #[test]
+    fn a_wait_outlasts_the_timeout_while_the_peer_makes_progress() {
+        // Rank 1 computes for 3 timeouts, reporting each completed block, then sends: rank 0's
+        // wait is not a silent peer's.
+        let t = Duration::from_millis(150);
+        let group = Arc::new(Rendezvous::new(2, t));
+        let got = group
+            .run(ThreadComm::group_of(&group), |rank, c| {
+                let mut x = [0u8; 1];
+                if rank == 0 {
+                    c.group(&[], &mut [(1, &mut x[..])])?;
+                } else {
+                    for _ in 0..9 {
+                        std::thread::sleep(t / 3);
+                        group.progress();
+                    }
+                    c.group(&[(0, &[7u8][..])], &mut [])?;
+                }
+                Ok(x[0])
+            })
+            .unwrap();
+        assert_eq!(got, vec![7, 0]);
+    }
 }

@@ -14,7 +14,6 @@
 //! are enqueued on the backend's comm stream ([`NcclComm::stream`]); groups return once
 //! enqueued (the interpreter orders the streams with events), collectives once complete.
 
-use crate::launch::LaunchEnv;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::sys as nsys;
 use distattn_core::{Error, Result};
@@ -93,7 +92,8 @@ struct Inner {
     world: usize,
     handle: Mutex<Handle>,
     group: Option<Arc<GroupState>>,
-    /// Process ids of every rank (process mode).
+    /// Process ids of the ranks whose processes this one can look up (same host and PID
+    /// namespace: [`pids_seen_here`]), 0 for the others (process mode).
     pids: Mutex<Vec<u32>>,
     timeout: Duration,
     /// Start of the wait in progress (stall detection).
@@ -115,6 +115,25 @@ fn nccl_str(r: nsys::ncclResult_t) -> String {
             format!("{r:?} ({})", std::ffi::CStr::from_ptr(p).to_string_lossy())
         }
     }
+}
+
+/// This process's view of process ids, as a key: a hash (FNV-1a) of the host's boot id and of
+/// its PID namespace. Two ranks with the same key see each other's pids in `/proc`; a rank on
+/// another host (or in another container) does not, and its pid must not be looked up here.
+fn proc_view_key() -> u64 {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let ns = std::fs::read_link("/proc/self/ns/pid").map(|p| p.display().to_string()).unwrap_or_default();
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in boot.trim().bytes().chain([0]).chain(ns.bytes()) {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Every rank's pid from the all-gathered (pid, key low, key high) triples, 0 (not looked up)
+/// for ranks whose key differs from `key` (another host's or container's processes).
+fn pids_seen_here(triples: &[u32], key: u64) -> Vec<u32> {
+    triples.chunks_exact(3).map(|t| if (t[1] as u64 | (t[2] as u64) << 32) == key { t[0] } else { 0 }).collect()
 }
 
 /// Whether process `pid` has exited (or is a zombie).
@@ -219,9 +238,9 @@ impl Inner {
                 None
             } else {
                 let mut st = nsys::ncclResult_t::ncclSuccess;
-                // SAFETY: `h.comm` is live (not aborted, checked above; it is ended only here or in
-                // Drop, after the watchdog is joined, and then marked aborted); the lock is held;
-                // `st` is a local the call writes.
+                // SAFETY: `h.comm` is live: every abort (abort_with, Drop) happens under this
+                // lock and marks the handle aborted, checked above with the lock held; `st` is a
+                // local the call writes.
                 let r = unsafe { nsys::ncclCommGetAsyncError(h.comm, &mut st) };
                 if r != nsys::ncclResult_t::ncclSuccess {
                     Some(r)
@@ -408,8 +427,10 @@ impl NcclComm {
         // has the GPU's context current.
         let mut r = unsafe { nsys::ncclCommInitRankConfig(&mut comm, world as i32, id.0, rank as i32, &mut cfg) };
         if r == nsys::ncclResult_t::ncclInvalidArgument || r == nsys::ncclResult_t::ncclInvalidUsage {
-            // A library that rejects this config layout: a blocking communicator still works
-            // (calls only enqueue; the watchdog aborts it from its own thread).
+            // A library that rejects this config layout (older than the binding): a blocking
+            // communicator. It works, but without the non-blocking one's guarantees: its
+            // initialisation waits for every rank unbounded (a peer that never joins hangs this
+            // one), and a call that blocks holds the handle the watchdog would abort it through.
             eprintln!(
                 "rank {rank}: ncclCommInitRankConfig rejected the non-blocking config ({}); using ncclCommInitRank",
                 nccl_str(r)
@@ -446,24 +467,17 @@ impl NcclComm {
         Ok(c)
     }
 
-    /// Process mode: joins the communicator described by the launcher's environment
-    /// (`NCCL_COMM_ID` names the bootstrap root that rank 0 opens).
-    pub fn from_launch(gpu: &CudaBackend, env: &LaunchEnv, timeout: Duration) -> Result<NcclComm> {
-        std::env::set_var("NCCL_COMM_ID", &env.comm_id);
-        let id = unique_id()?;
-        Self::init(gpu, env.rank, env.world, id, None, timeout)
-    }
-
     fn exchange_pids(&mut self) -> Result<()> {
         let w = self.inner.world;
-        let pid = std::process::id();
-        // Sent as the bits of an f32 (the element types are those of attention).
-        let bits = f32::from_bits(pid);
-        let send = GpuBuf::upload::<f32>(&self.stream, &[bits])?;
-        let mut recv = GpuBuf::alloc(&self.stream, distattn_core::DType::F32, w)?;
+        let key = proc_view_key();
+        // Sent as the bits of f32s (the element types are those of attention): the pid and the
+        // two halves of the key.
+        let mine = [std::process::id(), key as u32, (key >> 32) as u32].map(f32::from_bits);
+        let send = GpuBuf::upload::<f32>(&self.stream, &mine)?;
+        let mut recv = GpuBuf::alloc(&self.stream, distattn_core::DType::F32, 3 * w)?;
         self.all_gather(&send, &mut recv)?;
-        let got = recv.download_f32(&self.stream)?;
-        *self.inner.pids.lock().unwrap_or_else(|e| e.into_inner()) = got.iter().map(|x| x.to_bits()).collect();
+        let got: Vec<u32> = recv.download_f32(&self.stream)?.iter().map(|x| x.to_bits()).collect();
+        *self.inner.pids.lock().unwrap_or_else(|e| e.into_inner()) = pids_seen_here(&got, key);
         Ok(())
     }
 
@@ -528,11 +542,6 @@ impl NcclComm {
     /// The failure this rank has seen, if any.
     pub fn failure(&self) -> Option<Error> {
         self.inner.failure()
-    }
-
-    /// Process ids of every rank.
-    pub fn pids(&self) -> Vec<u32> {
-        self.inner.pids.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Runs `f` (NCCL calls on the raw communicator) under the handle lock, then waits until
@@ -892,5 +901,20 @@ impl Communicator for NcclComm {
 
     fn settle(&self) -> Result<()> {
         self.settle_watched()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_pids_of_this_process_view_are_looked_up() {
+        let key = proc_view_key();
+        assert_eq!(key, proc_view_key(), "the key is a function of the host and namespace");
+        let (lo, hi) = (key as u32, (key >> 32) as u32);
+        // Ranks 0 and 2 share this view; rank 1 is on another host (its key differs).
+        let got = [11, lo, hi, 22, lo ^ 1, hi, 33, lo, hi];
+        assert_eq!(pids_seen_here(&got, key), vec![11, 0, 33]);
     }
 }

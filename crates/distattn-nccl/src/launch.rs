@@ -4,7 +4,9 @@
 //! * torchrun (and `distattn launch`): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 //!   `MASTER_ADDR`, `MASTER_PORT`;
 //! * Slurm (`srun`): `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE`
-//!   (with `MASTER_ADDR` and `MASTER_PORT` exported by the batch script);
+//!   (set with `--ntasks-per-node`) or else `SLURM_TASKS_PER_NODE` (`"4(x2)"`: every run; a
+//!   node count only where every node has as many tasks), with `MASTER_ADDR` and `MASTER_PORT`
+//!   exported by the batch script;
 //! * `NCCL_COMM_ID=host:port`, NCCL's own bootstrap address, taken as given where set.
 //!
 //! Without `NCCL_COMM_ID`, rank 0 opens NCCL's bootstrap root at `MASTER_ADDR` and the port
@@ -47,30 +49,57 @@ pub fn check_comm_id(s: &str) -> Result<()> {
     }
 }
 
-/// The names one launcher gives rank, world size, local rank and ranks per host.
+/// The names one launcher gives rank, world size, local rank and ranks per host (and, for
+/// Slurm, the list of tasks per node it always sets: `local_world_list`).
 struct Names {
     rank: &'static str,
     world: &'static str,
     local_rank: &'static str,
     local_world: &'static str,
+    local_world_list: Option<&'static str>,
 }
 
-const TORCHRUN: Names =
-    Names { rank: "RANK", world: "WORLD_SIZE", local_rank: "LOCAL_RANK", local_world: "LOCAL_WORLD_SIZE" };
+const TORCHRUN: Names = Names {
+    rank: "RANK",
+    world: "WORLD_SIZE",
+    local_rank: "LOCAL_RANK",
+    local_world: "LOCAL_WORLD_SIZE",
+    local_world_list: None,
+};
 const SLURM: Names = Names {
     rank: "SLURM_PROCID",
     world: "SLURM_NTASKS",
     local_rank: "SLURM_LOCALID",
     local_world: "SLURM_NTASKS_PER_NODE",
+    local_world_list: Some("SLURM_TASKS_PER_NODE"),
 };
 
-/// Ranks on this host under `names`' launcher, if it says. Slurm writes tasks per node as "4"
-/// or "4(x2)"; the count before any "(" is this host's.
+/// Ranks on each host under `names`' launcher, if it says: its count (Slurm's
+/// `SLURM_NTASKS_PER_NODE` is set only with `--ntasks-per-node`), else, for Slurm, the tasks
+/// per node it always lists where every node has as many ([`uniform_tasks_per_node`]).
 fn local_world_of(names: &Names, get: &impl Fn(&str) -> Option<String>) -> Result<Option<usize>> {
     match get(names.local_world) {
-        Some(v) => Ok(Some(parse_num(names.local_world, v.split('(').next().unwrap_or(&v))?)),
-        None => Ok(None),
+        Some(v) => Ok(Some(parse_num(names.local_world, &v)?)),
+        None => Ok(names.local_world_list.and_then(get).and_then(|v| uniform_tasks_per_node(&v))),
     }
+}
+
+/// The tasks on every node of a Slurm list such as "4(x2)" or "4,4" (groups of a count and
+/// an optional "(xREPEATS)"), or `None` where the nodes' counts differ ("2(x3),1") or the list
+/// does not parse: then the run has no uniform node structure to plan by.
+pub fn uniform_tasks_per_node(list: &str) -> Option<usize> {
+    let mut counts = list.split(',').map(|group| {
+        let count = group.trim().split_once('(').map_or(group.trim(), |(n, repeat)| {
+            if repeat.strip_prefix('x').and_then(|r| r.strip_suffix(')')).is_some_and(|r| r.parse::<usize>().is_ok()) {
+                n
+            } else {
+                ""
+            }
+        });
+        count.parse::<usize>().ok().filter(|&n| n > 0)
+    });
+    let first = counts.next()??;
+    counts.all(|n| n == Some(first)).then_some(first)
 }
 
 /// Ranks per host as the launcher's variables say, read through `get`: torchrun's
@@ -217,7 +246,7 @@ mod tests {
             ("SLURM_PROCID", "3"),
             ("SLURM_NTASKS", "4"),
             ("SLURM_LOCALID", "1"),
-            ("SLURM_NTASKS_PER_NODE", "2(x2)"),
+            ("SLURM_TASKS_PER_NODE", "2(x2)"),
             ("MASTER_ADDR", "n0"),
             ("MASTER_PORT", "6000"),
         ]))
@@ -229,7 +258,23 @@ mod tests {
     #[test]
     fn ranks_per_node_from_torchrun_else_slurm() {
         assert_eq!(ranks_per_node(env(&[])).unwrap(), None);
-        assert_eq!(ranks_per_node(env(&[("SLURM_NTASKS_PER_NODE", "2(x3)")])).unwrap(), Some(2));
+        assert_eq!(ranks_per_node(env(&[("SLURM_NTASKS_PER_NODE", "2")])).unwrap(), Some(2));
+        // Without --ntasks-per-node, Slurm's list, where the nodes are alike.
+        for (list, want) in [
+            ("2(x3)", Some(2)),
+            ("4", Some(4)),
+            ("4,4", Some(4)),
+            (" 8(x2) ", Some(8)),
+            ("2(x3),1", None),
+            ("4,2", None),
+            ("4(y2)", None),
+            ("0", None),
+            ("", None),
+        ] {
+            assert_eq!(ranks_per_node(env(&[("SLURM_TASKS_PER_NODE", list)])).unwrap(), want, "{list:?}");
+        }
+        let both = [("SLURM_NTASKS_PER_NODE", "4"), ("SLURM_TASKS_PER_NODE", "2(x4)")];
+        assert_eq!(ranks_per_node(env(&both)).unwrap(), Some(4));
         let both = [("SLURM_NTASKS_PER_NODE", "4"), ("LOCAL_WORLD_SIZE", "2")];
         assert_eq!(ranks_per_node(env(&both)).unwrap(), Some(2));
         for bad in [("LOCAL_WORLD_SIZE", "two"), ("SLURM_NTASKS_PER_NODE", "0")] {

@@ -159,6 +159,7 @@ pub struct GpuBench {
     pub plan: PlanOptions,
     pub timeout: Duration,
     pub backward: bool,
+    /// Timed runs per pass (0 means 1).
     pub repeats: usize,
     pub timeline: bool,
     /// Runs per timed call, issued back to back and waited for once (a decode step's layers:
