@@ -3,8 +3,10 @@
 Drop-in for flash-attn's functions (``flash_attn_func``, ``flash_attn_varlen_func``,
 ``flash_attn_with_kvcache`` for decoding over a paged or contiguous KV cache) and
 ``attention`` for any mask distattn has (documents, prefix-LM, shared question, block masks,
-…). Every function is differentiable in q, k and v, and is a ``torch.library`` custom op
-(``torch.ops.distattn.forward`` / ``backward``) that ``torch.compile(fullgraph=True)`` traces.
+…). ``flash_attn_func``, ``flash_attn_varlen_func`` and ``attention`` are differentiable in
+q, k and v (the decoding call and the FP8 inputs below are inference only: their outputs carry
+no gradient), each through ``torch.library`` custom ops (``torch.ops.distattn.forward`` /
+``backward``) that ``torch.compile(fullgraph=True)`` traces.
 CPU tensors may be float32, bfloat16 or float16; CUDA tensors bfloat16 or float16, computed on
 the tensors' GPU and torch's current stream. The LSE is in natural log. For inference,
 ``flash_attn_func`` and ``attention`` also take float8_e4m3fn q, k, v with FlashAttention-3's

@@ -54,8 +54,10 @@ def _stream(t: Tensor) -> int:
 
 
 def _seqlens(cu_q: Optional[Tensor], cu_k: Optional[Tensor]):
-    if cu_q is None or cu_k is None:
+    if cu_q is None and cu_k is None:
         return None
+    if cu_q is None or cu_k is None:
+        raise ValueError("packed sequences take both cu_seqlens_q and cu_seqlens_k (one was given)")
     return (cu_q.tolist(), cu_k.tolist())
 
 

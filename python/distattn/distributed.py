@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _native
-from ._ops import _desc, _stream, eager_autograd, through_dispatcher
+from ._ops import _dense, _desc, _stream, eager_autograd, through_dispatcher
 
 __all__ = ["ContextParallel", "KVCacheGroup", "release_cached_memory"]
 
@@ -47,7 +47,6 @@ class _GroupTransfers:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.peers = [dist.get_global_rank(group, r) for r in range(self.world)]
-        self.failure: Optional[str] = None
 
     def group(self, sends, recvs) -> List[bytes]:
         ops = []
@@ -91,7 +90,7 @@ class _GroupTransfers:
         dist.barrier(group=self.pg)
 
     def abort(self, reason: str) -> None:
-        self.failure = reason
+        """Nothing to send: the peers learn of this rank's failure from the group itself."""
 
 
 # ContextParallel objects by id, for the custom ops (which take plain values, not objects);
@@ -112,9 +111,9 @@ class ContextParallel:
     measured strategy, and on 2 × H200 its picks within 2.1%).
     ``num_heads`` and ``num_kv_heads`` are needed by ``auto`` and by ``hybrid`` without a degree
     (which pick their plans from them); ``ranks_per_node`` (default: ``LOCAL_WORLD_SIZE``, which
-    torchrun sets, else Slurm's ``SLURM_NTASKS_PER_NODE``) lets hybrid keep its all-to-alls
-    inside nodes, consecutive ranks of the group sharing one; ``timeout`` (seconds) bounds how
-    long a rank waits for a silent peer on the GPU.
+    torchrun sets, else Slurm's ``SLURM_NTASKS_PER_NODE`` or ``SLURM_TASKS_PER_NODE``) lets
+    hybrid keep its all-to-alls inside nodes, consecutive ranks of the group sharing one;
+    ``timeout`` (seconds) bounds how long a rank waits for a silent peer on the GPU.
 
     On GPUs the shards are read in place and O and the gradients are written into tensors torch
     allocates; the transfers' buffers come from the device's memory pool and are kept there for
@@ -145,6 +144,9 @@ class ContextParallel:
         self.ranks_per_node = _native.launcher_ranks_per_node() if ranks_per_node is None else ranks_per_node
         if strategy == "auto" and (num_heads is None or num_kv_heads is None):
             raise ValueError("strategy 'auto' needs num_heads and num_kv_heads: the strategy it picks depends on them")
+        if strategy == "hybrid" and (num_heads is None or num_kv_heads is None):
+            # Its Ulysses degree, which places the tokens, comes from the head counts.
+            raise ValueError("strategy 'hybrid' without a degree ('hybrid:U') needs num_heads and num_kv_heads")
         self._heads = (num_heads or self.world, num_kv_heads or num_heads or self.world)
         self._chosen: Dict[int, str] = {}
         self._layouts: Dict[int, List[Tensor]] = {}
@@ -571,6 +573,7 @@ def _cp_forward_impl(
     q: Tensor, k: Tensor, v: Tensor, cp_id: int, seq_len: int, softmax_scale: Optional[float], keep: bool
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     cp = _instances[cp_id]
+    q, k, v = _dense(q), _dense(k), _dense(v)
     r = cp._rank((tuple(q.shape), tuple(k.shape)), seq_len, softmax_scale, q.device)
     b, n, h, _ = q.shape
     o = torch.empty_like(q)
@@ -596,13 +599,14 @@ def _cp_backward_impl(
     # q, k, v and lse are the shards, or what the forward kept instead: the gradients are shaped
     # like the shards, O's for dQ.
     cp = _instances[cp_id]
+    # Dense copies where needed, held in locals: the native call reads their memory.
+    d_o, q, k, v, o, lse = (_dense(t) for t in (d_o, q, k, v, o, lse))
     b, n, _, d = o.shape
     kv_shape = (b, n, kv_heads, d)
     r = cp._rank((tuple(o.shape), kv_shape), seq_len, softmax_scale, o.device)
     dq, dk, dv = torch.empty_like(o), o.new_empty(kv_shape), o.new_empty(kv_shape)
     r.backward(
-        _desc(q), _desc(k), _desc(v), _desc(o.contiguous()), _desc(lse.contiguous()), _desc(d_o.contiguous()),
-        _desc(dq), _desc(dk), _desc(dv), _stream(o),
+        _desc(q), _desc(k), _desc(v), _desc(o), _desc(lse), _desc(d_o), _desc(dq), _desc(dk), _desc(dv), _stream(o),
     )  # fmt: skip
     return dq, dk, dv
 

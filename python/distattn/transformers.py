@@ -97,6 +97,13 @@ def attention_forward(
     cp = _current_cp()
     if cp is None:
         return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal), None
+    # (The mask hook cannot tell a sliding window from the packed-sequence mask that the shards'
+    # positions suggest to transformers, so the window is refused here.)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(
+            f"distattn's context-parallel transformers attention applies causal masks only; this model "
+            f"asks for a sliding window of {kwargs['sliding_window']}"
+        )
     want = "causal" if causal else "full"
     if cp.mask != want:
         raise ValueError(f"the model's attention is {want}, the context-parallel group's mask {cp.mask!r}")

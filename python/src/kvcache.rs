@@ -75,6 +75,11 @@ impl<'a> DecodeCall<'a> {
         let kc = dims("k_cache", k_cache, 4)?;
         same("k_cache", k_cache, &kc, ("q", &q.3), device)?;
         same("v_cache", v_cache, &kc, ("q", &q.3), device)?;
+        // One buffer under both names would alias the appends to K and V and the reads of both.
+        let bytes = (kc.iter().product::<usize>() * dtype.size()) as u64;
+        if bytes > 0 && k_cache.0 < v_cache.0.saturating_add(bytes) && v_cache.0 < k_cache.0.saturating_add(bytes) {
+            return Err(Error::invalid("v_cache", "overlaps k_cache: the caches must be distinct tensors"));
+        }
         let layout = PagedLayout::new(kc[0], kc[1], kc[2], kc[3])?;
         let shape = DecodeShape::new(b, s, h, layout.kv_heads, d)?;
         if kc[3] != d {
@@ -239,7 +244,7 @@ impl<'a> DecodeCall<'a> {
             .iter()
             .map(|&l| usize::try_from(l).map_err(|_| Error::invalid("cache_seqlens", format!("{l} is negative"))))
             .collect::<Result<_>>()?;
-        // SAFETY: as above; the caches are distinct tensors (torch does not alias them).
+        // SAFETY: as above; the caches do not overlap (checked in `new`).
         let (kc, vc) = unsafe { (host_mut::<T>(self.k_cache), host_mut::<T>(self.v_cache)) };
         if let Some((k, v)) = self.new_kv {
             // SAFETY: as above.

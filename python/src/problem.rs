@@ -364,6 +364,10 @@ pub(crate) fn cached_mask(
 ) -> Result<Arc<Mask>> {
     type Key = (String, usize, usize, Option<Seqlens>);
     static MASKS: OnceLock<Mutex<HashMap<Key, Arc<Mask>>>> = OnceLock::new();
+    // (Checked before the table: a mask made for a batch of 1 must not serve a larger one.)
+    if seqlens.is_some() && batch != 1 {
+        return Err(Error::invalid("q", "packed sequences take a batch of 1"));
+    }
     let masks = MASKS.get_or_init(Default::default);
     let key = (spec.to_string(), nq, nk, seqlens.cloned());
     if let Some(m) = masks.lock().map_err(|_| poisoned("mask"))?.get(&key) {
@@ -373,9 +377,6 @@ pub(crate) fn cached_mask(
     let mask = Arc::new(match seqlens {
         None => spec.build(nq, nk)?,
         Some((cu_q, cu_k)) => {
-            if batch != 1 {
-                return Err(Error::invalid("q", "packed sequences take a batch of 1"));
-            }
             let (q_lens, k_lens) = (lengths("cu_seqlens_q", cu_q, nq)?, lengths("cu_seqlens_k", cu_k, nk)?);
             if q_lens.len() != k_lens.len() {
                 return Err(Error::invalid(

@@ -21,7 +21,7 @@ CASES = [
     ("float64", lambda: distattn.flash_attn_func(*(t.double() for t in (Q, K, V))), TypeError, "float64"),
     ("int32", lambda: distattn.flash_attn_func(Q.int(), K.int(), V.int()), TypeError, "int32"),
     ("mixed dtypes", lambda: distattn.flash_attn_func(Q, K.half(), V), TypeError, "dtype"),
-    ("head dims differ", lambda: distattn.flash_attn_func(Q, K[..., :16], V), ValueError, "k"),
+    ("head dims differ", lambda: distattn.flash_attn_func(Q, K[..., :16], V[..., :16]), ValueError, "head dim"),
     ("k and v differ", lambda: distattn.flash_attn_func(Q, K, V[:, :8]), ValueError, "v"),
     ("batches differ", lambda: distattn.flash_attn_func(Q, K.expand(2, -1, -1, -1), V.expand(2, -1, -1, -1)), ValueError, "batch"),
     ("heads not divisible", lambda: distattn.flash_attn_func(Q, *qkv(h=4, hkv=3)[1:]), ValueError, "multiple"),
@@ -43,7 +43,17 @@ CASES = [
     ("cu_seqlens decreasing", lambda: distattn.flash_attn_varlen_func(Q[0], K[0], V[0], _cu(0, 9, 4, 16), CU, 16, 16), ValueError, "decrease"),
     ("cu_seqlens past the tokens", lambda: distattn.flash_attn_varlen_func(Q[0], K[0], V[0], _cu(0, 20), CU, 20, 16), ValueError, "16 tokens"),
     ("sequence counts differ", lambda: distattn.flash_attn_varlen_func(Q[0], K[0], V[0], _cu(0, 8, 16), CU, 8, 16), ValueError, "sequences"),
+    ("one cu_seqlens", lambda: torch.ops.distattn.forward(Q, K, V, "causal", None, CU, None), ValueError, "both cu_seqlens"),
+    ("packed, batch 2", lambda: _packed_twice(), ValueError, "batch of 1"),
 ]
+
+
+def _packed_twice():
+    # The same packed call with a batch of 1 (accepted) and then of 2: the second is refused
+    # whatever the calls before it.
+    torch.ops.distattn.forward(Q, K, V, "causal", None, CU, CU)
+    q, k, v = (t.expand(2, -1, -1, -1).contiguous() for t in (Q, K, V))
+    torch.ops.distattn.forward(q, k, v, "causal", None, CU, CU)
 
 
 def _cu(*v):

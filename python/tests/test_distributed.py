@@ -97,14 +97,19 @@ def _inputs(n, h, hkv, d, dtype):
     return q, k, v, d_o
 
 
-def _attention_case(rank, world, strategy, mask, n, dtype):
+def _attention_case(rank, world, strategy, mask, n, dtype, strided_grad=False):
     import distattn.distributed as dd
 
     q, k, v, d_o = _inputs(n, 4, 2, 16, dtype)
     cp = dd.ContextParallel(strategy=strategy, mask=mask, num_heads=4, num_kv_heads=2)
     ql, kl, vl = (cp.shard(t, dim=1).requires_grad_() for t in (q, k, v))
     o, lse = cp.attention(ql, kl, vl, return_lse=True)
-    o.backward(cp.shard(d_o, dim=1))
+    d_o = cp.shard(d_o, dim=1)
+    if strided_grad:
+        # The same values with heads outermost in memory, as autograd can hand a backward.
+        d_o = d_o.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not d_o.is_contiguous()
+    o.backward(d_o)
     cp.synchronize()  # CPU calls complete before they return: nothing to wait for
     pos = cp.position_ids(n)
     return pos, o.detach(), lse.detach(), ql.grad, kl.grad, vl.grad
@@ -115,8 +120,19 @@ def _attention_case(rank, world, strategy, mask, n, dtype):
 def test_every_strategy_matches_f64(strategy, world):
     if strategy in ("ulysses", "hybrid") and world == 3:
         pytest.skip("2 KV heads split over at most 2 ranks")
+    _check_against_f64(world, strategy)
+
+
+@pytest.mark.parametrize("strategy", ["zigzag", "ulysses"])
+def test_a_strided_output_gradient_gives_the_same_gradients(strategy):
+    # A non-contiguous dO is made contiguous for the native call; that copy must outlive it
+    # (it once did not, and the CPU backward read freed memory).
+    _check_against_f64(2, strategy, strided_grad=True)
+
+
+def _check_against_f64(world, strategy, strided_grad=False):
     n, mask, dtype = 97, "causal", torch.float32
-    results = _run(world, _attention_case, strategy, mask, n, dtype)
+    results = _run(world, _attention_case, strategy, mask, n, dtype, strided_grad)
     for ok, value in results:
         assert ok, value
     q, k, v, d_o = _inputs(n, 4, 2, 16, dtype)
@@ -207,6 +223,10 @@ def _auto_case(rank, world):
         dd.ContextParallel(strategy="auto")
     except ValueError as e:
         picks["no heads"] = str(e)
+    try:
+        dd.ContextParallel(strategy="hybrid")  # (its degree, hence its layout, from the heads)
+    except ValueError as e:
+        picks["hybrid, no heads"] = str(e)
     return picks
 
 
@@ -216,6 +236,7 @@ def test_auto_picks_by_the_planners_model_and_needs_the_heads():
         assert picks["causal"] in ("zigzag", "ulysses", "hybrid", "dispatch", "allgather"), picks
         assert picks["docs-causal"] == "dispatch", picks
         assert "num_heads" in picks["no heads"], picks
+        assert "num_heads" in picks["hybrid, no heads"], picks
 
 
 def _bf16_docs_case(rank, world):
@@ -272,8 +293,8 @@ def _ranks_per_node_case(rank, world):
     import distattn.distributed as dd
 
     seen = []
-    for env in ({"SLURM_NTASKS_PER_NODE": "2(x3)"}, {"SLURM_NTASKS_PER_NODE": "4", "LOCAL_WORLD_SIZE": "2"}, {}):
-        for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+    for env in ({"SLURM_TASKS_PER_NODE": "2(x3)"}, {"SLURM_NTASKS_PER_NODE": "4", "LOCAL_WORLD_SIZE": "2"}, {}):
+        for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
             os.environ.pop(name, None)
         os.environ.update(env)
         seen.append(dd.ContextParallel(strategy="zigzag").ranks_per_node)

@@ -152,6 +152,11 @@ def test_bad_input_raises():
         f(q, kc, vc, cache_seqlens=torch.tensor([-1, 2]), page_table=table)
     with pytest.raises(ValueError, match="head dim"):
         f(torch.randn(2, 1, 8, 32), kc, vc, cache_seqlens=1, page_table=table)
+    with pytest.raises(ValueError, match="overlaps k_cache"):
+        f(q, kc, kc, k=torch.randn(2, 1, 2, 64), v=torch.randn(2, 1, 2, 64), cache_seqlens=3, page_table=table)
+    both = torch.randn(5, 16, 2, 64)
+    with pytest.raises(ValueError, match="overlaps k_cache"):
+        f(q, both[:4], both[1:], cache_seqlens=3, page_table=table)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

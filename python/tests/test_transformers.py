@@ -86,3 +86,25 @@ def test_context_parallel_llama_equals_one_process_sdpa(strategy):
         pos, l, g = value
         assert (l - ref_l[:, pos]).norm() / ref_l[:, pos].norm() < 1e-5
         assert (g - ref_g).norm() / ref_g.norm() < 1e-4
+
+
+def _cp_window_case(rank, world):
+    import distattn.distributed as dd
+
+    cfg = transformers.MistralConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, sliding_window=8, attn_implementation="distattn",
+    )  # fmt: skip
+    m = transformers.MistralForCausalLM(cfg).float()
+    ids = _ids(32)
+    cp = dd.ContextParallel(strategy="zigzag", mask="causal")
+    pos = cp.position_ids(32)
+    with dt.context_parallel(cp), pytest.raises(ValueError, match="sliding window of 8"):
+        m(cp.shard(ids, 1), position_ids=pos[None].expand(2, -1))
+    return True
+
+
+def test_a_sliding_window_under_context_parallel_is_an_error():
+    # Without the check the window was dropped: plain causal attention, silently.
+    for ok, value in _run(1, _cp_window_case):
+        assert ok, value
