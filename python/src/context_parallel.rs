@@ -86,7 +86,7 @@ impl Communicator for GroupComm {
         self.world
     }
 
-    fn group(&self, sends: &[(usize, &[u8])], recvs: &mut [(usize, &mut [u8])]) -> Result<()> {
+    unsafe fn group(&self, sends: &[(usize, &[u8])], recvs: &mut [(usize, &mut [u8])]) -> Result<()> {
         let sizes: Vec<(usize, usize)> = recvs.iter().map(|(p, b)| (*p, b.len())).collect();
         self.call(
             "group",
@@ -116,8 +116,8 @@ impl Communicator for GroupComm {
     }
 
     fn abort(&self, reason: &str) {
-        // Best effort: the Python side records it; its peers learn of the failure from the
-        // process group (a closed connection or its timeout).
+        // Nothing travels: the peers learn of the failure from the process group itself (a
+        // closed connection or its timeout).
         let _ = self.call("abort", |py| PyTuple::new(py, [reason]), std::iter::empty());
     }
 }
@@ -202,7 +202,8 @@ pub fn release_cached_memory(py: Python<'_>, ordinal: i64) -> PyResult<()> {
 }
 
 /// Ranks per node as the launcher's variables say (torchrun's `LOCAL_WORLD_SIZE`, else Slurm's
-/// `SLURM_NTASKS_PER_NODE`), or `None`; a malformed value is a `ValueError`.
+/// `SLURM_NTASKS_PER_NODE` or its list `SLURM_TASKS_PER_NODE` where the nodes are alike), or
+/// `None`; a malformed count is a `ValueError`.
 #[pyfunction]
 pub fn launcher_ranks_per_node() -> PyResult<Option<usize>> {
     distattn_nccl::launch::ranks_per_node(|k| std::env::var(k).ok()).map_err(crate::to_py)
@@ -409,11 +410,6 @@ impl CpRank {
     /// `(start, end)` of global positions.
     fn tokens(&self) -> Vec<(usize, usize)> {
         runs(self.attn.tokens())
-    }
-
-    /// This rank's key rows, as runs `(start, end)` of global positions.
-    fn kv_tokens(&self) -> Vec<(usize, usize)> {
-        runs(self.attn.kv_tokens())
     }
 
     /// Writes O (`[b, n_local, h, d]`, the inputs' dtype) and LSE (f32, `[b, h, n_local]`) of

@@ -119,7 +119,9 @@ impl Communicator for PeerComm {
         self.group.world()
     }
 
-    fn group(&self, sends: &[(usize, &GpuBuf)], recvs: &mut [(usize, &mut GpuBuf)]) -> Result<()> {
+    unsafe fn group(&self, sends: &[(usize, &GpuBuf)], recvs: &mut [(usize, &mut GpuBuf)]) -> Result<()> {
+        // (The copies run on the comm stream after this returns: the caller's contract keeps
+        // the buffers alive and untouched until work ordered after it.)
         let s = &self.stream;
         let sends: Vec<Part> = sends.iter().map(|&(p, b)| (p, b.ptr(s), b.bytes())).collect();
         let recvs: Vec<Part> = recvs.iter().map(|(p, b)| (*p, b.ptr(s), b.bytes())).collect();

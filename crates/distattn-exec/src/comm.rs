@@ -30,7 +30,14 @@ pub trait Communicator: Send {
     /// the backend it serves) and returns; a host transport returns once the group is done.
     /// Messages between one pair of ranks are matched in posting order, and each receive
     /// buffer has exactly the size of the matching send.
-    fn group(&self, sends: &[(usize, &Self::Buf)], recvs: &mut [(usize, &mut Self::Buf)]) -> Result<()>;
+    ///
+    /// # Safety
+    /// A device transport's transfers run after the call returns, beyond the borrows: until
+    /// work ordered after the transport's lane (its stream, or an event recorded on it), the
+    /// caller frees none of the buffers, writes no send buffer, and reads or writes no receive
+    /// buffer. (The interpreter orders every later use of them so; a host transport's group
+    /// has completed on return.)
+    unsafe fn group(&self, sends: &[(usize, &Self::Buf)], recvs: &mut [(usize, &mut Self::Buf)]) -> Result<()>;
 
     /// Every rank contributes `send`; `recv` (world × its size) gets rank i's at slot i.
     /// Returns when the data is in `recv`.

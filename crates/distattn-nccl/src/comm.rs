@@ -574,7 +574,11 @@ impl NcclComm {
 
     /// Enqueues a group of sends and receives on the comm stream and returns without waiting
     /// for the transfer (the interpreter orders the streams with events).
-    fn post_group(&self, sends: &[(usize, &GpuBuf)], recvs: &[(usize, &GpuBuf)]) -> Result<()> {
+    ///
+    /// # Safety
+    /// As [`Communicator::group`]: the buffers stay alive, the sends unwritten and the receives
+    /// untouched, until work ordered after the comm stream.
+    unsafe fn post_group(&self, sends: &[(usize, &GpuBuf)], recvs: &[(usize, &GpuBuf)]) -> Result<()> {
         let s = &self.stream;
         let w = self.inner.world;
         for &(p, _) in sends.iter().chain(recvs) {
@@ -593,8 +597,8 @@ impl NcclComm {
         // SAFETY: `comm` is live and used by this thread alone (see `enqueue`). Each send reads and
         // each receive writes `n` bytes at the address of a GpuBuf of exactly `n` bytes on this
         // GPU, to or from a peer below `world` (checked above), on the comm stream `cs`. The group
-        // returns once enqueued: the interpreter frees or reuses those buffers only on work that
-        // it ordered after this stream's transfers (the lane's own order, or an event).
+        // returns once enqueued: by this function's contract the caller frees and touches those
+        // buffers only on work ordered after this stream's transfers.
         self.enqueue("grouped send/recv", |comm| unsafe {
             let r = nsys::ncclGroupStart();
             if r != nsys::ncclResult_t::ncclSuccess {
@@ -749,9 +753,10 @@ impl Communicator for NcclComm {
         self.inner.world
     }
 
-    fn group(&self, sends: &[(usize, &GpuBuf)], recvs: &mut [(usize, &mut GpuBuf)]) -> Result<()> {
+    unsafe fn group(&self, sends: &[(usize, &GpuBuf)], recvs: &mut [(usize, &mut GpuBuf)]) -> Result<()> {
         let r: Vec<(usize, &GpuBuf)> = recvs.iter().map(|(p, b)| (*p, &**b)).collect();
-        self.post_group(sends, &r)
+        // SAFETY: post_group's contract is this method's (Communicator::group), the caller's.
+        unsafe { self.post_group(sends, &r) }
     }
 
     fn all_gather(&self, send: &GpuBuf, recv: &mut GpuBuf) -> Result<()> {
