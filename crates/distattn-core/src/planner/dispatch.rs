@@ -10,7 +10,7 @@
 use super::allgather::{compute_gathered, Send};
 use super::builder::Builder;
 use crate::plan::{area, split_even, Layout, LayoutKind, TokenSet};
-use crate::{AttnShape, Mask, Result};
+use crate::{AttnShape, Error, Mask, Result};
 use std::ops::Range;
 
 /// Default chunk size: about 16 chunks per rank.
@@ -143,6 +143,14 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
     let p = b.world;
     let layout = dispatch_layout(p, &b.shape, b.mask, b.opts.chunk_tokens);
     let c = b.opts.chunk_tokens.unwrap_or_else(|| default_chunk(b.shape.q_len, p)).max(1);
+    // Chunks so large that some rank gets none leave it without a token (as a world larger
+    // than the sequence would): a mistake, not a plan.
+    if let Some(r) = layout.q.iter().position(|s| s.is_empty()) {
+        return Err(Error::invalid(
+            "chunk_tokens",
+            format!("chunks of {c} tokens leave rank {r} of {p} without queries ({} tokens)", b.shape.q_len),
+        ));
+    }
     let (q_sets, k_sets) = (layout.q.clone(), layout.k.clone());
     let bufs = b.declare_pass(layout);
     // Each owner s sends rank r the chunks of its K/V that r's queries keep a pair with.

@@ -838,3 +838,13 @@ fn a_plan_with_an_unmatched_receive_or_a_broken_shape_is_invalid_not_a_hang_or_p
     headless.shape.kv_heads = 0;
     assert!(matches!(headless.validate(), Err(crate::Error::InvalidPlan(_))));
 }
+
+#[test]
+fn dispatch_chunks_that_leave_a_rank_empty_are_an_error() {
+    let shape = AttnShape::new(1, 64, 64, 4, 2, 16).unwrap();
+    let mask = Mask::causal(64, 64).unwrap();
+    let with_chunk = |c| PlanOptions { chunk_tokens: Some(c), ..PlanOptions::default() };
+    let err = build(Strategy::Dispatch, 4, &shape, &mask, DType::F32, &with_chunk(64)).unwrap_err();
+    assert!(matches!(&err, Error::InvalidArgument { what, .. } if what == "chunk_tokens"), "{err}");
+    build(Strategy::Dispatch, 4, &shape, &mask, DType::F32, &with_chunk(16)).unwrap().validate().unwrap();
+}
