@@ -336,7 +336,7 @@ fn check_finite_sees_the_values_after_the_dtype_cast() {
         distattn(&all)
     };
     one_line_error(&with(&big, None), "at q[0, 5, 2, 17]: the file's value 70000 overflows f16");
-    // --grad-out is read after the forward, whose summary line comes first.
+    // --grad-out is converted to q's dtype (f16 here) and checked with the inputs.
     let out = with(&k, Some(&big));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
@@ -345,7 +345,7 @@ fn check_finite_sees_the_values_after_the_dtype_cast() {
             .lines()
             .last()
             .unwrap()
-            .ends_with("at grad-out[0, 5, 2, 17]: the file's value 70000 overflows f16 (--dtype f16)"),
+            .ends_with("at grad-out[0, 5, 2, 17]: the file's value 70000 overflows f16 (converted to q's dtype, f16)"),
         "{err}"
     );
     // Without --dtype the value stays f32, finite.
@@ -585,6 +585,14 @@ fn timeline_tables_and_charts_recorded_runs() {
     };
     let right = right_ends.map(|r| attr(r, "x") + attr(r, "width")).fold(0.0, f64::max);
     assert!(right < 960.0, "a bar ends at x = {right}");
+    // Two runs the name does not tell apart (say two head dims): two charts, not one replaced.
+    let twice = dir.path().join("twice.json");
+    std::fs::write(&twice, serde_json::json!([runs[0], runs[0]]).to_string()).unwrap();
+    let svg2 = dir.path().join("charts2");
+    assert!(distattn(&["timeline", twice.to_str().unwrap(), "--svg", svg2.to_str().unwrap()]).status.success());
+    for name in ["zigzag-causal-4096-fwd_bwd.svg", "zigzag-causal-4096-fwd_bwd-2.svg"] {
+        assert!(svg2.join(name).exists(), "{name} not drawn");
+    }
 
     one_line_error(&distattn(&["timeline", "/no/such/file.json"]), "reading /no/such/file.json");
     std::fs::write(dir.path().join("bad.json"), "{\"rows\": []}").unwrap();
@@ -806,4 +814,19 @@ fn bench_cached_prefill_times_both_rings_and_names_the_planners_pick() {
     one_line_error(&distattn(&[&base[..], &["--new-tokens", "0", "--world", "2"]].concat()), "--new-tokens");
     one_line_error(&distattn(&["bench", "--cached-prefill", "--world", "2"]), "--new-tokens");
     one_line_error(&distattn(&["bench", "--seqs", "64", "--placement", "zigzag"]), "--decode or --cached-prefill");
+}
+
+#[test]
+fn out_of_range_durations_and_report_paths_fail_before_any_work() {
+    // Durations past a year overflowed a deadline: a panic that left launched ranks running.
+    let out = distattn(&["launch", "--nproc", "1", "--grace", "18446744073709551615", "--", "true"]);
+    one_line_error(&out, "--grace");
+    one_line_error(&distattn(&["run", "--timeout", "18446744073709551615"]), "--timeout");
+    // A page of no tokens divided by zero.
+    one_line_error(&distattn(&["bench", "--decode", "--page-size", "0"]), "--page-size");
+    // A report path that cannot be written fails before the benchmark, not after it.
+    let t0 = std::time::Instant::now();
+    let out = distattn(&["bench", "--backend", "cpu", "--json", "/no/such/dir/report.json"]);
+    one_line_error(&out, "/no/such/dir");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(5), "the benchmark ran first");
 }

@@ -92,7 +92,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1, requires = "decode")]
     q_rows: usize,
     /// With --decode: tokens per page of the KV cache.
-    #[arg(long, default_value_t = 16, requires = "decode")]
+    #[arg(long, default_value_t = 16, requires = "decode", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     page_size: usize,
     /// With --decode or --cached-prefill and --world/--gpus: how a request's cache is dealt out
     /// to the ranks (contiguous[:N], zigzag[:N] or pages:N; see `distattn plan --help`)
@@ -471,6 +471,10 @@ pub fn bench(mut args: BenchArgs) -> Result<()> {
     if args.timelines.is_some() && gpus < 2 {
         bail!("--timelines records runs across GPUs: add --gpus N (N >= 2)");
     }
+    // The reports are written at the end: a path that cannot take them fails now, not then.
+    let json = args.json.as_deref().filter(|p| p.as_os_str() != "-").map(|p| ("json", p));
+    let timelines = args.timelines.as_deref().map(|p| ("timelines", p));
+    crate::run::check_report_paths(&json.into_iter().chain(timelines).collect::<Vec<_>>())?;
     if gpus > 0 {
         let found = distattn_cuda::gpu_count();
         if found < gpus {

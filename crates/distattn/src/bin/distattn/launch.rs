@@ -48,14 +48,20 @@ pub struct LaunchArgs {
     master_port: u16,
     /// Seconds the ranks get to exit on their own after one fails, or after SIGINT, SIGTERM or
     /// --max-time, before they are killed (formerly --timeout, which still works).
-    #[arg(long, alias = "timeout", value_name = "SECS", default_value_t = 30)]
+    #[arg(long, alias = "timeout", value_name = "SECS", default_value_t = 30, value_parser = seconds())]
     grace: u64,
     /// Seconds the whole run may take; then every rank gets SIGTERM. No limit if not given.
-    #[arg(long, value_name = "SECS")]
+    #[arg(long, value_name = "SECS", value_parser = seconds())]
     max_time: Option<u64>,
     /// The command each rank runs, after `--`.
     #[arg(last = true, required = true)]
     command: Vec<String>,
+}
+
+/// A number of seconds up to a year: durations past that are typos, and far larger ones
+/// overflow a deadline (`Instant + Duration`).
+pub(crate) fn seconds() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::builder::RangedU64ValueParser::<u64>::new().range(0..=365 * 24 * 3600)
 }
 
 /// The launcher was stopped by a signal it passed on to the ranks; it exits with 128 + the

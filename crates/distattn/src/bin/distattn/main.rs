@@ -3,7 +3,8 @@
 //! `distattn run` computes attention on `.npy` files (on one call or on in-process ranks),
 //! `distattn bench` runs the benchmark table on the backend present, `distattn plan` shows a
 //! context-parallel plan, `distattn timeline` shows and draws recorded multi-GPU timelines.
-//! Errors print one line and exit with status 1 (`launch` stopped by SIGINT or SIGTERM: 130 or 143).
+//! Errors print one line and exit with status 1 (bad arguments: 2; `launch` stopped by SIGINT
+//! or SIGTERM: 130 or 143).
 
 mod bench;
 mod cached_prefill;

@@ -57,8 +57,8 @@ pub struct RunArgs {
     /// Write the log-sum-exp here (.npy, f32, [batch, heads, seq]).
     #[arg(long)]
     lse: Option<PathBuf>,
-    /// Gradient of the output (.npy, like q): also compute dq, dk, dv (written where --grad-dir or
-    /// --dq/--dk/--dv say, else summarized).
+    /// Gradient of the output (.npy, like q; converted to q's dtype): also compute dq, dk, dv
+    /// (written where --grad-dir or --dq/--dk/--dv say, else summarized).
     #[arg(long)]
     grad_out: Option<PathBuf>,
     /// Write dq.npy, dk.npy and dv.npy into this directory (needs --grad-out).
@@ -114,7 +114,7 @@ pub struct DistArgs {
     #[command(flatten)]
     pub plan: StrategyArgs,
     /// Seconds a rank waits for a peer before giving up with an error.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 60, value_parser = crate::launch::seconds())]
     pub timeout: u64,
     /// Testing aid (hidden): make this rank fail at the start of the plan's second step (the
     /// last step of a single-step plan).
@@ -228,10 +228,10 @@ impl DistArgs {
     }
 }
 
-/// Reads the `--{name}` file and converts it to `dtype`; with `check`, fails on NaN or infinity
-/// in the values the kernels will see, i.e. after the conversion (70000 is finite in f32 but
-/// infinite in f16).
-fn load(path: &PathBuf, name: &str, dtype: Option<DType>, check: bool) -> Result<HostTensor> {
+/// Reads the `--{name}` file and converts it to `dtype` (as `why` says: `--dtype`, or q's dtype
+/// for dO); with `check`, fails on NaN or infinity in the values the kernels will see, i.e.
+/// after the conversion (70000 is finite in f32 but infinite in f16).
+fn load(path: &PathBuf, name: &str, dtype: Option<DType>, why: &str, check: bool) -> Result<HostTensor> {
     let read = HostTensor::read_npy(path).with_context(|| format!("reading --{name}"))?;
     let cast = dtype.filter(|&d| d != read.dtype()).map(|d| read.cast(d));
     if check {
@@ -244,7 +244,7 @@ fn load(path: &PathBuf, name: &str, dtype: Option<DType>, check: bool) -> Result
                 HostData::F16(v) => v.get(flat).map(|x| x.to_f32()),
             };
             if let (Some(d), Some(x)) = (dtype, source.filter(|x| x.is_finite())) {
-                anyhow::bail!("{e}: the file's value {x} overflows {d} (--dtype {d})");
+                anyhow::bail!("{e}: the file's value {x} overflows {d} ({why} {d})");
             }
             return Err(e.into());
         }
@@ -281,6 +281,13 @@ fn file_identity(option: &str, path: &Path) -> Result<PathBuf> {
 /// Checks, before any work, that every output can be written and harms nothing: each names a
 /// file (not a directory) in an existing, writable directory, and none names the same file as
 /// another output or as an input (inputs may share a file: q = k = v is self-attention).
+/// Checks, before any work, that each `(option, path)` can be written (as `run` checks its
+/// outputs): for the benches' reports, which are written at the end of a long run.
+pub(crate) fn check_report_paths(outputs: &[(&'static str, &Path)]) -> Result<()> {
+    let named: Vec<NamedPath> = outputs.iter().map(|&(option, path)| NamedPath { option, path }).collect();
+    check_outputs(&[], &named)
+}
+
 fn check_outputs(inputs: &[NamedPath], outputs: &[NamedPath]) -> Result<()> {
     let mut seen: Vec<(&str, PathBuf)> = Vec::new();
     for input in inputs {
@@ -373,14 +380,14 @@ pub fn run(args: RunArgs) -> Result<()> {
     .collect();
     check_outputs(&inputs, &outputs)?;
 
-    let q = load(&args.q, "q", args.dtype, args.check_finite)?;
-    let k = load(&args.k, "k", args.dtype, args.check_finite)?;
-    let v = load(&args.v, "v", args.dtype, args.check_finite)?;
+    let q = load(&args.q, "q", args.dtype, "--dtype", args.check_finite)?;
+    let k = load(&args.k, "k", args.dtype, "--dtype", args.check_finite)?;
+    let v = load(&args.v, "v", args.dtype, "--dtype", args.check_finite)?;
     let shape = infer_shape(&q, &k, &v)?;
     // Every input is read before anything is written.
     let d_o = match &args.grad_out {
         Some(g) => {
-            let d_o = load(g, "grad-out", Some(q.dtype()), args.check_finite)?;
+            let d_o = load(g, "grad-out", Some(q.dtype()), "converted to q's dtype,", args.check_finite)?;
             if d_o.shape != q.shape {
                 anyhow::bail!("--grad-out has shape {:?}, but q has shape {:?}", d_o.shape, q.shape);
             }

@@ -15,7 +15,8 @@ FILE is the --timelines file of `distattn bench --gpus N` or of distattn-multigp
 per step (each transfer on its own; older files hold one span per step), in ms from that
 rank's start event. Hidden = transfer time during which the rank computed; exposed = transfer
 time with no compute running.
-With --svg, each run becomes DIR/<strategy>-<mask>-<seq>-<pass>.svg: one panel per phase
+With --svg, each run becomes DIR/<strategy>-<mask>-<seq>-<pass>.svg (-2, -3, ... after the
+first of runs that share those, e.g. two head dims or iterations): one panel per phase
 (forward, backward), two lanes per rank (compute, transfer), alternate shades per step.")]
 pub struct TimelineArgs {
     /// Timelines file (JSON) written by a multi-GPU benchmark.
@@ -54,6 +55,7 @@ pub fn timeline(args: TimelineArgs) -> Result<()> {
         "{:<10} {:<24} {:>8} {:<8} {:<9} {:>4} {:>9} {:>9} {:>9} {:>7} {:>9}",
         "strategy", "mask", "seq", "pass", "phase", "rank", "total ms", "compute", "transfer", "hidden", "exposed"
     );
+    let mut drawn: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     for run in runs {
         for (k, phase) in run.phases().iter().enumerate() {
             for t in phase {
@@ -79,7 +81,9 @@ pub fn timeline(args: TimelineArgs) -> Result<()> {
                 .chars()
                 .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' })
                 .collect();
-            let path = dir.join(format!("{name}.svg"));
+            // Runs the name does not tell apart each keep their own chart.
+            let n = drawn.entry(name.clone()).and_modify(|n| *n += 1).or_insert(1);
+            let path = dir.join(if *n == 1 { format!("{name}.svg") } else { format!("{name}-{n}.svg") });
             draw(run, &path)?;
             println!("  -> {}", path.display());
         }
