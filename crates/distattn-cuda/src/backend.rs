@@ -181,8 +181,9 @@ impl CudaBackend {
         }
     }
 
-    /// Backward of one block: dQ added into `dq` (f32, the block's query rows) and fresh dK, dV
-    /// in the input dtype.
+    /// Backward of one block: with dQ, dK and dV all f32, the block's gradients are added into
+    /// them (partials of a context-parallel backward); with all three in the input dtype, they
+    /// are written (final).
     fn block_backward<T: CudaElement>(
         &self,
         block: &Block,
@@ -256,10 +257,15 @@ impl Backend for CudaBackend {
         }
         let s = self.lane(Lane::Comm);
         let at = parent.ptr(s) + (offset * parent.dtype().size()) as u64;
+        if !at.is_multiple_of(16) {
+            // Lent buffers are 16-byte aligned (kernels read them in 16-byte chunks): the
+            // interpreter copies this part instead.
+            return Ok(None);
+        }
         // SAFETY: elements offset..offset + elems lie inside `parent` (checked above), a live
-        // allocation of this context; the view is lent (dropping it frees nothing), and only a
-        // transfer uses it (a receive writes it, a send reads it) before the plan frees it,
-        // while `parent` lives (Plan::validate).
+        // allocation of this context, at a 16-byte aligned address (checked above); the view is
+        // lent (dropping it frees nothing), and only a transfer uses it (a receive writes it, a
+        // send reads it) before the plan frees it, while `parent` lives (Plan::validate).
         unsafe { GpuBuf::lent(s, parent.dtype(), at, elems) }.map(Some)
     }
 

@@ -345,6 +345,7 @@ impl CudaBackend {
             scale_log2: step.opts.attn.scale_for(s.head_dim)? * LOG2E,
             row_table: step.row_table as i32,
             o_f32: step.o_f32 as i32,
+            pad_: 0,
         };
         i32_of("cache capacity", step.max_pages * step.layout.page_size)?;
         let launch_cfg = LaunchConfig {
@@ -386,6 +387,13 @@ impl CudaBackend {
             if p == 0 || !p.is_multiple_of(16) {
                 return Err(Error::invalid(name, format!("device address {p:#x} is null or not 16-byte aligned")));
             }
+        }
+        // A token's K (or V) row moves in 16-byte chunks of 8 elements.
+        if !(layout.kv_heads * layout.head_dim).is_multiple_of(8) {
+            return Err(Error::invalid(
+                "head dim",
+                format!("{} KV heads x head dim {}: not whole 16-byte chunks", layout.kv_heads, layout.head_dim),
+            ));
         }
         let row_chunks = layout.kv_heads * layout.head_dim / 8;
         let chunks = batch * new_tokens * row_chunks;

@@ -28,9 +28,15 @@ macro_rules! kernel_params {
             pub(crate) struct $name {
                 $(pub(crate) $field: $ty),*
             }
+            // No padding, not even at the end (the `pad_` fields fill the gaps): every byte the
+            // launch copies is a field's.
+            const _: () = assert!(
+                size_of::<$name>() == 0 $(+ size_of::<$ty>())*,
+                concat!(stringify!($name), " has padding: add a pad_ field")
+            );
             // SAFETY: `repr(C)` and plain numbers (u64 addresses, integers, f32) with no padding
-            // (the `pad_` fields fill the gaps), laid out as the kernels declare the struct: the
-            // generated assertions check its size and every field's offset at every compile.
+            // (asserted above), laid out as the kernels declare the struct: the generated
+            // assertions check its size and every field's offset at every compile.
             unsafe impl DeviceRepr for $name {}
         )*
 
@@ -178,6 +184,7 @@ kernel_params! {
         scale_log2: f32,
         row_table: i32,
         o_f32: i32,
+        pad_: i32,
     }
 
     /// The KV append's (`append_kv`).

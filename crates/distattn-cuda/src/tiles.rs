@@ -72,7 +72,12 @@ impl TilePlan {
                 })?;
                 tiles.push([kt as i32, off]);
             }
-            ptr.push(tiles.len() as i32);
+            // (The kernels index the list in 32 bits: a full mask of some 3 million tokens in
+            // 32 x 128 tiles would wrap.)
+            ptr.push(i32::try_from(tiles.len()).map_err(|_| Error::Backend {
+                backend: "cuda",
+                reason: format!("a {} x {} mask makes more than 2^31 tiles of {bm} x {bn}", mask.q_len(), mask.k_len()),
+            })?);
         }
         Ok(TilePlan { bm, bn, n_major: n_qt, ptr, tiles, bits, n_full, n_partial })
     }

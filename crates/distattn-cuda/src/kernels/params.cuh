@@ -151,6 +151,7 @@ struct DecodeParams {
     // 1: O is written as f32 at `o` (a distributed step's partial, merged in f32) instead of in
     // the input dtype.
     int o_f32;
+    int pad_;
 };
 
 // Appends new_tokens tokens per request (k_new/v_new [batch, new_tokens, kv_heads, head_dim])
