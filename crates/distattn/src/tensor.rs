@@ -152,10 +152,7 @@ impl HostTensor {
         use npyz::WriterBuilder;
         let path = path.as_ref();
         // Rename over the link's target, not the link itself.
-        let target = match std::fs::symlink_metadata(path) {
-            Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path).map_err(|e| Error::io(path, e))?,
-            _ => path.to_path_buf(),
-        };
+        let target = write_target(path).map_err(|e| Error::io(path, e))?;
         let Some(name) = target.file_name() else {
             return Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name")));
         };
@@ -479,6 +476,24 @@ pub fn infer_shape(q: &HostTensor, k: &HostTensor, v: &HostTensor) -> Result<Att
         return Err(mismatch("v", format!("{:?} (the shape of k)", k.shape), &v.shape));
     }
     AttnShape::new(b, nq, nk, h, hk, d)
+}
+
+/// The file a write to `path` lands in: `path`, or where its chain of symbolic links leads,
+/// whether or not that file exists yet (a link to a file still to be made is written through,
+/// as `File::create` would).
+pub fn write_target(path: &Path) -> std::io::Result<std::path::PathBuf> {
+    let mut p = path.to_path_buf();
+    // Linux's own bound on a chain of links.
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let to = std::fs::read_link(&p)?;
+                p = if to.is_absolute() { to } else { p.parent().unwrap_or(Path::new("")).join(to) };
+            }
+            _ => return Ok(p),
+        }
+    }
+    Err(std::io::Error::other("too many levels of symbolic links"))
 }
 
 #[cfg(all(test, feature = "npy"))]

@@ -175,6 +175,18 @@ fn unwritable_output_directory_is_refused_before_computing() {
     one_line_error(&out, "--out /proc/o.npy: cannot create files in /proc");
     let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &k, "--lse", "/no/such/dir/lse.npy"]);
     one_line_error(&out, "directory /no/such/dir not found");
+    // A link to a file still to be made is written through; a link into no directory is
+    // refused up front, like the path itself would be.
+    let ahead = dir.path().join("ahead.npy");
+    std::os::unix::fs::symlink("made/o.npy", &ahead).unwrap();
+    std::fs::create_dir(dir.path().join("made")).unwrap();
+    let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &k, "--out", ahead.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(dir.path().join("made/o.npy").is_file() && ahead.is_symlink());
+    let nowhere = dir.path().join("nowhere.npy");
+    std::os::unix::fs::symlink("/no/such/dir/o.npy", &nowhere).unwrap();
+    let out = distattn(&["run", "--q", &q, "--k", &k, "--v", &k, "--out", nowhere.to_str().unwrap()]);
+    one_line_error(&out, "directory /no/such/dir not found");
 }
 
 #[test]

@@ -264,6 +264,9 @@ fn file_identity(option: &str, path: &Path) -> Result<PathBuf> {
     if let Ok(canonical) = std::fs::canonicalize(path) {
         return Ok(canonical);
     }
+    // A link to a file still to be made names that file (the write goes through the link).
+    let target = distattn::tensor::write_target(path).with_context(|| format!("--{option} {}", path.display()))?;
+    let path = target.as_path();
     // "out/" names a directory even where "out" does not exist yet.
     let names_dir = path.as_os_str().as_encoded_bytes().ends_with(b"/");
     let Some(name) = path.file_name().filter(|_| !names_dir) else {
