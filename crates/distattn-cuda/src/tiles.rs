@@ -38,6 +38,18 @@ impl TilePlan {
         let q_len = mask.q_len();
         let n_qt = q_len.div_ceil(bm);
         let words = bn.div_ceil(32);
+        let too_many = || Error::Backend {
+            backend: "cuda",
+            reason: format!(
+                "a {} x {} mask makes more than 2^31 tiles of {bm} x {bn} (the kernels index them in 32 bits)",
+                mask.q_len(),
+                mask.k_len()
+            ),
+        };
+        // The kept pairs fill at least area / (bm bn) tiles: refused before tens of GB of list.
+        if mask.area() / (bm * bn) as u64 > i32::MAX as u64 {
+            return Err(too_many());
+        }
         let mut ptr = Vec::with_capacity(n_qt + 1);
         let mut tiles = Vec::new();
         let mut bits = Vec::new();
@@ -66,7 +78,8 @@ impl TilePlan {
                         }
                     }
                 }
-                let off = i32::try_from(off).map_err(|_| Error::Backend {
+                // (The backward kernels index a tile's words from its offset in 32 bits too.)
+                let off = i32::try_from(off + bm * words).map(|_| off as i32).map_err(|_| Error::Backend {
                     backend: "cuda",
                     reason: "mask has too many partial tiles for 32-bit offsets".into(),
                 })?;
@@ -74,10 +87,7 @@ impl TilePlan {
             }
             // (The kernels index the list in 32 bits: a full mask of some 3 million tokens in
             // 32 x 128 tiles would wrap.)
-            ptr.push(i32::try_from(tiles.len()).map_err(|_| Error::Backend {
-                backend: "cuda",
-                reason: format!("a {} x {} mask makes more than 2^31 tiles of {bm} x {bn}", mask.q_len(), mask.k_len()),
-            })?);
+            ptr.push(i32::try_from(tiles.len()).map_err(|_| too_many())?);
         }
         Ok(TilePlan { bm, bn, n_major: n_qt, ptr, tiles, bits, n_full, n_partial })
     }
@@ -129,6 +139,15 @@ impl TilePlan {
 mod tests {
     use super::*;
     use distattn_core::mask::DocKind;
+
+    #[test]
+    fn a_plan_past_32_bit_tile_indices_is_an_error_before_it_is_built() {
+        // 2^22 tokens, full: 2^32 tiles of 32 x 128 (a wrapped index in the kernels).
+        let t0 = std::time::Instant::now();
+        let err = TilePlan::by_query(&Mask::full(1 << 22, 1 << 22).unwrap(), 32, 128).unwrap_err();
+        assert!(err.to_string().contains("more than 2^31 tiles"), "{err}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(1), "the list was built first");
+    }
 
     fn check_plan(mask: &Mask, bm: usize, bn: usize) {
         let p = TilePlan::by_query(mask, bm, bn).unwrap();
