@@ -481,6 +481,7 @@ pub fn infer_shape(q: &HostTensor, k: &HostTensor, v: &HostTensor) -> Result<Att
 /// The file a write to `path` lands in: `path`, or where its chain of symbolic links leads,
 /// whether or not that file exists yet (a link to a file still to be made is written through,
 /// as `File::create` would).
+#[cfg(feature = "npy")]
 pub fn write_target(path: &Path) -> std::io::Result<std::path::PathBuf> {
     let mut p = path.to_path_buf();
     // Linux's own bound on a chain of links.
