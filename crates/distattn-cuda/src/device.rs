@@ -383,8 +383,11 @@ impl CudaBackend {
         let mut cache = self.tiles.lock().map_err(|_| poisoned("tile plan"))?;
         if cache.len() >= 512 {
             // Kernels on any stream may still read an evicted plan: free it after all of them.
+            // A plan a caller still holds (a launch that took it before this call) stays: its
+            // kernels are not issued yet, and dropping the caller's reference after them would
+            // free it on this backend's stream, not ordered after theirs.
             self.ctx.synchronize().map_err(driver_err("evicting tile plans"))?;
-            cache.clear();
+            cache.retain(|_, plan| Arc::strong_count(plan) > 1);
         }
         cache.insert(key, dp.clone());
         Ok(dp)
