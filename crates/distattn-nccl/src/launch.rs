@@ -88,24 +88,21 @@ fn local_world_of(names: &Names, get: &impl Fn(&str) -> Option<String>) -> Resul
 /// an optional "(xREPEATS)"), or `None` where the nodes' counts differ ("2(x3),1") or the list
 /// does not parse: then the run has no uniform node structure to plan by.
 pub fn uniform_tasks_per_node(list: &str) -> Option<usize> {
-    let mut counts = list.split(',').map(|group| {
-        let count = group.trim().split_once('(').map_or(group.trim(), |(n, repeat)| {
-            if repeat.strip_prefix('x').and_then(|r| r.strip_suffix(')')).is_some_and(|r| r.parse::<usize>().is_ok()) {
-                n
-            } else {
-                ""
-            }
-        });
-        count.parse::<usize>().ok().filter(|&n| n > 0)
-    });
+    let count_of = |group: &str| -> Option<usize> {
+        let (n, repeat) = group.trim().split_once('(').unwrap_or((group.trim(), "x1)"));
+        repeat.strip_prefix('x')?.strip_suffix(')')?.parse::<usize>().ok()?;
+        n.parse().ok().filter(|&n| n > 0)
+    };
+    let mut counts = list.split(',').map(count_of);
     let first = counts.next()??;
     counts.all(|n| n == Some(first)).then_some(first)
 }
 
 /// Ranks per host as the launcher's variables say, read through `get`: torchrun's
-/// `LOCAL_WORLD_SIZE`, else Slurm's `SLURM_NTASKS_PER_NODE`; `None` where neither is set (a
-/// process group started without a launcher). For code that joins its group otherwise (the
-/// Python package, through torch.distributed) and still plans by node.
+/// `LOCAL_WORLD_SIZE`, else Slurm's (`SLURM_NTASKS_PER_NODE`, or its uniform
+/// `SLURM_TASKS_PER_NODE`); `None` where none says (a process group started without a
+/// launcher). For code that joins its group otherwise (the Python package, through
+/// torch.distributed) and still plans by node.
 pub fn ranks_per_node(get: impl Fn(&str) -> Option<String>) -> Result<Option<usize>> {
     match local_world_of(&TORCHRUN, &get)? {
         Some(n) => Ok(Some(n)),
