@@ -153,7 +153,12 @@ mod tests {
         assert_eq!(e.to_string(), "I/O error on /no/such");
         let src = e.source().and_then(|s| s.downcast_ref::<IoError>()).expect("the I/O error as source");
         assert_eq!((src.get().kind(), src.to_string().as_str()), (std::io::ErrorKind::NotFound, "gone"));
-        assert_eq!(e.clone(), e);
+        // Errors compare by what they say (an I/O source by its kind and message).
+        let io = |kind, msg: &str| Error::io("/no/such", std::io::Error::new(kind, msg.to_string()));
+        assert_eq!(e, io(std::io::ErrorKind::NotFound, "gone"));
+        assert_ne!(e, io(std::io::ErrorKind::NotFound, "went"));
+        assert_ne!(e, io(std::io::ErrorKind::PermissionDenied, "gone"));
+        assert_ne!(Error::invalid("scale", "must be positive"), Error::invalid("scale", "must be finite"));
         assert_eq!(Error::invalid("scale", "must be positive").to_string(), "invalid scale: must be positive");
     }
 }

@@ -266,14 +266,16 @@ mod tests {
         let chunks = KvPlacement::contiguous(1000, 4).unwrap();
         assert_eq!(chunks.positions(0, 600, 2), vec![500..600]);
         assert!(chunks.positions(0, 600, 3).is_empty());
-        assert!(KvPlacement::interleaved(0, 2).is_err());
-        assert!(KvPlacement::contiguous(0, 2).is_err());
-        assert!(KvPlacement::zigzag(0, 2).is_err());
+        for empty in [KvPlacement::interleaved(0, 2), KvPlacement::contiguous(0, 2), KvPlacement::zigzag(0, 2)] {
+            assert!(matches!(empty, Err(Error::ZeroDim { .. })), "{empty:?}");
+        }
         assert_eq!(KvPlacement::from_spec("pages:8", 100, 2).unwrap(), KvPlacement::interleaved(8, 2).unwrap());
         assert_eq!(KvPlacement::from_spec("contiguous", 100, 2).unwrap().block_tokens, 50);
         assert_eq!(KvPlacement::from_spec("contiguous:1000", 100, 2).unwrap().block_tokens, 500);
-        for bad in ["pages:x", "pages", "chunks:4", "pages:0"] {
-            assert!(KvPlacement::from_spec(bad, 100, 2).is_err(), "{bad}");
+        assert!(matches!(KvPlacement::from_spec("pages:0", 100, 2), Err(Error::ZeroDim { .. })));
+        for bad in ["pages:x", "pages", "chunks:4"] {
+            let r = KvPlacement::from_spec(bad, 100, 2);
+            assert!(matches!(&r, Err(Error::InvalidArgument { what, .. }) if what == "placement"), "{bad}: {r:?}");
         }
     }
 

@@ -5,7 +5,7 @@
 mod common;
 use common::*;
 use distattn_core::decode::{DecodeOptions, DecodeShape};
-use distattn_core::Element;
+use distattn_core::{Element, Error};
 use distattn_cpu::decode::{append_kv, decode};
 use distattn_testkit::decode::{reference, DecodeCase};
 use half::bf16;
@@ -74,20 +74,30 @@ fn appends_cross_pages() {
     let v_new = randn(&mut rng, shape.batch * shape.q_rows * row, 1.0);
     let (mut kc, mut vc) = (case.k_cache.clone(), case.v_cache.clone());
     append_kv(&mut kc, &mut vc, &case.layout, &case.page_table, &before, &k_new, &v_new, shape.q_rows).unwrap();
-    // Token j of request b landed at position before[b] + j; nothing else moved.
-    let mut expect_k = case.k_cache.clone();
+    // Token j of request b landed at position before[b] + j, in K and V; nothing else moved.
+    let (mut expect_k, mut expect_v) = (case.k_cache.clone(), case.v_cache.clone());
     for (b, &len) in before.iter().enumerate() {
         for j in 0..shape.q_rows {
             let dst = case.kv_offset(b, len + j, 0);
-            expect_k[dst..dst + row].copy_from_slice(&k_new[(b * shape.q_rows + j) * row..][..row]);
+            let src = (b * shape.q_rows + j) * row;
+            expect_k[dst..dst + row].copy_from_slice(&k_new[src..src + row]);
+            expect_v[dst..dst + row].copy_from_slice(&v_new[src..src + row]);
         }
     }
     assert_eq!(kc, expect_k, "seed {seed}");
+    assert_eq!(vc, expect_v, "seed {seed}");
     (case.k_cache, case.v_cache) = (kc, vc);
     check::<f32>(&case, &DecodeOptions { causal: true, ..Default::default() }, 4, seed);
 
     // An append past the table's pages is refused, and leaves the caches alone.
     let full = [46, 0, 0]; // 49 tokens in 3 pages of 16
-    let err = append_kv(&mut case.k_cache, &mut case.v_cache, &case.layout, &case.page_table, &full, &k_new, &v_new, 3);
-    assert!(err.unwrap_err().to_string().contains("more than its"), "seed {seed}");
+    let (k_before, v_before) = (case.k_cache.clone(), case.v_cache.clone());
+    let err = append_kv(&mut case.k_cache, &mut case.v_cache, &case.layout, &case.page_table, &full, &k_new, &v_new, 3)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidArgument { what, .. } if what == "cache lengths")
+            && err.to_string().contains("more than its"),
+        "{err} (seed {seed})"
+    );
+    assert!(case.k_cache == k_before && case.v_cache == v_before, "a refused append wrote (seed {seed})");
 }

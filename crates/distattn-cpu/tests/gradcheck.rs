@@ -153,13 +153,16 @@ fn bad_inputs_are_typed_errors() {
     assert!(matches!(backward(&q, &k, &k, short, &lse, &lse, &shape, &mask, &o), Err(Error::ShapeMismatch { .. })));
     assert!(matches!(backward(&q, &k, &k, &q, &lse[1..], &lse, &shape, &mask, &o), Err(Error::ShapeMismatch { .. })));
     assert!(matches!(backward(&q, &k, &k, &q, &lse, &lse[1..], &shape, &mask, &o), Err(Error::ShapeMismatch { .. })));
-    assert!(row_delta(&q, short, &shape).is_err());
+    assert!(matches!(row_delta(&q, short, &shape), Err(Error::ShapeMismatch { tensor, .. }) if tensor == "d_o"));
     let bad = AttnShape { kv_heads: 3, ..shape };
     assert!(matches!(forward(&q, &k, &k, &bad, &mask, &o), Err(Error::HeadsNotDivisible { .. })));
     let zero = AttnShape { head_dim: 0, ..shape };
     assert!(matches!(forward(&q, &k, &k, &zero, &mask, &o), Err(Error::ZeroDim { .. })));
     let neg = AttnOptions { scale: Some(-1.0) };
-    assert!(forward(&q, &k, &k, &shape, &mask, &neg).is_err());
-    assert!(reference::forward(short, &k, &k, &shape, &mask, &o).is_err());
-    assert!(reference::backward(&q, &k, &k, short, &shape, &mask, &o).is_err());
+    let r = forward(&q, &k, &k, &shape, &mask, &neg);
+    assert!(matches!(&r, Err(Error::InvalidArgument { what, .. }) if what == "softmax scale"), "{r:?}");
+    let r = reference::forward(short, &k, &k, &shape, &mask, &o);
+    assert!(matches!(&r, Err(Error::ShapeMismatch { tensor, .. }) if tensor == "q"), "{r:?}");
+    let r = reference::backward(&q, &k, &k, short, &shape, &mask, &o);
+    assert!(matches!(&r, Err(Error::ShapeMismatch { tensor, .. }) if tensor == "d_o"), "{r:?}");
 }

@@ -67,7 +67,7 @@ fn merge_of_key_splits_equals_full() {
             let delta = row_delta(&merged.o, &x.d_o, &shape).unwrap();
             let rg = reference::backward(&x.q, &x.k, &x.v, &x.d_o, &shape, &mask, &AttnOptions::default()).unwrap();
             let mut dq = vec![0f32; shape.q_elems()];
-            let mut dk = Vec::new();
+            let mut dkv = Vec::new();
             for w in cuts.windows(2) {
                 let (k0, k1) = (w[0], w[1]);
                 let sub = AttnShape { k_len: k1 - k0, ..shape };
@@ -89,20 +89,22 @@ fn merge_of_key_splits_equals_full() {
                 )
                 .unwrap();
                 dq.iter_mut().zip(&g.dq).for_each(|(a, b)| *a += b);
-                dk.push((k0, k1, g.dk));
+                dkv.push((k0, k1, g.dk, g.dv));
             }
-            // Reassemble dK in the full layout.
+            // Reassemble dK and dV in the full layout.
             let per = shape.kv_heads * shape.head_dim;
-            let mut dk_full = vec![0f32; shape.kv_elems()];
-            for (k0, k1, part) in dk {
+            let (mut dk_full, mut dv_full) = (vec![0f32; shape.kv_elems()], vec![0f32; shape.kv_elems()]);
+            for (k0, k1, dk, dv) in dkv {
                 let n = k1 - k0;
                 for b in 0..shape.batch {
-                    dk_full[(b * nk + k0) * per..(b * nk + k1) * per]
-                        .copy_from_slice(&part[b * n * per..(b + 1) * n * per]);
+                    let (dst, src) = ((b * nk + k0) * per..(b * nk + k1) * per, b * n * per..(b + 1) * n * per);
+                    dk_full[dst.clone()].copy_from_slice(&dk[src.clone()]);
+                    dv_full[dst].copy_from_slice(&dv[src]);
                 }
             }
             assert!(rel_err(&dq, &rg.dq) < 1e-5, "dq (DISTATTN_SEED={seed})");
             assert!(rel_err(&dk_full, &rg.dk) < 1e-5, "dk (DISTATTN_SEED={seed})");
+            assert!(rel_err(&dv_full, &rg.dv) < 1e-5, "dv (DISTATTN_SEED={seed})");
         }
     }
 }

@@ -38,6 +38,7 @@ fn cpu_ranks_record_their_timelines() {
             }
         }
         let o = tl.overlap();
-        assert!(o.compute_ms > 0.0 && o.comm_ms >= 0.0, "{o:?}");
+        // Every step but the last transfers.
+        assert!(o.compute_ms > 0.0 && o.comm_ms > 0.0, "{o:?}");
     }
 }

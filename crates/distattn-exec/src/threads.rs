@@ -191,7 +191,8 @@ mod tests {
             let mut got = [0u32; 2];
             // SAFETY: a host transport's group has completed when it returns.
             unsafe { c.group(&[((r + 1) % w, as_bytes(&mine))], &mut [((r + w - 1) % w, as_bytes_mut(&mut got))])? };
-            assert_eq!(got[0], ((r + w - 1) % w) as u32 * 10);
+            let from = ((r + w - 1) % w) as u32;
+            assert_eq!(got, [from * 10, from * 10 + 1]);
             let mut all = vec![0u32; 2 * w];
             c.all_gather(as_bytes(&mine), as_bytes_mut(&mut all))?;
             assert_eq!(all, (0..w as u32).flat_map(|x| [x * 10, x * 10 + 1]).collect::<Vec<_>>());
@@ -202,8 +203,8 @@ mod tests {
             let vals: Vec<f32> = (0..2 * w).map(|j| (r * 1000 + j) as f32).collect();
             let mut red = vec![0f32; 2];
             c.reduce_scatter_f32(as_bytes(&vals), as_bytes_mut(&mut red))?;
-            let want: f32 = (0..w).map(|i| (i * 1000 + 2 * r) as f32).sum();
-            assert_eq!(red[0], want);
+            let want = |j: usize| -> f32 { (0..w).map(|i| (i * 1000 + 2 * r + j) as f32).sum() };
+            assert_eq!(red, [want(0), want(1)]);
             c.barrier()?;
             Ok(r)
         })

@@ -51,6 +51,10 @@ pub fn check_every_strategy(test: &str, worlds: &[usize], runner: &Runner<'_>) {
     let opts = AttnOptions::default();
     let mut failures = Vec::new();
     let mut count = 0;
+    // Cases a strategy refuses (Ulysses where the KV heads do not divide by the world), listed;
+    // every strategy must run somewhere.
+    let mut refused = Vec::new();
+    let mut ran = std::collections::HashSet::new();
     for d in [64, 128] {
         let shape = AttnShape::new(1, n, n, 8, 4, d).unwrap_or_else(|e| panic!("{e}"));
         let q: Vec<bf16> = cast(&randn(&mut rng, shape.q_elems(), 1.0));
@@ -96,10 +100,14 @@ pub fn check_every_strategy(test: &str, worlds: &[usize], runner: &Runner<'_>) {
                         };
                         let plan = match build(strategy, world, &shape, mask, DType::BF16, &popts) {
                             Ok(p) => p,
-                            Err(Error::Unsupported { .. }) => continue,
+                            Err(e @ Error::Unsupported { .. }) => {
+                                refused.push(format!("d{d} P={world} {mname} {strategy} {pass:?}: {e}"));
+                                continue;
+                            }
                             Err(e) => panic!("{strategy} {mname}: {e}"),
                         };
                         let ranks = prepare_all(&plan, mask).unwrap_or_else(|e| panic!("{e}"));
+                        ran.insert(strategy.to_string());
                         let variant = match (narrow_outputs, keep_head_sharded) {
                             (true, _) => " narrowed",
                             (_, true) => " kept head-sharded",
@@ -137,6 +145,11 @@ pub fn check_every_strategy(test: &str, worlds: &[usize], runner: &Runner<'_>) {
             }
         }
     }
+    if !refused.is_empty() {
+        println!("{} cases refused:\n{}", refused.len(), refused.join("\n"));
+    }
+    let never: Vec<String> = Strategy::ALL.iter().map(|s| s.to_string()).filter(|s| !ran.contains(s)).collect();
+    assert!(never.is_empty(), "strategies that ran in no case: {never:?}");
     assert!(
         failures.is_empty(),
         "{} of {count} plans fail (DISTATTN_SEED={seed}):\n{}",

@@ -13,12 +13,16 @@ fn save(dir: &Path, name: &str, shape: &[usize], seed: u32, dtype: DType) -> Pat
     // A cheap deterministic spread of values in [-1, 1): enough to exercise the CLI plumbing.
     let vals: Vec<f32> =
         (0..n as u32).map(|i| ((i.wrapping_mul(2654435761) ^ seed) % 2000) as f32 / 1000.0 - 1.0).collect();
+    save_values(dir, name, shape, &vals, dtype)
+}
+
+/// `vals` as an .npy file of `dtype` (bf16 as its bit patterns in uint16, the documented way).
+fn save_values(dir: &Path, name: &str, shape: &[usize], vals: &[f32], dtype: DType) -> PathBuf {
     let path = dir.join(name);
     match dtype {
-        DType::F32 => HostTensor::write_npy_f32(&path, shape, &vals).unwrap(),
+        DType::F32 => HostTensor::write_npy_f32(&path, shape, vals).unwrap(),
         _ => {
-            // Store bf16 bit patterns as uint16, the documented way to pass bf16 through .npy.
-            let t = HostTensor::from_f32(shape.to_vec(), &vals, DType::BF16);
+            let t = HostTensor::from_f32(shape.to_vec(), vals, DType::BF16);
             let distattn::HostData::BF16(bits) = t.data else { unreachable!() };
             let mut bytes = Vec::new();
             let header = format!(
@@ -55,53 +59,79 @@ fn one_line_error(out: &Output, needle: &str) {
 
 #[test]
 fn run_writes_outputs_and_gradients() {
+    use distattn::{AttnOptions, AttnShape, Mask};
+    use distattn_testkit::{cast, lse_err, randn, reference, rel_err, seeded_rng};
+    let (mut rng, seed) = seeded_rng("run_writes_outputs_and_gradients");
+    let shape = AttnShape::new(1, 37, 37, 4, 2, 32).unwrap();
+    let mask = Mask::causal(37, 37).unwrap();
+    let (q_dims, kv_dims) = ([1, 37, 4, 32], [1, 37, 2, 32]);
+    let (q, k, v, d_o) = (
+        randn(&mut rng, shape.q_elems(), 1.0),
+        randn(&mut rng, shape.kv_elems(), 1.0),
+        randn(&mut rng, shape.kv_elems(), 1.0),
+        randn(&mut rng, shape.q_elems(), 1.0),
+    );
     let dir = tempfile::tempdir().unwrap();
-    let q = save(dir.path(), "q.npy", &[1, 37, 4, 32], 1, DType::F32);
-    let k = save(dir.path(), "k.npy", &[1, 37, 2, 32], 2, DType::F32);
-    let v = save(dir.path(), "v.npy", &[1, 37, 2, 32], 3, DType::F32);
-    let g = save(dir.path(), "g.npy", &[1, 37, 4, 32], 4, DType::F32);
-    let o = dir.path().join("o.npy");
-    let lse = dir.path().join("lse.npy");
     let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let file = |name: &str, dims: &[usize], vals: &[f32], dtype| p(&save_values(dir.path(), name, dims, vals, dtype));
+    let read = |name: &str, dims: &[usize]| {
+        let t = HostTensor::read_npy(dir.path().join(name)).unwrap();
+        assert_eq!(t.shape, dims, "{name}");
+        t.to_f32()
+    };
     let out = distattn(&[
         "run",
         "--q",
-        &p(&q),
+        &file("q.npy", &q_dims, &q, DType::F32),
         "--k",
-        &p(&k),
+        &file("k.npy", &kv_dims, &k, DType::F32),
         "--v",
-        &p(&v),
+        &file("v.npy", &kv_dims, &v, DType::F32),
         "--mask",
         "causal",
         "--out",
-        &p(&o),
+        &p(&dir.path().join("o.npy")),
         "--lse",
-        &p(&lse),
+        &p(&dir.path().join("lse.npy")),
         "--grad-out",
-        &p(&g),
+        &file("g.npy", &q_dims, &d_o, DType::F32),
         "--grad-dir",
         &p(&dir.path().to_path_buf()),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(HostTensor::read_npy(&o).unwrap().shape, vec![1, 37, 4, 32]);
-    assert_eq!(HostTensor::read_npy(&lse).unwrap().shape, vec![1, 4, 37]);
-    for (name, shape) in
-        [("dq.npy", vec![1, 37, 4, 32]), ("dk.npy", vec![1, 37, 2, 32]), ("dv.npy", vec![1, 37, 2, 32])]
-    {
-        let t = HostTensor::read_npy(dir.path().join(name)).unwrap();
-        assert_eq!(t.shape, shape);
-        assert!(t.to_f32().iter().all(|x| x.is_finite()));
+    // The files hold the f64 reference's numbers, each in its documented layout.
+    let opts = AttnOptions::default();
+    let rf = reference::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+    let rg = reference::backward(&q, &k, &v, &d_o, &shape, &mask, &opts).unwrap();
+    let errs = [
+        ("o", rel_err(&read("o.npy", &q_dims), &rf.o)),
+        ("lse", lse_err(&read("lse.npy", &[1, 4, 37]), &rf.lse)),
+        ("dq", rel_err(&read("dq.npy", &q_dims), &rg.dq)),
+        ("dk", rel_err(&read("dk.npy", &kv_dims), &rg.dk)),
+        ("dv", rel_err(&read("dv.npy", &kv_dims), &rg.dv)),
+    ];
+    for (name, err) in errs {
+        assert!(err < 1e-5, "{name}: error {err:.2e} against f64 (DISTATTN_SEED={seed})");
     }
-    // bf16 bit-pattern inputs run too and agree with f32 inputs to bf16 precision.
-    let qb = save(dir.path(), "qb.npy", &[1, 37, 4, 32], 1, DType::BF16);
-    let kb = save(dir.path(), "kb.npy", &[1, 37, 2, 32], 2, DType::BF16);
-    let vb = save(dir.path(), "vb.npy", &[1, 37, 2, 32], 3, DType::BF16);
-    let ob = dir.path().join("ob.npy");
-    let out = distattn(&["run", "--q", &p(&qb), "--k", &p(&kb), "--v", &p(&vb), "--mask", "causal", "--out", &p(&ob)]);
+    // bf16 bit-pattern inputs run in bf16: the reference on the same rounded inputs, to bf16 precision.
+    let out = distattn(&[
+        "run",
+        "--q",
+        &file("qb.npy", &q_dims, &q, DType::BF16),
+        "--k",
+        &file("kb.npy", &kv_dims, &k, DType::BF16),
+        "--v",
+        &file("vb.npy", &kv_dims, &v, DType::BF16),
+        "--mask",
+        "causal",
+        "--out",
+        &p(&dir.path().join("ob.npy")),
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let (a, b) = (HostTensor::read_npy(&o).unwrap().to_f32(), HostTensor::read_npy(&ob).unwrap().to_f32());
-    let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    assert!(err < 2e-2, "bf16 vs f32 max abs diff {err}");
+    let (qb, kb, vb) = (cast::<half::bf16>(&q), cast::<half::bf16>(&k), cast::<half::bf16>(&v));
+    let rb = reference::forward(&qb, &kb, &vb, &shape, &mask, &opts).unwrap();
+    let err = rel_err(&read("ob.npy", &q_dims), &rb.o);
+    assert!(err < 1e-2, "bf16 O: error {err:.2e} against f64 (DISTATTN_SEED={seed})");
 }
 
 /// The names of the files in `dir`, sorted.

@@ -7,7 +7,7 @@ use distattn::{
     Attention, AttnOptions, AttnShape, Element, Error, Execution, FailureKind, Forward, Grads, InjectedFailure, Mask,
     PlanOptions, Ranks, Strategy,
 };
-use distattn_testkit::{cast, reference, rel_err_f32 as rel_err, uniform};
+use distattn_testkit::{cast, lse_err, reference, rel_err as rel_err_f64, rel_err_f32 as rel_err, seeded_rng, uniform};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
@@ -51,9 +51,10 @@ fn strategies(p: usize) -> Vec<Strategy> {
 
 const TOL: f64 = 1e-5;
 
-/// Fresh Q, K, V, dO of `shape`, uniform in [-1, 1), from `seed`.
-fn qkv_do<T: Element>(shape: &AttnShape, seed: u64) -> (Vec<T>, Vec<T>, Vec<T>, Vec<T>) {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+/// Fresh Q, K, V, dO of `shape`, uniform in [-1, 1), from `test`'s seed (printed; a failing
+/// test's output shows it).
+fn qkv_do<T: Element>(shape: &AttnShape, test: &str) -> (Vec<T>, Vec<T>, Vec<T>, Vec<T>) {
+    let (mut rng, _) = seeded_rng(test);
     let (q, k) = (randv(shape.q_elems(), &mut rng), randv(shape.kv_elems(), &mut rng));
     (q, k, randv(shape.kv_elems(), &mut rng), randv(shape.q_elems(), &mut rng))
 }
@@ -107,6 +108,7 @@ fn single_fwd_bwd<T: Element>(
 #[test]
 fn every_strategy_matches_single_rank() {
     let t0 = Instant::now();
+    let (_, seed) = seeded_rng("every_strategy_matches_single_rank");
     let mut cases = 0;
     let d = 16;
     for (gi, (heads, kv_heads)) in [(24usize, 24usize), (48, 24)].into_iter().enumerate() {
@@ -114,13 +116,25 @@ fn every_strategy_matches_single_rank() {
             // Uneven lengths that change with the case (none divisible by 2P for P > 1).
             let n = [37, 53, 70, 45, 61][(pi + gi) % 5];
             let shape = AttnShape::new(1, n, n, heads, kv_heads, d).unwrap();
-            let mut rng = rand::rngs::StdRng::seed_from_u64((n * 131 + p * 7 + heads) as u64);
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (n * 131 + p * 7 + heads) as u64);
             let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
             let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
             let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
             let d_o: Vec<f32> = randv(shape.q_elems(), &mut rng);
             for (mname, mask) in masks(n) {
                 let (want, want_g) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
+                // The single call itself against f64 (the CPU crate's tests cover it too).
+                let opts = AttnOptions::default();
+                let rf = reference::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
+                let rg = reference::backward(&q, &k, &v, &d_o, &shape, &mask, &opts).unwrap();
+                let single_errs = [
+                    rel_err_f64(&want.o, &rf.o),
+                    lse_err(&want.lse, &rf.lse),
+                    rel_err_f64(&want_g.dq, &rg.dq),
+                    rel_err_f64(&want_g.dk, &rg.dk),
+                    rel_err_f64(&want_g.dv, &rg.dv),
+                ];
+                assert!(single_errs.iter().all(|&e| e < TOL), "single call, mask={mname} n={n}: {single_errs:.2?}");
                 for s in strategies(p) {
                     let ctx = format!("{s} P={p} mask={mname} n={n} heads={heads}/{kv_heads}");
                     let got = on(s, p, &shape, &mask).forward(&q, &k, &v).unwrap_or_else(|e| panic!("{ctx}: {e}"));
@@ -156,7 +170,7 @@ fn every_strategy_matches_single_rank() {
 fn batch_and_cross_lengths() {
     // batch > 1 and q_len != k_len (bottom-right causal) through the same executor.
     let shape = AttnShape::new(2, 29, 41, 8, 4, 16).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let (mut rng, _) = seeded_rng("batch_and_cross_lengths");
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
@@ -194,7 +208,7 @@ fn unsupported_cases_are_clear_errors() {
 fn failed_rank_stops_everyone_with_its_name() {
     let shape = AttnShape::new(1, 64, 64, 8, 4, 16).unwrap();
     let mask = Mask::causal(64, 64).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let (mut rng, _) = seeded_rng("failed_rank_stops_everyone_with_its_name");
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     // Step 1 is the last step of single-step plans (allgather, dispatch).
@@ -218,7 +232,7 @@ fn failed_rank_stops_everyone_with_its_name() {
 fn a_rank_that_stops_making_progress_is_given_up_on_after_the_timeout() {
     let shape = AttnShape::new(1, 64, 64, 8, 4, 16).unwrap();
     let mask = Mask::causal(64, 64).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(10);
+    let (mut rng, _) = seeded_rng("a_rank_that_stops_making_progress_is_given_up_on_after_the_timeout");
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     for s in [Strategy::Ring, Strategy::Ulysses, Strategy::Allgather] {
@@ -241,27 +255,27 @@ fn merge_error_does_not_grow_with_ranks() {
     let n = 512;
     let shape = AttnShape::new(1, n, n, 4, 2, 32).unwrap();
     let mask = Mask::causal(n, n).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let (mut rng, _) = seeded_rng("merge_error_does_not_grow_with_ranks");
     // Peaky softmax (|q| up to 4) so that partials from different ranks carry real weight.
     let q: Vec<bf16> = (0..shape.q_elems()).map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0))).collect();
     let k: Vec<bf16> = randv(shape.kv_elems(), &mut rng);
     let v: Vec<bf16> = randv(shape.kv_elems(), &mut rng);
     let reference = reference::forward(&q, &k, &v, &shape, &mask, &AttnOptions::default()).unwrap();
-    let mut errs = Vec::new();
-    for p in [1, 2, 4, 8] {
-        for s in [Strategy::Ring, Strategy::Zigzag] {
+    for s in [Strategy::Ring, Strategy::Zigzag] {
+        let mut maxes = Vec::new();
+        for p in [1, 2, 4, 8] {
             let got = on(s, p, &shape, &mask).forward(&q, &k, &v).unwrap();
             let diffs: Vec<f64> = got.o.iter().zip(&reference.o).map(|(&a, &b)| (a as f64 - b).abs()).collect();
             let max = diffs.iter().cloned().fold(0.0, f64::max);
             let mean = diffs.iter().sum::<f64>() / diffs.len() as f64;
-            let el = got.lse.iter().zip(&reference.lse).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max);
-            println!("bf16 inputs, {s} P={p}: max |O - O_f64| = {max:.3e}, mean = {mean:.3e}, max |LSE - LSE_f64| = {el:.3e}");
-            if s == Strategy::Ring {
-                errs.push(max);
-            }
+            let (eo, el) = (rel_err_f64(&got.o, &reference.o), lse_err(&got.lse, &reference.lse));
+            println!("bf16 inputs, {s} P={p}: max |O - O_f64| = {max:.3e}, mean = {mean:.3e}, O error {eo:.2e}, LSE error {el:.2e}");
+            // The inputs are bf16, the arithmetic and the outputs f32: f32 rounding whatever P is.
+            assert!(eo < 1e-5 && el < 1e-5, "{s} P={p}: O error {eo:.2e}, LSE error {el:.2e} against f64");
+            maxes.push(max);
         }
+        assert!(maxes[3] <= 2.0 * maxes[0], "{s}: P=8 error {} vs P=1 error {}", maxes[3], maxes[0]);
     }
-    assert!(errs[3] <= 2.0 * errs[0], "P=8 error {} vs P=1 error {}", errs[3], errs[0]);
 }
 
 #[test]
@@ -270,7 +284,7 @@ fn merges_are_overflow_safe() {
     let n = 96;
     let shape = AttnShape::new(1, n, n, 2, 2, 16).unwrap();
     let mask = Mask::causal(n, n).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+    let (mut rng, _) = seeded_rng("merges_are_overflow_safe");
     let q: Vec<f32> = (0..shape.q_elems()).map(|_| rng.random_range(-300.0f32..300.0)).collect();
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
@@ -287,7 +301,7 @@ fn one_token_per_rank_and_no_fewer() {
     // Every rank holds a single token: the answer does not change. One rank more would hold
     // none, which is refused as a configuration mistake.
     let shape = AttnShape::new(1, 5, 5, 10, 10, 16).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let (mut rng, _) = seeded_rng("one_token_per_rank_and_no_fewer");
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
@@ -309,7 +323,7 @@ fn document_aware_zigzag_layout() {
     let lens = distattn::mask::long_tailed_doc_lens(67, 4);
     let shape = AttnShape::new(1, 67, 67, 4, 2, 16).unwrap();
     let mask = Mask::documents(&lens, distattn::mask::DocKind::Causal).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+    let (mut rng, _) = seeded_rng("document_aware_zigzag_layout");
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let want = single(&shape, &mask).forward(&q, &k, &k).unwrap();
@@ -328,7 +342,7 @@ fn timing_moderate() {
     let n = 8192;
     let shape = AttnShape::new(1, n, n, 8, 4, 64).unwrap();
     let mask = Mask::causal(n, n).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let (mut rng, _) = seeded_rng("timing_moderate");
     let q: Vec<bf16> = randv(shape.q_elems(), &mut rng);
     let k: Vec<bf16> = randv(shape.kv_elems(), &mut rng);
     let t = Instant::now();
@@ -350,7 +364,7 @@ fn rows_with_several_key_runs() {
     // Global tokens + sliding window: rows keep two separate key runs.
     let shape = AttnShape::new(1, 58, 58, 6, 3, 16).unwrap();
     let mask = Mask::window_global(58, Some(5), Some(2), 4).unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+    let (mut rng, _) = seeded_rng("rows_with_several_key_runs");
     let q: Vec<f32> = randv(shape.q_elems(), &mut rng);
     let k: Vec<f32> = randv(shape.kv_elems(), &mut rng);
     let v: Vec<f32> = randv(shape.kv_elems(), &mut rng);
@@ -368,7 +382,7 @@ fn rows_with_several_key_runs() {
 fn ulysses_head_chunks_match_single_and_bad_counts_are_errors() {
     let shape = AttnShape::new(1, 43, 43, 20, 10, 8).unwrap();
     let mask = Mask::causal(43, 43).unwrap();
-    let (q, k, v, d_o) = qkv_do::<f32>(&shape, 17);
+    let (q, k, v, d_o) = qkv_do::<f32>(&shape, "ulysses_head_chunks_match_single_and_bad_counts_are_errors");
     let (want, wg) = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
     let with = |chunks| Ranks {
         plan: PlanOptions { head_chunks: Some(chunks), ..Default::default() },
@@ -407,7 +421,7 @@ fn ulysses_head_chunks_match_single_and_bad_counts_are_errors() {
 fn narrowed_outputs_round_to_the_f32_paths_values() {
     let shape = AttnShape::new(1, 37, 37, 8, 4, 16).unwrap();
     let mask = Mask::causal(37, 37).unwrap();
-    let (q, k, v, d_o) = qkv_do::<bf16>(&shape, 29);
+    let (q, k, v, d_o) = qkv_do::<bf16>(&shape, "narrowed_outputs_round_to_the_f32_paths_values");
     let rounded = |x: &[f32]| x.iter().map(|&a| bf16::from_f32(a)).collect::<Vec<_>>();
     let is_bf16 = |a: f32| bf16::from_f32(a).to_f32() == a;
     for (s, p) in [
@@ -446,7 +460,7 @@ fn narrowed_outputs_round_to_the_f32_paths_values() {
 fn backward_from_kept_head_sharded_inputs_matches_single() {
     let shape = AttnShape::new(1, 43, 43, 8, 4, 8).unwrap();
     let mask = Mask::causal(43, 43).unwrap();
-    let (q, k, v, d_o) = qkv_do::<f32>(&shape, 31);
+    let (q, k, v, d_o) = qkv_do::<f32>(&shape, "backward_from_kept_head_sharded_inputs_matches_single");
     let want = single_fwd_bwd(&shape, &mask, &q, &k, &v, &d_o);
     let keep = |p, s, head_chunks| Ranks {
         plan: PlanOptions { keep_head_sharded: true, head_chunks, ..Default::default() },
