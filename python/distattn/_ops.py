@@ -165,7 +165,11 @@ def eager_autograd(forward_impl, setup_context, gradients, backward_impl):
             return output
 
         @staticmethod
+        @torch.autograd.function.once_differentiable
         def backward(ctx, d_o, *_not_differentiable):
+            # The backward is not itself differentiable: a double backward (create_graph=True,
+            # gradient penalties) raises, as the registered op's does, instead of silently
+            # dropping attention's second-order term.
             return gradients(ctx, d_o, backward_impl)
 
     return Eager
@@ -337,8 +341,9 @@ def _(q, k_cache, v_cache, page_table, cache_seqlens, k, v, softmax_scale, causa
 
 
 def decode_call(*inputs) -> Tuple[Tensor, Tensor]:
-    """`decode` of these inputs: the custom op when torch.compile traces the call, its
-    implementation without the dispatcher (tens of microseconds of host time) when eager."""
-    if torch.compiler.is_compiling():
+    """`decode` of these inputs: the custom op when torch.compile traces the call or a dispatch
+    mode watches it (export, make_fx), its implementation without the dispatcher (tens of
+    microseconds of host time) otherwise."""
+    if through_dispatcher():
         return decode(*inputs)
     return _decode_impl(*inputs)

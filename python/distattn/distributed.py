@@ -171,7 +171,7 @@ class ContextParallel:
             # it, and the ranks' plans must agree, and the estimates' FLOPs and bytes both scale
             # with it.
             s = _native.cp_auto_strategy(self.world, (1, seq_len, *self._heads, 128), self.mask, self.ranks_per_node)
-            self._chosen[seq_len] = s
+            _remember(self._chosen, seq_len, s)
         return s
 
     def _positions(self, n: int) -> List[Tensor]:
@@ -183,7 +183,7 @@ class ContextParallel:
             lay = [
                 torch.cat([torch.arange(s, e) for s, e in r]) if r else torch.empty(0, dtype=torch.long) for r in runs
             ]
-            self._layouts[n] = lay
+            _remember(self._layouts, n, lay)
         return lay
 
     def position_ids(self, seq_len: int, device=None) -> Tensor:
@@ -241,7 +241,7 @@ class ContextParallel:
                 self.strategy_for(seq_len), self.world, self.rank, (b, seq_len, h, hkv, d), self.mask, softmax_scale,
                 self._transport(device), self.ranks_per_node,
             )  # fmt: skip
-            self._ranks[key] = r
+            _remember(self._ranks, key, r)
         return r
 
     def _kept_shapes(self, shape: tuple, seq_len: int, dtype: torch.dtype) -> List[Tuple[str, List[int]]]:
@@ -253,7 +253,7 @@ class ContextParallel:
         if kept is None:
             strategy, name = self.strategy_for(seq_len), str(dtype).removeprefix("torch.")
             kept = _native.cp_kept(strategy, self.world, self.rank, key[:5], self.mask, name, self.ranks_per_node)
-            self._kept[key] = kept
+            _remember(self._kept, key, kept)
         return kept
 
     def attention(
@@ -478,9 +478,7 @@ class KVCacheGroup:
                 list(requests), self.placement, prefill, strategy, self.world, self.rank, h, hkv, d, softmax_scale,
                 self._cp._transport(device),
             )  # fmt: skip
-            if len(self._steps) > 64:
-                self._steps.clear()
-            self._steps[key] = got
+            _remember(self._steps, key, got)
         return got
 
     @staticmethod
@@ -558,12 +556,24 @@ def release_cached_memory(device=None) -> None:
     _native.release_cached_memory(index)
 
 
+def _remember(cache: dict, key, value) -> None:
+    """Keeps `value` under `key`, starting over past 64 entries: a run of ever new sequence
+    lengths (variable-length training) does not grow the per-length plans without bound."""
+    if len(cache) >= 64:
+        cache.clear()
+    cache[key] = value
+
+
 # ---------------------------------------------------------------- custom ops and autograd
 
 
 def _kept_outputs(q: Tensor, k: Tensor, cp_id: int, seq_len: int, keep: bool) -> List[Tensor]:
     """Tensors for what the forward keeps for its backward (four empty ones when nothing is)."""
-    shapes = _instances[cp_id]._kept_shapes((tuple(q.shape), tuple(k.shape)), seq_len, q.dtype) if keep else []
+    # The plan decides these shapes, in no closed form of the inputs': under torch.compile's
+    # dynamic shapes (a second sequence length, or a second instance's id) they are specialized
+    # to the traced values.
+    q_shape, k_shape = tuple(int(x) for x in q.shape), tuple(int(x) for x in k.shape)
+    shapes = _instances[int(cp_id)]._kept_shapes((q_shape, k_shape), int(seq_len), q.dtype) if keep else []
     if not shapes:
         return [q.new_empty(0) for _ in range(4)]
     return [q.new_empty(shape, dtype=torch.float32 if name == "lse" else q.dtype) for name, shape in shapes]
@@ -635,7 +645,7 @@ def _setup(ctx, inputs, output):
     held = kept if kept[0].numel() else (q, k, v, lse)
     ctx.save_for_backward(held[0], held[1], held[2], o, held[3])
     ctx.args = (cp_id, seq_len, softmax_scale, k.shape[2])
-    ctx.cp = _instances[cp_id]  # alive until the backward has run
+    ctx.cp = _instances[int(cp_id)]  # alive until the backward has run (an int also where traced)
     ctx.mark_non_differentiable(lse, *kept)
     ctx.set_materialize_grads(False)
 

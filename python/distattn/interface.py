@@ -129,10 +129,17 @@ def attention(
     return _result(o, lse, return_lse)
 
 
+def _check_dropout(dropout_p) -> None:
+    if dropout_p != 0:
+        raise ValueError(f"distattn computes exact attention without dropout; dropout_p must be 0, got {dropout_p!r}")
+
+
 def flash_attn_func(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    *,
+    dropout_p: float = 0.0,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     window_size: Tuple[int, int] = (-1, -1),
@@ -143,7 +150,9 @@ def flash_attn_func(
 ) -> Out:
     """flash-attn's ``flash_attn_func``: causal aligned bottom-right, windows ``(left, right)``
     around that diagonal (-1: no limit). FP8 inputs with descales as in FlashAttention-3 (see
-    ``attention``).
+    ``attention``). The options are keyword-only: flash-attn 2 and 3 order them differently
+    (``dropout_p`` first in 2, ``softmax_scale`` in 3), so a positional one would be misread;
+    ``dropout_p`` is accepted as 0 only (attention here is exact).
 
     >>> import torch, distattn
     >>> q = torch.randn(2, 128, 8, 64, dtype=torch.bfloat16)
@@ -152,6 +161,7 @@ def flash_attn_func(
     >>> o.dtype, tuple(lse.shape)
     (torch.bfloat16, (2, 8, 128))
     """
+    _check_dropout(dropout_p)
     mask = _flash_mask(bool(causal), window_size)
     return attention(q, k, v, mask, softmax_scale, return_lse, q_descale, k_descale, v_descale)
 
@@ -164,6 +174,8 @@ def flash_attn_varlen_func(
     cu_seqlens_k: Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    *,
+    dropout_p: float = 0.0,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     window_size: Tuple[int, int] = (-1, -1),
@@ -174,7 +186,7 @@ def flash_attn_varlen_func(
     ``[0, l0, l0 + l1, …]``; each sequence attends within itself, causal and windows aligned
     to its own bottom-right corner. The LSE is ``[heads, total_q]``. The lengths are read from
     ``cu_seqlens_*`` (``max_seqlen_*`` are accepted for compatibility), so this call waits for
-    them when they are on a GPU.
+    them when they are on a GPU. The options are keyword-only, as in ``flash_attn_func``.
 
     >>> import torch, distattn
     >>> cu = torch.tensor([0, 5, 12], dtype=torch.int32)
@@ -183,6 +195,7 @@ def flash_attn_varlen_func(
     torch.Size([12, 4, 32])
     """
     _check(3, "[total_tokens, heads, head_dim]", q=q, k=k, v=v)
+    _check_dropout(dropout_p)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, Tensor) or cu.dtype != torch.int32:
             raise TypeError(f"{name} must be an int32 tensor, got {getattr(cu, 'dtype', type(cu).__name__)}")
@@ -232,10 +245,15 @@ _contiguous_tables = {}
 
 
 def _contiguous_table(batch: int, device) -> Tensor:
-    """The page table of a contiguous cache, ``[[0], [1], ...]``, made once per device."""
+    """The page table of a contiguous cache, ``[[0], [1], ...]``, made once per device: not
+    kept from a traced call (a fake tensor) or one a CUDA graph captures (filled only when the
+    graph replays); those make their own."""
     t = _contiguous_tables.get((batch, device))
     if t is None:
-        t = _contiguous_tables[(batch, device)] = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
+        t = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not (_ops.through_dispatcher() or capturing):
+            _contiguous_tables[(batch, device)] = t
     return t
 
 
@@ -245,12 +263,12 @@ def flash_attn_with_kvcache(
     v_cache: Tensor,
     k: Optional[Tensor] = None,
     v: Optional[Tensor] = None,
+    *,
     cache_seqlens: Union[None, int, Tensor] = None,
     page_table: Optional[Tensor] = None,
     softmax_scale: Optional[float] = None,
-    causal: bool = True,
+    causal: bool = False,
     return_lse: bool = False,
-    *,
     block_table: Optional[Tensor] = None,
     plan: Optional["KVCachePlan"] = None,
 ) -> Out:
@@ -264,8 +282,11 @@ def flash_attn_with_kvcache(
     ``[batch]``; default: the whole cache) counts each request's cached tokens. New ``k`` /
     ``v`` ``[batch, seqlen_new, kv_heads, head_dim]`` are written into the caches in place at
     positions ``cache_seqlens[b]...`` before attending; ``cache_seqlens`` is not changed (add
-    ``seqlen_new`` to it for the next step). With ``causal``, query row ``i`` sits at position
-    ``cache_seqlens[b] + seqlen_new - seqlen_q + i`` and sees the keys up to it.
+    ``seqlen_new`` to it for the next step). With ``causal`` (off by default, as in flash-attn;
+    it matters for more than one query row), query row ``i`` sits at position
+    ``cache_seqlens[b] + seqlen_new - seqlen_q + i`` and sees the keys up to it; without, every
+    row sees every cached key. The arguments after ``v`` are keyword-only (flash-attn 3 puts
+    others in those places).
 
     On a GPU the requests' work is split evenly over every SM (one request of 1M tokens or a
     ragged batch of 64 alike), without reading the lengths on the host: the call can be

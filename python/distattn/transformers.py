@@ -92,18 +92,22 @@ def attention_forward(
         raise ValueError("distattn computes exact attention without dropout; set the model's attention_dropout to 0")
     if attention_mask is not None:
         raise ValueError("distattn's transformers attention takes no dense attention mask (see distattn.transformers)")
+    # Options of the model's attention that distattn does not apply: refused, not dropped.
+    for option, what in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks")):
+        if kwargs.get(option) is not None:
+            raise ValueError(f"distattn's transformers attention has no {what} ({option}={kwargs[option]!r})")
+    if kwargs.get("sliding_window") is not None:
+        # (The mask hook refuses the window's mask first where transformers builds one; under
+        # context parallelism it cannot tell it from the shards' packed-sequence mask.)
+        raise ValueError(
+            f"distattn's transformers attention applies causal masks only; this model asks for a sliding "
+            f"window of {kwargs['sliding_window']}"
+        )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     cp = _current_cp()
     if cp is None:
         return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal), None
-    # (The mask hook cannot tell a sliding window from the packed-sequence mask that the shards'
-    # positions suggest to transformers, so the window is refused here.)
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError(
-            f"distattn's context-parallel transformers attention applies causal masks only; this model "
-            f"asks for a sliding window of {kwargs['sliding_window']}"
-        )
     want = "causal" if causal else "full"
     if cp.mask != want:
         raise ValueError(f"the model's attention is {want}, the context-parallel group's mask {cp.mask!r}")

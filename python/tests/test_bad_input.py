@@ -43,6 +43,12 @@ CASES = [
     ("cu_seqlens decreasing", lambda: distattn.flash_attn_varlen_func(Q[0], K[0], V[0], _cu(0, 9, 4, 16), CU, 16, 16), ValueError, "decrease"),
     ("cu_seqlens past the tokens", lambda: distattn.flash_attn_varlen_func(Q[0], K[0], V[0], _cu(0, 20), CU, 20, 16), ValueError, "16 tokens"),
     ("sequence counts differ", lambda: distattn.flash_attn_varlen_func(Q[0], K[0], V[0], _cu(0, 8, 16), CU, 8, 16), ValueError, "sequences"),
+    ("options positional", lambda: distattn.flash_attn_func(Q, K, V, 0.0), TypeError, "positional"),
+    ("dropout", lambda: distattn.flash_attn_func(Q, K, V, dropout_p=0.1), ValueError, "dropout"),
+    ("varlen dropout", lambda: distattn.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 16, 16, dropout_p=0.5), ValueError, "dropout"),
+    ("varlen options positional", lambda: distattn.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 16, 16, 0.1), TypeError, "positional"),
+    ("kvcache lengths positional", lambda: distattn.flash_attn_with_kvcache(Q, K, V, None, None, 4), TypeError, "positional"),
+    ("double backward", lambda: _double_backward(), RuntimeError, "differentiate"),
     ("one cu_seqlens", lambda: torch.ops.distattn.forward(Q, K, V, "causal", None, CU, None), ValueError, "both cu_seqlens"),
     ("packed, batch 2", lambda: _packed_twice(), ValueError, "batch of 1"),
 ]
@@ -56,6 +62,14 @@ def _packed_twice():
     torch.ops.distattn.forward(q, k, v, "causal", None, CU, CU)
 
 
+def _double_backward():
+    # A gradient penalty needs attention's second derivative, which is not implemented: an
+    # error, not a silently dropped term.
+    q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
+    (g,) = torch.autograd.grad(distattn.flash_attn_func(q, k, v, causal=True).square().sum(), q, create_graph=True)
+    g.square().sum().backward()
+
+
 def _cu(*v):
     return torch.tensor(v, dtype=torch.int32)
 
@@ -65,6 +79,10 @@ def test_bad_input_raises_a_clear_error(what, call, error, fragment):
     with pytest.raises(error) as info:
         call()
     assert fragment.lower() in str(info.value).lower(), f"{what}: {info.value}"
+
+
+def test_dropout_zero_is_accepted():
+    assert torch.equal(distattn.flash_attn_func(Q, K, V, dropout_p=0.0), distattn.flash_attn_func(Q, K, V))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

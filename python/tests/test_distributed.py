@@ -545,16 +545,23 @@ def test_growing_cache_on_cuda_gpus_matches_f64(placement, homes):
 def _compiled_case(rank, world):
     import distattn.distributed as dd
 
-    cp = dd.ContextParallel(strategy="zigzag", mask="causal")
-    q, k, v = (torch.randn(1, 64, 2, 16, requires_grad=True, generator=torch.Generator().manual_seed(i)) for i in range(3))
-    f = lambda q, k, v: cp.attention(q, k, v, seq_len=64 * world).square().sum()  # noqa: E731
-    compiled = torch.compile(f, fullgraph=True)(q, k, v)
-    compiled.backward()
-    g = q.grad.clone()
-    q.grad = None
-    eager = f(q, k, v)
-    eager.backward()
-    return abs(compiled.item() - eager.item()) / abs(eager.item()), ((g - q.grad).norm() / q.grad.norm()).item()
+    errors = []
+    for strategy in ("zigzag", "ulysses"):
+        cp = dd.ContextParallel(strategy=strategy, mask="causal")
+        f = lambda q, k, v, n: cp.attention(q, k, v, seq_len=n * world).square().sum()  # noqa: E731
+        compiled_f = torch.compile(f, fullgraph=True)
+        # A second and third length: torch.compile retraces with dynamic shapes.
+        for n in (64, 80, 96):
+            gen = torch.Generator().manual_seed(n)
+            q, k, v = (torch.randn(1, n, 2, 16, requires_grad=True, generator=gen) for _ in range(3))
+            compiled = compiled_f(q, k, v, n)
+            compiled.backward()
+            g = q.grad.clone()
+            q.grad = None
+            eager = f(q, k, v, n)
+            eager.backward()
+            errors += [abs(compiled.item() - eager.item()) / abs(eager.item()), ((g - q.grad).norm() / q.grad.norm()).item()]
+    return errors
 
 
 def test_torch_compile_traces_context_parallel_attention():

@@ -127,6 +127,32 @@ def test_contiguous_cache_default_lengths(device):
     assert torch.equal(o, o2)
 
 
+def test_causal_is_off_by_default_as_in_flash_attn():
+    gen = torch.Generator().manual_seed(BASE_SEED)
+    q, kc, vc = torch.randn(1, 4, 4, 32, generator=gen), torch.randn(1, 10, 2, 32, generator=gen), torch.randn(1, 10, 2, 32, generator=gen)
+    default = distattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=10)
+    assert torch.equal(default, distattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=10, causal=False))
+    assert not torch.equal(default, distattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=10, causal=True))
+
+
+def test_export_leaves_eager_calls_working():
+    # Tracing (export, make_fx) runs the op on fake tensors: nothing it makes may be kept for
+    # the eager calls after it (a contiguous cache's page table was, and broke them).
+    class Step(torch.nn.Module):
+        def forward(self, q, kc, vc, lens):
+            return distattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+
+    gen = torch.Generator().manual_seed(BASE_SEED)
+    q, kc, vc = torch.randn(3, 1, 4, 32, generator=gen), torch.randn(3, 20, 2, 32, generator=gen), torch.randn(3, 20, 2, 32, generator=gen)
+    lens = torch.tensor([5, 20, 1], dtype=torch.int32)
+    exported = torch.export.export(Step(), (q, kc, vc, lens))
+    eager = Step()(q, kc, vc, lens)
+    assert torch.equal(exported.module()(q, kc, vc, lens), eager)
+    table = torch.arange(3, dtype=torch.int32).view(3, 1)
+    ro, _ = reference(q, kc, vc, table, [5, 20, 1], 32**-0.5, False)
+    assert rel(eager, ro) < 1e-5
+
+
 def test_bad_input_raises():
     q = torch.randn(2, 1, 8, 64)
     kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
@@ -186,8 +212,12 @@ def test_one_plan_for_every_layer():
     plan = distattn.plan_kvcache(layers[0][0], layers[0][1], layers[0][2], seqlens, table, seqlen_new=2)
     for q, kc, vc, knew, vnew, _ in layers:
         kc2, vc2 = kc.clone(), vc.clone()
-        planned = distattn.flash_attn_with_kvcache(q, kc, vc, knew, vnew, seqlens, table, plan=plan, return_lse=True)
-        fresh = distattn.flash_attn_with_kvcache(q, kc2, vc2, knew, vnew, seqlens, table, return_lse=True)
+        planned = distattn.flash_attn_with_kvcache(
+            q, kc, vc, knew, vnew, cache_seqlens=seqlens, page_table=table, plan=plan, return_lse=True
+        )
+        fresh = distattn.flash_attn_with_kvcache(
+            q, kc2, vc2, knew, vnew, cache_seqlens=seqlens, page_table=table, return_lse=True
+        )
         assert torch.equal(planned[0], fresh[0]) and torch.equal(planned[1], fresh[1])
         assert torch.equal(kc, kc2)
     with pytest.raises(ValueError, match="plan was made for"):

@@ -108,3 +108,14 @@ def test_a_sliding_window_under_context_parallel_is_an_error():
     # Without the check the window was dropped: plain causal attention, silently.
     for ok, value in _run(1, _cp_window_case):
         assert ok, value
+
+
+@pytest.mark.parametrize("option", ["softcap", "s_aux", "sliding_window"])
+def test_options_distattn_does_not_apply_are_errors(option):
+    # Logit soft-capping (Gemma 2), attention sinks (gpt-oss) and windows: refused, not dropped.
+    module = torch.nn.Module()
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    value = {"softcap": 30.0, "s_aux": torch.zeros(4), "sliding_window": 4}[option]
+    with pytest.raises(ValueError, match=option.replace("_w", " w")):
+        dt.attention_forward(module, q, k, v, None, scaling=0.25, **{option: value})
+    dt.attention_forward(module, q, k, v, None, scaling=0.25, **{option: None})  # absent: runs
