@@ -204,7 +204,20 @@ impl ServingStep {
             if r.new == 0 {
                 return Err(Error::invalid("request", format!("{i} has no new tokens")));
             }
-            let n = r.cached + r.new;
+            // Lengths are checked before any position list is built from them (a wrapped sum
+            // would plan another request; a huge one would allocate its positions first).
+            let n =
+                r.cached.checked_add(r.new).filter(|&n| k_len + n <= crate::shape::MAX_SEQ_LEN).ok_or_else(|| {
+                    Error::invalid(
+                        "request",
+                        format!(
+                            "{i} ({} cached + {} new) takes the step past {} keys",
+                            r.cached,
+                            r.new,
+                            crate::shape::MAX_SEQ_LEN
+                        ),
+                    )
+                })?;
             q_offsets.push(q_len);
             k_offsets.push(k_len);
             let decode = r.new == 1 && !queries_with_keys;
@@ -252,6 +265,22 @@ impl ServingStep {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overlong_requests_are_errors_before_their_positions_are_built() {
+        let pl = KvPlacement::interleaved(16, 2).unwrap();
+        for (cached, new) in [(usize::MAX, 2), (usize::MAX, 1), (100_000_000_000, 2), (1 << 31, 1)] {
+            let reqs = [StepRequest { home: 0, cached, new }];
+            for queries in [Queries::AtHome, Queries::WithKeys] {
+                let e = ServingStep::new(&pl, &reqs, queries, 4, 2, 16).unwrap_err();
+                assert!(matches!(&e, Error::InvalidArgument { what, .. } if what == "request"), "{e}");
+            }
+        }
+        // Two requests that fit alone but not together.
+        let half = crate::shape::MAX_SEQ_LEN / 2 + 1;
+        let reqs = [StepRequest { home: 0, cached: half, new: 1 }, StepRequest { home: 1, cached: half, new: 1 }];
+        assert!(ServingStep::new(&pl, &reqs, Queries::AtHome, 4, 2, 16).is_err());
+    }
 
     #[test]
     fn blocks_are_dealt_round_robin_from_the_home() {

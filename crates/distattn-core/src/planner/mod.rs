@@ -43,9 +43,11 @@ pub fn build(
     if world > MAX_WORLD {
         return Err(Error::invalid("world size", format!("{world} ranks; plans are built for at most {MAX_WORLD}")));
     }
-    // A rank without a single token to hold is a mistake, not a plan.
+    // A rank without a single token to hold is a mistake, not a plan, where the planner places
+    // the tokens; a caller's placement (serving: a short request's cache on a large group) may
+    // leave ranks empty.
     let tokens = shape.q_len.max(shape.k_len);
-    if world > tokens {
+    if world > tokens && opts.layout.is_none() {
         return Err(Error::invalid(
             "world size",
             format!("{world} ranks for {tokens} tokens: every rank needs at least one token"),
