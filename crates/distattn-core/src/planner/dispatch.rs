@@ -146,6 +146,12 @@ pub(super) fn plan(b: &mut Builder) -> Result<()> {
     // Chunks so large that some rank gets none leave it without a token (as a world larger
     // than the sequence would): a mistake, not a plan.
     if let Some(r) = layout.q.iter().position(|s| s.is_empty()) {
+        if b.shape.q_len < p {
+            return Err(Error::Unsupported {
+                strategy: "dispatch".into(),
+                reason: format!("{} query tokens for {p} ranks: it deals every rank queries", b.shape.q_len),
+            });
+        }
         return Err(Error::invalid(
             "chunk_tokens",
             format!("chunks of {c} tokens leave rank {r} of {p} without queries ({} tokens)", b.shape.q_len),

@@ -892,4 +892,9 @@ fn dispatch_chunks_that_leave_a_rank_empty_are_an_error() {
     let err = build(Strategy::Dispatch, 4, &shape, &mask, DType::F32, &with_chunk(64)).unwrap_err();
     assert!(matches!(&err, Error::InvalidArgument { what, .. } if what == "chunk_tokens"), "{err}");
     build(Strategy::Dispatch, 4, &shape, &mask, DType::F32, &with_chunk(16)).unwrap().validate().unwrap();
+    // Fewer queries than ranks (cross attention): dispatch cannot run it, whatever the chunks.
+    let few = AttnShape::new(1, 3, 116, 4, 2, 16).unwrap();
+    let err = build(Strategy::Dispatch, 4, &few, &Mask::causal(3, 116).unwrap(), DType::F32, &PlanOptions::default())
+        .unwrap_err();
+    assert!(matches!(&err, Error::Unsupported { strategy, .. } if strategy == "dispatch"), "{err}");
 }
