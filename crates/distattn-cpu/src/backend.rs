@@ -252,6 +252,10 @@ impl Backend for CpuBackend {
     }
 
     fn row_delta(&self, o: &HostData, d_o: &HostData, rows: &AttnShape) -> Result<HostData> {
+        if rows.q_len == 0 {
+            // A rank whose layout holds no query rows (a shape of no rows is otherwise invalid).
+            return Ok(HostData::F32(Vec::new()));
+        }
         Ok(HostData::F32(with_typed!(o, |o| with_typed!(d_o, |g| crate::row_delta(o, g, rows)))?))
     }
 }

@@ -386,6 +386,10 @@ impl Backend for CudaBackend {
     }
 
     fn row_delta(&self, o: &GpuBuf, d_o: &GpuBuf, rows: &AttnShape) -> Result<GpuBuf> {
+        if rows.q_len == 0 {
+            // A rank whose layout holds no query rows (a shape of no rows is otherwise invalid).
+            return self.upload::<f32>(&[]);
+        }
         rows.check_len("o", o.len(), rows.q_elems())?;
         rows.check_len("d_o", d_o.len(), rows.q_elems())?;
         let aux = self.aux(d_o.dtype())?;
