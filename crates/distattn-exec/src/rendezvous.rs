@@ -18,6 +18,8 @@ struct State<M> {
     barrier_gen: u64,
     /// The last message, barrier or completed block of any rank.
     last_progress: Instant,
+    /// Rank threads of the current [`Rendezvous::run`] that have returned.
+    finished: usize,
 }
 
 /// The mailboxes, barrier and failure of `world` in-process ranks. Waits give up after the
@@ -37,6 +39,7 @@ impl<M> Rendezvous<M> {
             barrier_count: 0,
             barrier_gen: 0,
             last_progress: Instant::now(),
+            finished: 0,
         };
         Rendezvous { world, timeout, state: Mutex::new(state), cv: Condvar::new() }
     }
@@ -159,38 +162,54 @@ impl<M> Rendezvous<M> {
         if handles.is_empty() {
             return Err(Error::ZeroDim { what: "world size" });
         }
+        self.lock().finished = 0;
         let results: Vec<Result<R>> = std::thread::scope(|s| {
             let threads: Vec<std::thread::ScopedJoinHandle<'_, Result<R>>> = handles
                 .into_iter()
                 .enumerate()
                 .map(|(rank, h)| {
                     let f = &f;
-                    s.spawn(move || match catch_unwind(AssertUnwindSafe(|| f(rank, &h))) {
-                        Ok(Ok(v)) => Ok(v),
-                        Ok(Err(e)) => {
-                            self.abort(rank, &e.to_string());
-                            Err(e)
-                        }
-                        Err(p) => {
-                            let reason = format!("panicked: {}", panic_message(p.as_ref()));
-                            self.abort(rank, &reason);
-                            Err(Error::RankFailed { rank, reason })
-                        }
+                    s.spawn(move || {
+                        let r = match catch_unwind(AssertUnwindSafe(|| f(rank, &h))) {
+                            Ok(Ok(v)) => Ok(v),
+                            Ok(Err(e)) => {
+                                self.abort(rank, &e.to_string());
+                                Err(e)
+                            }
+                            Err(p) => {
+                                let reason = format!("panicked: {}", panic_message(p.as_ref()));
+                                self.abort(rank, &reason);
+                                Err(Error::RankFailed { rank, reason })
+                            }
+                        };
+                        self.lock().finished += 1;
+                        self.cv.notify_all();
+                        r
                     })
                 })
                 .collect();
-            loop {
-                let running: Vec<usize> = (0..threads.len()).filter(|&r| !threads[r].is_finished()).collect();
-                if running.is_empty() {
-                    break;
-                }
-                let idle = self.lock().last_progress.elapsed();
-                if running.len() < threads.len() && idle > self.timeout && self.failure().is_none() {
+            // Woken when a rank returns (or by any progress), not on a polling period: a short
+            // run ends as soon as its last rank does.
+            let n = threads.len();
+            let mut st = self.lock();
+            while st.finished < n {
+                if st.finished > 0 && st.failed.is_none() && st.last_progress.elapsed() > self.timeout {
+                    drop(st);
+                    let stuck = (0..n).find(|&r| !threads[r].is_finished()).unwrap_or(0);
                     let reason = format!("made no progress for {:?} after its peers finished", self.timeout);
-                    self.abort(running[0], &reason);
+                    self.abort(stuck, &reason);
+                    st = self.lock();
+                    continue;
                 }
-                std::thread::sleep(Duration::from_millis(10).min(self.timeout));
+                // (The progress check matters only once some rank has returned and none failed.)
+                let wait = if st.finished == 0 || st.failed.is_some() {
+                    self.timeout
+                } else {
+                    self.timeout.saturating_sub(st.last_progress.elapsed()).max(Duration::from_millis(1))
+                };
+                st = self.cv.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner()).0;
             }
+            drop(st);
             threads
                 .into_iter()
                 .map(|t| {

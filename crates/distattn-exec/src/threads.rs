@@ -213,6 +213,20 @@ mod tests {
     }
 
     #[test]
+    fn a_run_ends_when_its_last_rank_does() {
+        // (Once ended only on a 10 ms polling period: a floor under every short run.)
+        let fastest = (0..10)
+            .map(|_| {
+                let t0 = Instant::now();
+                run_ranks(2, T, |c| Ok(c.rank())).unwrap();
+                t0.elapsed()
+            })
+            .min()
+            .unwrap();
+        assert!(fastest < Duration::from_millis(5), "{fastest:?}");
+    }
+
+    #[test]
     fn failed_rank_is_named_not_hung() {
         for panic in [false, true] {
             let t0 = Instant::now();
