@@ -864,6 +864,9 @@ fn out_of_range_durations_and_report_paths_fail_before_any_work() {
     let out = distattn(&["launch", "--nproc", "1", "--grace", "18446744073709551615", "--", "true"]);
     one_line_error(&out, "--grace");
     one_line_error(&distattn(&["run", "--timeout", "18446744073709551615"]), "--timeout");
+    // No wait at all fails every healthy run on several ranks; no time at all, every launch.
+    one_line_error(&distattn(&["run", "--timeout", "0"]), "--timeout");
+    one_line_error(&distattn(&["launch", "--nproc", "1", "--max-time", "0", "--", "true"]), "--max-time");
     // A page of no tokens divided by zero.
     one_line_error(&distattn(&["bench", "--decode", "--page-size", "0"]), "--page-size");
     // A report path that cannot be written fails before the benchmark, not after it.
@@ -871,4 +874,42 @@ fn out_of_range_durations_and_report_paths_fail_before_any_work() {
     let out = distattn(&["bench", "--backend", "cpu", "--json", "/no/such/dir/report.json"]);
     one_line_error(&out, "/no/such/dir");
     assert!(t0.elapsed() < std::time::Duration::from_secs(5), "the benchmark ran first");
+}
+
+#[test]
+fn a_closed_output_pipe_ends_the_run_quietly() {
+    use std::process::Stdio;
+    // Megabytes of plan into a pipe whose reader has gone (as `| head` does).
+    let mut child = Command::new(env!("CARGO_BIN_EXE_distattn"))
+        .args(["plan", "--seq", "100000", "--world", "64", "--strategy", "ring", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{err}");
+    assert!(err.is_empty(), "{err}");
+}
+
+#[test]
+fn launch_refuses_ports_its_ranks_would() {
+    // The ranks' NCCL bootstrap listens on the next port: 0 and 65535 fail there, so here.
+    for port in ["0", "65535"] {
+        let out = distattn(&["launch", "--nproc", "2", "--master-port", port, "--", "true"]);
+        one_line_error(&out, "--master-port");
+    }
+}
+
+#[test]
+fn a_serving_plan_refuses_options_it_would_ignore() {
+    // A serving step is a batch-1 forward with its own mask and strategy choice.
+    for (option, value) in
+        [("--backward", None), ("--mask", Some("full")), ("--strategy", Some("ring")), ("--batch", Some("2"))]
+    {
+        let mut args = vec!["plan", "--serve", "4+1", "--world", "2", option];
+        args.extend(value);
+        one_line_error(&distattn(&args), option);
+    }
 }

@@ -37,16 +37,18 @@ pub struct BenchArgs {
     /// Head dimensions [default: 64,128; --cached-prefill: 128, the first given].
     #[arg(long, value_delimiter = ',')]
     head_dims: Vec<usize>,
-    /// Storage dtypes [CPU default: f32,bf16; CUDA: bf16].
+    /// Storage dtypes [CPU default: f32,bf16; CUDA and --decode: bf16].
     #[arg(long, value_delimiter = ',')]
     dtypes: Vec<DType>,
     /// Query heads [CPU default: 4; CUDA: 16].
     #[arg(long)]
     heads: Option<usize>,
     /// Kernels to time: auto (CUDA when a GPU is present), cpu or cuda.
-    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    // (The values' own descriptions are `run`'s, where auto also depends on the inputs' dtype.)
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto, hide_possible_values = true)]
     backend: BackendArg,
-    /// Key/value heads (default: as many as query heads).
+    /// Key/value heads (default: as many as query heads; with --decode or --cached-prefill, a
+    /// quarter of them where the heads are a multiple of 8).
     #[arg(long)]
     kv_heads: Option<usize>,
     /// Batch size.
@@ -457,6 +459,9 @@ fn time_exec(
 }
 
 pub fn bench(mut args: BenchArgs) -> Result<()> {
+    if args.repeats > 1_000_000 {
+        bail!("--repeats {}: at most 1000000", args.repeats);
+    }
     // Where the ranks run, checked before any work (the decode bench spreads its cache on them).
     let gpus = args.gpus.unwrap_or(0);
     if args.gpus == Some(0) {

@@ -272,6 +272,28 @@ pub fn run(a: DecodeBench) -> Result<()> {
     if a.lengths.iter().any(|&c| c < a.q_rows) {
         bail!("every context length (--seqs) must hold the step's {} new tokens (--q-rows)", a.q_rows);
     }
+    // Sizes checked before any buffer is made from them (an overflowing product would panic, a
+    // huge one allocate first).
+    let max = distattn::MAX_SEQ_LEN;
+    if let Some(c) = a.lengths.iter().find(|&&c| c > max) {
+        bail!("--seqs {c}: longer than {max} tokens");
+    }
+    if a.page_size == 0 || a.page_size > max {
+        bail!("--page-size {}: must be 1 to {max} tokens", a.page_size);
+    }
+    for &c in &a.lengths {
+        for &d in &a.head_dims {
+            let cache = c.div_ceil(a.page_size).checked_mul(a.page_size).and_then(|t| t.checked_mul(a.batch));
+            let elems = cache
+                .and_then(|t| t.checked_mul(a.kv_heads))
+                .and_then(|t| t.checked_mul(d))
+                .filter(|&e| e <= isize::MAX as usize / 16);
+            let q = a.batch.checked_mul(a.q_rows).and_then(|r| r.checked_mul(a.heads)).and_then(|r| r.checked_mul(d));
+            if elems.is_none() || q.is_none() {
+                bail!("--batch {} x --seqs {c} (pages of {}) x head dim {d}: too large to hold", a.batch, a.page_size);
+            }
+        }
+    }
     let exec = a.backend.execution(DType::BF16)?;
     let gpu = match &exec {
         Execution::Cuda(g) => Some(g.clone()),

@@ -44,24 +44,24 @@ pub struct LaunchArgs {
     master_addr: String,
     /// MASTER_PORT: a torch program's store listens there, NCCL's bootstrap root of distattn's
     /// own ranks on the next port.
-    #[arg(long, default_value_t = 29517)]
+    #[arg(long, default_value_t = 29517, value_parser = clap::value_parser!(u16).range(1..65535))]
     master_port: u16,
     /// Seconds the ranks get to exit on their own after one fails, or after SIGINT, SIGTERM or
     /// --max-time, before they are killed (formerly --timeout, which still works).
-    #[arg(long, alias = "timeout", value_name = "SECS", default_value_t = 30, value_parser = seconds())]
+    #[arg(long, alias = "timeout", value_name = "SECS", default_value_t = 30, value_parser = seconds(0))]
     grace: u64,
     /// Seconds the whole run may take; then every rank gets SIGTERM. No limit if not given.
-    #[arg(long, value_name = "SECS", value_parser = seconds())]
+    #[arg(long, value_name = "SECS", value_parser = seconds(1))]
     max_time: Option<u64>,
     /// The command each rank runs, after `--`.
     #[arg(last = true, required = true)]
     command: Vec<String>,
 }
 
-/// A number of seconds up to a year: durations past that are typos, and far larger ones
-/// overflow a deadline (`Instant + Duration`).
-pub(crate) fn seconds() -> clap::builder::RangedU64ValueParser<u64> {
-    clap::builder::RangedU64ValueParser::<u64>::new().range(0..=365 * 24 * 3600)
+/// A number of seconds from `least` up to a year: durations past that are typos, and far larger
+/// ones overflow a deadline (`Instant + Duration`).
+pub(crate) fn seconds(least: u64) -> clap::builder::RangedU64ValueParser<u64> {
+    clap::builder::RangedU64ValueParser::<u64>::new().range(least..=365 * 24 * 3600)
 }
 
 /// The launcher was stopped by a signal it passed on to the ranks; it exits with 128 + the

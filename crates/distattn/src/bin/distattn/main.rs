@@ -29,7 +29,7 @@ struct Cli {
 enum Command {
     /// Compute attention on .npy inputs; optionally write O, LSE and gradients.
     Run(run::RunArgs),
-    /// Benchmark forward and backward throughput on the backend present (the CPU here).
+    /// Benchmark forward and backward throughput on the backend present (CUDA, else the CPU).
     Bench(bench::BenchArgs),
     /// Show a context-parallel plan: work and bytes per step and rank, imbalance, peak memory.
     Plan(plan::PlanArgs),
@@ -41,20 +41,30 @@ enum Command {
 
 fn main() -> ExitCode {
     // A bug must still end in one line, not a trace (RUST_BACKTRACE=1 restores the trace).
-    if std::env::var_os("RUST_BACKTRACE").is_none() {
-        std::panic::set_hook(Box::new(|info| {
-            let msg = info
-                .payload()
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| info.payload().downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+    let backtrace = std::env::var_os("RUST_BACKTRACE").is_some();
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        // A reader that stopped reading (`distattn plan … | head`) ends the output, as for other
+        // Unix tools: quietly, with the status of a SIGPIPE (SIGPIPE itself stays ignored, so
+        // that a closed socket is an error the transports report).
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(128 + 13);
+        }
+        if backtrace {
+            default_hook(info);
+        } else {
             eprintln!(
                 "error: internal error: {msg} (at {}); please report it",
                 info.location().map_or(String::new(), |l| l.to_string())
             );
-        }));
-    }
+        }
+    }));
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {

@@ -55,8 +55,9 @@ pub struct PlanArgs {
     #[command(flatten)]
     strategy: StrategyArgs,
     /// A serving step over a KV cache spread over the ranks instead of --seq: requests as
-    /// CACHED+NEW[@HOME], comma-separated (e.g. 1000000+1,4000+1@1).
-    #[arg(long)]
+    /// CACHED+NEW[@HOME], comma-separated (e.g. 1000000+1,4000+1@1). A forward of batch 1 with
+    /// its own mask (each request causal over its cache) and strategy (--serve-strategy).
+    #[arg(long, conflicts_with_all = ["seq", "mask", "batch", "backward", "strategy", "ulysses_degree", "ring_backward"])]
     serve: Option<String>,
     /// Where the serving cache lives: contiguous (each request's capacity split into one chunk
     /// per rank), zigzag (into two chunks per rank, an early and a late one: a prompt's causal
@@ -163,7 +164,7 @@ fn serving_plan(args: &PlanArgs, requests: &str) -> Result<distattn::Plan> {
             new: new.parse().map_err(|_| bad())?,
         });
     }
-    let capacity = reqs.iter().map(|r| r.cached + r.new).max().unwrap_or(0);
+    let capacity = reqs.iter().map(|r| r.cached.saturating_add(r.new)).max().unwrap_or(0);
     let placement = KvPlacement::from_spec(&args.placement, capacity, world)?;
     let (h, d) = (args.heads, args.head_dim);
     let hkv = args.kv_heads.unwrap_or(h);

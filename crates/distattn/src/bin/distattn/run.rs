@@ -113,8 +113,9 @@ pub struct DistArgs {
     pub gpus: Option<usize>,
     #[command(flatten)]
     pub plan: StrategyArgs,
-    /// Seconds a rank waits for a peer before giving up with an error.
-    #[arg(long, default_value_t = 60, value_parser = crate::launch::seconds())]
+    /// Seconds a rank waits for a peer's progress before giving up with an error (at least 1; a
+    /// wait shorter than one block of work fails healthy runs).
+    #[arg(long, default_value_t = 60, value_parser = crate::launch::seconds(1))]
     pub timeout: u64,
     /// Testing aid (hidden): make this rank fail at the start of the plan's second step (the
     /// last step of a single-step plan).
