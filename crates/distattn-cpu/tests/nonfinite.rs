@@ -1,6 +1,8 @@
 //! Non-finite inputs reach the outputs that depend on them as NaN (as in other attention
-//! libraries) instead of looking like a row that sees no key (O = 0, LSE = −inf); every other
-//! row is unchanged.
+//! libraries) instead of looking like a row that sees no key (O = 0, LSE = −inf); the other
+//! rows checked here are unchanged. (A masked key's non-finite V, or in the backward a masked
+//! pair's Q or dO, can still reach the other rows of its tile through zero weights; the README
+//! says so.)
 
 use distattn_core::{AttnOptions, AttnShape, Mask};
 use distattn_cpu::{backward, forward, row_delta};
