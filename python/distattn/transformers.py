@@ -3,7 +3,9 @@
 >>> import distattn.transformers                                   # doctest: +SKIP
 >>> distattn.transformers.register()                               # doctest: +SKIP
 >>> model = LlamaForCausalLM(config)                               # doctest: +SKIP
->>> model.config._attn_implementation = "distattn"  # doctest: +SKIP  (or from_pretrained(..., attn_implementation="distattn"))
+>>> model.config._attn_implementation = "distattn"                 # doctest: +SKIP
+
+(or ``from_pretrained(..., attn_implementation="distattn")``).
 
 Context-parallel: every rank runs the model on its shard of the tokens, with their positions,
 inside ``context_parallel(cp)``; each attention layer then runs ``cp.attention`` over the whole

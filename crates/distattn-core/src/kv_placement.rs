@@ -207,7 +207,7 @@ impl ServingStep {
             // Lengths are checked before any position list is built from them (a wrapped sum
             // would plan another request; a huge one would allocate its positions first).
             let n =
-                r.cached.checked_add(r.new).filter(|&n| k_len + n <= crate::shape::MAX_SEQ_LEN).ok_or_else(|| {
+                r.cached.checked_add(r.new).filter(|&n| n <= crate::shape::MAX_SEQ_LEN - k_len).ok_or_else(|| {
                     Error::invalid(
                         "request",
                         format!(

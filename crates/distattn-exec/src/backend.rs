@@ -154,6 +154,7 @@ pub trait Backend: Sync {
     ) -> Result<()>;
     /// D = rowsum(dO ∘ O) of `rows.q_len` tokens (`rows` gives batch, tokens, heads and head
     /// dim): `o` f32 or in the input dtype and `d_o` in the input dtype, `[b, tokens, h, d]`;
-    /// returns f32 `[b, h, tokens]`.
+    /// returns f32 `[b, h, tokens]`, empty for a rank of no tokens (`rows.q_len` 0, which a
+    /// layout may leave a rank).
     fn row_delta(&self, o: &Self::Buf, d_o: &Self::Buf, rows: &AttnShape) -> Result<Self::Buf>;
 }

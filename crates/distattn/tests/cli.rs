@@ -79,26 +79,22 @@ fn run_writes_outputs_and_gradients() {
         assert_eq!(t.shape, dims, "{name}");
         t.to_f32()
     };
-    let out = distattn(&[
-        "run",
-        "--q",
-        &file("q.npy", &q_dims, &q, DType::F32),
-        "--k",
-        &file("k.npy", &kv_dims, &k, DType::F32),
-        "--v",
-        &file("v.npy", &kv_dims, &v, DType::F32),
-        "--mask",
-        "causal",
-        "--out",
-        &p(&dir.path().join("o.npy")),
-        "--lse",
-        &p(&dir.path().join("lse.npy")),
-        "--grad-out",
-        &file("g.npy", &q_dims, &d_o, DType::F32),
-        "--grad-dir",
-        &p(&dir.path().to_path_buf()),
-    ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // `run` on q, k, v stored as `dtype` (files tagged `tag`), O into o{tag}.npy, plus `more`.
+    let run = |tag: &str, dtype, more: &[&str]| {
+        let (qf, kf, vf) = (
+            file(&format!("q{tag}.npy"), &q_dims, &q, dtype),
+            file(&format!("k{tag}.npy"), &kv_dims, &k, dtype),
+            file(&format!("v{tag}.npy"), &kv_dims, &v, dtype),
+        );
+        let out = p(&dir.path().join(format!("o{tag}.npy")));
+        let mut args = vec!["run", "--q", &qf, "--k", &kf, "--v", &vf, "--mask", "causal", "--out", &out];
+        args.extend(more);
+        let out = distattn(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    let (lse, g, grad_dir) =
+        (p(&dir.path().join("lse.npy")), file("g.npy", &q_dims, &d_o, DType::F32), p(&dir.path().to_path_buf()));
+    run("", DType::F32, &["--lse", &lse, "--grad-out", &g, "--grad-dir", &grad_dir]);
     // The files hold the f64 reference's numbers, each in its documented layout.
     let opts = AttnOptions::default();
     let rf = reference::forward(&q, &k, &v, &shape, &mask, &opts).unwrap();
@@ -114,20 +110,7 @@ fn run_writes_outputs_and_gradients() {
         assert!(err < 1e-5, "{name}: error {err:.2e} against f64 (DISTATTN_SEED={seed})");
     }
     // bf16 bit-pattern inputs run in bf16: the reference on the same rounded inputs, to bf16 precision.
-    let out = distattn(&[
-        "run",
-        "--q",
-        &file("qb.npy", &q_dims, &q, DType::BF16),
-        "--k",
-        &file("kb.npy", &kv_dims, &k, DType::BF16),
-        "--v",
-        &file("vb.npy", &kv_dims, &v, DType::BF16),
-        "--mask",
-        "causal",
-        "--out",
-        &p(&dir.path().join("ob.npy")),
-    ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    run("b", DType::BF16, &[]);
     let (qb, kb, vb) = (cast::<half::bf16>(&q), cast::<half::bf16>(&k), cast::<half::bf16>(&v));
     let rb = reference::forward(&qb, &kb, &vb, &shape, &mask, &opts).unwrap();
     let err = rel_err(&read("ob.npy", &q_dims), &rb.o);

@@ -278,9 +278,6 @@ pub fn run(a: DecodeBench) -> Result<()> {
     if let Some(c) = a.lengths.iter().find(|&&c| c > max) {
         bail!("--seqs {c}: longer than {max} tokens");
     }
-    if a.page_size == 0 || a.page_size > max {
-        bail!("--page-size {}: must be 1 to {max} tokens", a.page_size);
-    }
     for &c in &a.lengths {
         for &d in &a.head_dims {
             let cache = c.div_ceil(a.page_size).checked_mul(a.page_size).and_then(|t| t.checked_mul(a.batch));

@@ -282,9 +282,6 @@ fn file_identity(option: &str, path: &Path) -> Result<PathBuf> {
     Ok(dir.join(name))
 }
 
-/// Checks, before any work, that every output can be written and harms nothing: each names a
-/// file (not a directory) in an existing, writable directory, and none names the same file as
-/// another output or as an input (inputs may share a file: q = k = v is self-attention).
 /// Checks, before any work, that each `(option, path)` can be written (as `run` checks its
 /// outputs): for the benches' reports, which are written at the end of a long run.
 pub(crate) fn check_report_paths(outputs: &[(&'static str, &Path)]) -> Result<()> {
@@ -292,6 +289,9 @@ pub(crate) fn check_report_paths(outputs: &[(&'static str, &Path)]) -> Result<()
     check_outputs(&[], &named)
 }
 
+/// Checks, before any work, that every output can be written and harms nothing: each names a
+/// file (not a directory) in an existing, writable directory, and none names the same file as
+/// another output or as an input (inputs may share a file: q = k = v is self-attention).
 fn check_outputs(inputs: &[NamedPath], outputs: &[NamedPath]) -> Result<()> {
     let mut seen: Vec<(&str, PathBuf)> = Vec::new();
     for input in inputs {
